@@ -1,0 +1,1 @@
+"""The model server: engine (llama.cpp), model registry, HTTP API."""

@@ -1,0 +1,305 @@
+"""The llama.cpp engine, through llama-cpp-python: the only module that imports ``llama_cpp``.
+
+It applies a ``Plan`` (n_ctx, type_k/type_v, flash attention, n_gpu_layers,
+tensor_split, swa_full, set explicitly since llama-cpp-python's defaults
+differ from llama-server's), parses llama.cpp's allocation log lines into
+``Allocation`` values, and generates token by token so that cancellation,
+stop strings and usage counts are exact and streaming equals non-streaming.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+import random
+import re
+import threading
+import time
+from typing import Any, Iterator
+
+from sizing.ggml import GGML_TYPE_IDS
+from sizing.plan import Plan
+
+from ..errors import BadRequest, EngineFailure, InsufficientMemory, NotReady
+from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport
+from .chat_template import BuiltinChatTemplate, ChatTemplate
+
+log = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+_RE_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
+_RE_KV_BUF = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
+_RE_OUT_BUF = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
+_RE_COMPUTE = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
+_RE_OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
+
+
+def _device_of(buffer_name: str) -> str:
+    """llama.cpp buffer names to devices: CPU, CPU_Mapped, CUDA_Host -> CPU; CUDA0 -> CUDA0."""
+    if buffer_name.startswith("CPU") or buffer_name.endswith("_Host"):
+        return "CPU"
+    return buffer_name
+
+
+def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[int, int] | None]:
+    """Per-device bytes from llama.cpp's load log, and the offloaded/total layer counts."""
+    acc: dict[str, dict[str, float]] = {}
+    offloaded = None
+    for line in lines:
+        for rx, field in ((_RE_MODEL_BUF, "weights"), (_RE_KV_BUF, "kv"), (_RE_OUT_BUF, "output"), (_RE_COMPUTE, "compute")):
+            m = rx.search(line)
+            if m:
+                dev = _device_of(m.group(1))
+                acc.setdefault(dev, {}).setdefault(field, 0.0)
+                acc[dev][field] += float(m.group(2))
+        m = _RE_OFFLOADED.search(line)
+        if m:
+            offloaded = (int(m.group(1)), int(m.group(2)))
+    allocs = tuple(
+        Allocation(
+            device=dev,
+            weights_bytes=int(f.get("weights", 0) * _MIB),
+            kv_bytes=int(f.get("kv", 0) * _MIB),
+            compute_bytes=int(f.get("compute", 0) * _MIB),
+            output_bytes=int(f.get("output", 0) * _MIB),
+        )
+        for dev, f in sorted(acc.items(), key=lambda kv: (kv[0] != "CPU", kv[0]))
+    )
+    return allocs, offloaded
+
+
+class _LogTap:
+    """One process-wide llama.cpp log callback; lines go to logging and, while capturing, to a list."""
+
+    _lock = threading.Lock()
+    _installed = False
+    _callback: Any = None
+    _capture: list[str] | None = None
+    _partial = ""
+
+    @classmethod
+    def install(cls) -> None:
+        import llama_cpp
+
+        with cls._lock:
+            if cls._installed:
+                return
+
+            @llama_cpp.llama_log_callback  # type: ignore[misc]
+            def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+                cls._on_text(level, text.decode("utf-8", "replace") if text else "")
+
+            cls._callback = _cb  # keep a reference: ctypes callbacks must outlive their use
+            llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+            cls._installed = True
+
+    @classmethod
+    def _on_text(cls, level: int, text: str) -> None:
+        buf = cls._partial + text
+        *lines, cls._partial = buf.split("\n")
+        for line in lines:
+            if cls._capture is not None:
+                cls._capture.append(line)
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+                log.warning("llama.cpp: %s", line)
+            else:
+                log.debug("llama.cpp: %s", line)
+
+    @classmethod
+    def start(cls) -> list[str]:
+        cls._capture = []
+        return cls._capture
+
+    @classmethod
+    def stop(cls) -> None:
+        cls._capture = None
+
+
+class LlamaEngine:
+    """A llama-cpp-python ``Llama`` behind the ``Engine`` protocol."""
+
+    def __init__(self, *, n_threads: int | None = None) -> None:
+        self._llm: Any = None
+        self._n_threads = n_threads
+        self._template: ChatTemplate | BuiltinChatTemplate | None = None
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self._llm.n_ctx()) if self._llm is not None else 0
+
+    def _require(self) -> Any:
+        if self._llm is None:
+            raise NotReady("no model is loaded")
+        return self._llm
+
+    def load(self, path: str, plan: Plan) -> LoadReport:
+        from llama_cpp import Llama
+
+        _LogTap.install()
+        cfg = plan.cfg
+        p = plan.placement
+        split = None
+        if p.gpus and len(p.tensor_split) > 1:
+            split = list(p.tensor_split)
+        kwargs: dict[str, Any] = dict(
+            model_path=path,
+            n_ctx=cfg.n_ctx,
+            n_batch=cfg.n_batch,
+            n_ubatch=cfg.n_ubatch,
+            n_seq_max=cfg.n_seq_max,
+            type_k=GGML_TYPE_IDS[cfg.type_k],
+            type_v=GGML_TYPE_IDS[cfg.type_v],
+            flash_attn=cfg.flash_attn == "on",
+            swa_full=cfg.swa_full,
+            n_gpu_layers=p.n_gpu_layers,
+            tensor_split=split,
+            main_gpu=p.gpus[0] if len(p.gpus) == 1 else 0,
+            offload_kqv=cfg.offload_kqv,
+            verbose=False,
+        )
+        if self._n_threads:
+            kwargs["n_threads"] = self._n_threads
+            kwargs["n_threads_batch"] = self._n_threads
+        lines = _LogTap.start()
+        t0 = time.perf_counter()
+        try:
+            llm = Llama(**kwargs)
+        except ValueError as exc:
+            text = "\n".join(lines[-20:])
+            if "out of memory" in text.lower() or "failed to allocate" in text.lower():
+                raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
+            raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
+        finally:
+            _LogTap.stop()
+        elapsed = time.perf_counter() - t0
+        self.unload()
+        self._llm = llm
+        self._template = ChatTemplate.from_llama(llm)
+        allocs, offloaded = parse_allocations(lines)
+        return LoadReport(
+            n_ctx=int(llm.n_ctx()),
+            allocations=allocs,
+            offloaded_layers=offloaded,
+            load_seconds=elapsed,
+            log_lines=tuple(lines),
+        )
+
+    def unload(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.close()
+
+    def _tokenize_prompt(self, text: str, *, add_bos: bool) -> list[int]:
+        llm = self._require()
+        return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._tokenize_prompt(text, add_bos=True))
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, bool]:
+        self._require()
+        if self._template is None:
+            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
+        return self._template.render(messages)
+
+    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
+        prompt, add_bos = self._chat_prompt(messages)
+        return len(self._tokenize_prompt(prompt, add_bos=add_bos))
+
+    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._generate(self._tokenize_prompt(prompt, add_bos=True), params, cancel)
+
+    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        prompt, add_bos = self._chat_prompt(messages)
+        return self._generate(self._tokenize_prompt(prompt, add_bos=add_bos), params, cancel)
+
+    def _generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        import llama_cpp
+
+        llm = self._require()
+        n_ctx = int(llm.n_ctx())
+        n_prompt = len(tokens)
+        room = n_ctx - n_prompt
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        # Start from an empty cache every request: identical inputs give identical outputs.
+        llm.reset()
+        llm.set_seed(params.seed if params.seed is not None else random.randint(0, 2**31 - 1))
+        vocab = llm._model.vocab
+        grammar = None
+        if params.grammar:
+            from llama_cpp import LlamaGrammar
+
+            grammar = LlamaGrammar.from_string(params.grammar, verbose=False)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        stops = [s for s in params.stop if s]
+        pending = ""
+        n_out = 0
+        finish = "length"
+        if max_new <= 0:
+            yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
+            return
+        gen = llm.generate(
+            tokens,
+            top_k=0,
+            top_p=params.top_p,
+            min_p=0.0,
+            temp=params.temperature,
+            repeat_penalty=1.0,
+            reset=True,
+            grammar=grammar,
+        )
+        stopped = False
+        try:
+            for tok in gen:
+                if cancel.cancelled:
+                    finish = "cancelled"
+                    break
+                if llama_cpp.llama_vocab_is_eog(vocab, tok):
+                    finish = "stop"
+                    break
+                n_out += 1
+                pending += decoder.decode(llm.detokenize([tok]))
+                emit, pending, stopped = _split_stop(pending, stops)
+                if emit:
+                    yield Chunk(text=emit)
+                if stopped:
+                    finish = "stop"
+                    break
+                if n_out >= max_new:
+                    finish = "length"
+                    break
+        except RuntimeError as exc:
+            if "decode" in str(exc).lower():
+                raise InsufficientMemory(
+                    f"llama.cpp failed to decode ({exc}) with {n_prompt} prompt tokens and max_tokens {params.max_tokens}",
+                    device="CPU", prompt_tokens=n_prompt, max_tokens=params.max_tokens,
+                ) from exc
+            raise EngineFailure(str(exc)) from exc
+        finally:
+            gen.close()
+        if not stopped:
+            pending += decoder.decode(b"", final=True)
+            if pending:
+                yield Chunk(text=pending)
+        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out)
+
+
+def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
+    """(text safe to emit, text held back, stopped): hold back a suffix that may start a stop string."""
+    if not stops:
+        return text, "", False
+    first = -1
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (first == -1 or i < first):
+            first = i
+    if first != -1:
+        return text[:first], "", True
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[: len(text) - hold], text[len(text) - hold :], False

@@ -1,0 +1,109 @@
+"""The service's domain errors, one tree, and the one table that maps them to HTTP.
+
+    ServiceError
+    ├── BadRequest               400 invalid_request_error (param names the field)
+    │   └── ContextLengthExceeded   400 context_length_exceeded
+    ├── Unauthorized             401
+    ├── ModelNotFound            404 model_not_found
+    ├── SplitNotHonoured         409 SPLIT_NOT_HONOURED
+    ├── PayloadTooLarge          413
+    ├── QueueFull                429 (Retry-After)
+    ├── InsufficientMemory       503 insufficient_memory on /v1, 507 INSUFFICIENT_MEMORY on /api
+    ├── NotReady                 503 model_not_ready
+    └── EngineFailure            500 engine_error
+
+Routes raise these; ``service.api.errors`` renders them in the OpenAI envelope
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServiceError(Exception):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.details = details
+
+    def status_for(self, path: str) -> int:
+        return self.status
+
+    def code_for(self, path: str) -> str:
+        return self.code
+
+
+class BadRequest(ServiceError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(ServiceError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(ServiceError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class SplitNotHonoured(ServiceError):
+    status = 409
+    type = "invalid_request_error"
+    code = "SPLIT_NOT_HONOURED"
+
+
+class PayloadTooLarge(ServiceError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class QueueFull(ServiceError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.retry_after_s = retry_after_s
+
+
+class InsufficientMemory(ServiceError):
+    """Out of memory: 503 ``insufficient_memory`` on /v1, 507 ``INSUFFICIENT_MEMORY`` on the management API."""
+
+    status = 503
+    type = "invalid_request_error"
+    code = "insufficient_memory"
+
+    def status_for(self, path: str) -> int:
+        return 507 if path.startswith("/api/") else 503
+
+    def code_for(self, path: str) -> str:
+        return "INSUFFICIENT_MEMORY" if path.startswith("/api/") else "insufficient_memory"
+
+
+class NotReady(ServiceError):
+    status = 503
+    type = "unavailable_error"
+    code = "model_not_ready"
+
+
+class EngineFailure(ServiceError):
+    status = 500
+    type = "server_error"
+    code = "engine_error"

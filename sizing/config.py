@@ -1,0 +1,61 @@
+"""The context configuration a plan chooses and llama.cpp receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+FlashAttn = Literal["on", "off", "auto"]
+
+N_CTX_PAD = 256
+"""llama.cpp pads n_ctx up to a multiple of 256 (``llama_context`` constructor)."""
+
+
+def pad(n: int, to: int = N_CTX_PAD) -> int:
+    """``GGML_PAD``: round ``n`` up to a multiple of ``to``."""
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """llama.cpp context parameters that decide memory. Defaults are this service's, not llama.cpp's."""
+
+    n_ctx: int
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: FlashAttn = "auto"
+    n_ubatch: int = 512
+    n_batch: int = 512
+    n_seq_max: int = 1
+    kv_unified: bool = False
+    swa_full: bool = False
+    offload_kqv: bool = True
+
+    @property
+    def n_ctx_padded(self) -> int:
+        """n_ctx as llama.cpp allocates it: padded to 256, and to n_seq_max streams of padded cells."""
+        n = pad(max(self.n_ctx, 1))
+        if self.kv_unified or self.n_seq_max <= 1:
+            return n
+        return self.n_ctx_seq * self.n_seq_max
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Cells per sequence stream (``cparams.n_ctx_seq``)."""
+        n = pad(max(self.n_ctx, 1))
+        if self.kv_unified or self.n_seq_max <= 1:
+            return n
+        return pad(n // self.n_seq_max)
+
+    @property
+    def n_stream(self) -> int:
+        """KV streams: 1 when unified, else one per sequence."""
+        return 1 if self.kv_unified else max(self.n_seq_max, 1)
+
+    @property
+    def n_ubatch_effective(self) -> int:
+        """llama.cpp clamps n_ubatch to n_batch."""
+        return min(self.n_ubatch, self.n_batch)
+
+    def with_ctx(self, n_ctx: int) -> "ContextConfig":
+        return replace(self, n_ctx=n_ctx)

@@ -1,0 +1,144 @@
+"""Devices a plan can use: GPUs (live NVML or declared) and host memory.
+
+The ``Device`` value is pure; the functions that read NVML and /proc/meminfo
+are the adapters. This is the only module that imports ``pynvml``, and only
+inside ``nvml_devices``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from .errors import DeviceError
+
+MIB = 1 << 20
+
+DeviceKind = Literal["gpu", "host"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """A memory pool a plan can place bytes on."""
+
+    index: int
+    name: str
+    free_bytes: int
+    total_bytes: int
+    kind: DeviceKind = "gpu"
+    bandwidth_bytes_per_s: float | None = None
+
+    @property
+    def free_mib(self) -> float:
+        return self.free_bytes / MIB
+
+    @property
+    def total_mib(self) -> float:
+        return self.total_bytes / MIB
+
+    @property
+    def label(self) -> str:
+        """llama.cpp's backend name for the device (CUDA0, ...) or ``CPU`` for host memory."""
+        return "CPU" if self.kind == "host" else f"CUDA{self.index}"
+
+
+def host_memory(meminfo_path: str = "/proc/meminfo") -> Device:
+    """Host memory as a device: MemAvailable free of MemTotal."""
+    try:
+        with open(meminfo_path, encoding="ascii") as f:
+            fields = {}
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    fields[key] = int(parts[0]) * 1024
+    except (OSError, ValueError) as exc:
+        raise DeviceError(f"cannot read {meminfo_path}: {exc}") from exc
+    total = fields.get("MemTotal", 0)
+    free = fields.get("MemAvailable", fields.get("MemFree", 0))
+    return Device(index=0, name="host memory", free_bytes=free, total_bytes=total, kind="host")
+
+
+def nvml_devices() -> list[Device]:
+    """Live GPU inventory from NVML; an empty list when NVML or the driver is absent."""
+    try:
+        import pynvml  # type: ignore[import-untyped]
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no GPU here
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            if isinstance(name, bytes):
+                name = name.decode("utf-8", "replace")
+            out.append(Device(index=i, name=str(name), free_bytes=int(mem.free), total_bytes=int(mem.total)))
+        return out
+    except Exception as exc:
+        raise DeviceError(f"NVML failed while listing GPUs: {exc}") from exc
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def parse_declared(items: Sequence[object]) -> list[Device]:
+    """Devices from a declared inventory: ``[{"name", "free_mib", "total_mib"}, ...]``."""
+    if not isinstance(items, (list, tuple)):
+        raise DeviceError("a GPU inventory is a JSON list of {name, free_mib, total_mib}")
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise DeviceError(f"GPU {i}: expected an object with name, free_mib, total_mib")
+        name = item.get("name", f"GPU {i}")
+        free = item.get("free_mib")
+        total = item.get("total_mib", free)
+        for label, v in (("free_mib", free), ("total_mib", total)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise DeviceError(f"GPU {i}: {label} must be a non-negative number, got {v!r}")
+        assert isinstance(free, (int, float)) and isinstance(total, (int, float))
+        if free > total:
+            raise DeviceError(f"GPU {i}: free_mib {free} exceeds total_mib {total}")
+        bw = item.get("bandwidth_gbps")
+        out.append(
+            Device(
+                index=i,
+                name=str(name),
+                free_bytes=int(free * MIB),
+                total_bytes=int(total * MIB),
+                bandwidth_bytes_per_s=float(bw) * 1e9 if isinstance(bw, (int, float)) else None,
+            )
+        )
+    return out
+
+
+def load_declared(path: str) -> list[Device]:
+    """A declared inventory from a JSON file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DeviceError(f"cannot read GPU inventory {path}: {exc}") from exc
+    return parse_declared(data)
+
+
+def inventory(declared_path: str | None = None, declared_json: str | None = None) -> list[Device]:
+    """GPUs to plan for: declared (file or JSON text) first, else live NVML. May be empty."""
+    if declared_path:
+        return load_declared(declared_path)
+    if declared_json:
+        try:
+            return parse_declared(json.loads(declared_json))
+        except ValueError as exc:
+            raise DeviceError(f"GPU inventory is not valid JSON: {exc}") from exc
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return []
+    return nvml_devices()

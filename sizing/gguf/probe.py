@@ -1,0 +1,301 @@
+"""From GGUF bytes to a ``ModelSpec``: local files, split shards, remote URLs.
+
+The hyperparameter rules mirror llama.cpp's ``llama_model_base::load_hparams``
+(``src/llama-model.cpp``) and the per-architecture ``load_arch_hparams``
+(``src/models/*.cpp``) of the llama.cpp vendored by llama-cpp-python 0.3.36.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+import gguf
+
+from ..errors import MalformedError, ProbeError, TruncatedError, UnsupportedModelError
+from ..spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, TensorInfo
+from .reader import ArraySummary, ByteSource, GGUFHeader, parse_header
+from .sources import FileSource
+
+_QUANT_SIZES: dict[int, tuple[int, int]] = {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+_TYPE_NAMES: dict[int, str] = {int(t): t.name for t in gguf.GGMLQuantizationType}
+_FILE_TYPE_NAMES: dict[int, str] = {
+    int(t): t.name.removeprefix("MOSTLY_") for t in gguf.LlamaFileType
+}
+
+# Sliding-window layer pattern defaults by architecture: (period, dense_first).
+# From the load_swa_pattern(ml, n[, dense_first]) calls in src/models/*.cpp.
+SWA_PATTERN_DEFAULTS: dict[str, tuple[int, bool]] = {
+    "gemma2": (2, False),
+    "gemma3": (6, False),
+    "gemma3n": (5, False),
+    "gemma-embedding": (6, False),
+    "cohere2": (4, False),
+    "cohere2moe": (4, True),
+    "exaone4": (4, False),
+    "exaone-moe": (4, False),
+    "llama4": (4, False),
+    "olmo2": (4, False),
+    "gpt-oss": (2, False),
+    "afmoe": (4, False),
+    "smallthinker": (4, True),
+    "plamo3": (8, False),
+    "phi3": (1, False),
+}
+
+# Architectures whose every layer is recurrent (llm_arch_is_recurrent).
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+# Hybrids: a layer without KV heads is recurrent (llm_arch_is_hybrid).
+HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "granitehybrid", "nemotron_h", "lfm2", "lfm2moe", "plamo2", "qwen3next"})
+
+_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def type_name(ggml_type: int) -> str:
+    """The ggml type's name (``Q4_K``), or ``TYPE_<n>`` for an unknown one."""
+    return _TYPE_NAMES.get(ggml_type, f"TYPE_{ggml_type}")
+
+
+def tensor_nbytes(name: str, shape: Sequence[int], ggml_type: int) -> int:
+    """Exact bytes of a tensor, as ``ggml_nbytes`` computes for a contiguous tensor."""
+    if ggml_type not in _QUANT_SIZES:
+        raise MalformedError(f"tensor {name!r} has unknown ggml type {ggml_type}")
+    block, type_size = _QUANT_SIZES[ggml_type]
+    if not shape or shape[0] % block:
+        raise MalformedError(f"tensor {name!r} row of {shape[0] if shape else 0} is not a multiple of block size {block}")
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return shape[0] // block * type_size * n
+
+
+def _keep_array(key: str) -> bool:
+    # Per-layer arrays are short; decode them in full whatever their length.
+    return not key.startswith("tokenizer.")
+
+
+def read_header(source: ByteSource, *, whole: bool = False) -> GGUFHeader:
+    """Parse one file's header; ``whole`` maps the entire source up front (local files)."""
+    return parse_header(source, initial_bytes=source.size if whole else 1 << 20, keep_array=_keep_array)
+
+
+def shard_paths(path: str) -> list[str]:
+    """All shards of a split GGUF given any one of them, or ``[path]``."""
+    m = _SPLIT_RE.match(os.path.basename(path))
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    if count < 1:
+        raise ProbeError("split count is 0", source=path)
+    d = os.path.dirname(path)
+    return [os.path.join(d, f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def probe_path(path: str) -> ModelSpec:
+    """Probe a local GGUF file (any shard of a split model names the whole model)."""
+    paths = shard_paths(path)
+    headers: list[GGUFHeader] = []
+    for p in paths:
+        if not os.path.exists(p):
+            raise ProbeError(f"shard {os.path.basename(p)} is missing", source=path)
+        with FileSource(p) as src:
+            headers.append(read_header(src, whole=True))
+    return spec_from_headers(headers, ModelSource(path=paths[0], shards=tuple(paths) if len(paths) > 1 else ()))
+
+
+def spec_from_headers(headers: Sequence[GGUFHeader], source: ModelSource) -> ModelSpec:
+    """Combine one header per shard into one model spec."""
+    first = headers[0]
+    md = first.metadata
+    split_count = md.get("split.count")
+    if isinstance(split_count, int) and split_count != len(headers):
+        raise MalformedError(f"split.count is {split_count} but {len(headers)} shards were read", source=first.source_name)
+    tensors: list[TensorInfo] = []
+    for i, h in enumerate(headers):
+        for t in h.tensors:
+            nbytes = _checked_nbytes(h, t.name, t.shape, t.ggml_type)
+            if h.data_offset + t.offset + nbytes > h.file_size:
+                raise TruncatedError(
+                    f"tensor {t.name!r} data ends at {h.data_offset + t.offset + nbytes}, past the file's {h.file_size} bytes",
+                    source=h.source_name,
+                )
+            tensors.append(TensorInfo(t.name, t.shape, t.ggml_type, type_name(t.ggml_type), nbytes, t.offset, i))
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise MalformedError("a tensor appears in more than one shard", source=first.source_name)
+    return build_spec(first, tensors, source, file_size=sum(h.file_size for h in headers))
+
+
+def _checked_nbytes(h: GGUFHeader, name: str, shape: Sequence[int], ggml_type: int) -> int:
+    try:
+        return tensor_nbytes(name, shape, ggml_type)
+    except MalformedError as exc:
+        raise MalformedError(exc.reason, source=h.source_name) from exc
+
+
+def _get_int(md: dict[str, object], key: str, default: int | None = None, *, src: str) -> int:
+    v = md.get(key, default)
+    if v is None:
+        raise UnsupportedModelError(f"{src}: missing required key {key!r}")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise UnsupportedModelError(f"{src}: key {key!r} should be an integer, got {type(v).__name__}")
+    if v < 0:
+        raise UnsupportedModelError(f"{src}: key {key!r} is negative ({v})")
+    return v
+
+
+def _per_layer(md: dict[str, object], key: str, n: int, default: int, *, src: str) -> list[int]:
+    """A scalar-or-array key as a per-layer list (``get_key_or_arr``)."""
+    v = md.get(key)
+    if v is None:
+        return [default] * n
+    if isinstance(v, ArraySummary):
+        raise UnsupportedModelError(f"{src}: per-layer array {key!r} has {v.count} entries, expected {n}")
+    if isinstance(v, list):
+        if len(v) != n:
+            raise UnsupportedModelError(f"{src}: per-layer array {key!r} has {len(v)} entries, expected {n}")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
+            raise UnsupportedModelError(f"{src}: per-layer array {key!r} holds non-integers")
+        return [int(x) for x in v]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise UnsupportedModelError(f"{src}: key {key!r} should be an integer")
+    return [v] * n
+
+
+def _swa_layers(arch: str, md: dict[str, object], n_layer_all: int, n_layer: int, n_swa: int, *, src: str) -> list[bool]:
+    if n_swa <= 0 or arch not in SWA_PATTERN_DEFAULTS:
+        return [False] * n_layer_all
+    period, dense_first = SWA_PATTERN_DEFAULTS[arch]
+    key = f"{arch}.attention.sliding_window_pattern"
+    v = md.get(key)
+    if isinstance(v, list):
+        if len(v) != n_layer_all:
+            raise UnsupportedModelError(f"{src}: {key} has {len(v)} entries, expected {n_layer_all}")
+        return [bool(x) for x in v]
+    if isinstance(v, int) and not isinstance(v, bool):
+        period = v
+    out = []
+    for il in range(n_layer_all):
+        if il >= n_layer:
+            out.append(False)
+        elif dense_first:
+            out.append(period == 0 or il % period != 0)
+        else:
+            out.append(period == 0 or il % period < period - 1)
+    return out
+
+
+def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelSource, *, file_size: int) -> ModelSpec:
+    """The model spec for a parsed header (first shard) and every shard's tensors."""
+    md = header.metadata
+    src = header.source_name
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise UnsupportedModelError(f"{src}: general.architecture is missing")
+    a = arch
+    n_ctx_train = _get_int(md, f"{a}.context_length", src=src)
+    n_embd = _get_int(md, f"{a}.embedding_length", src=src)
+    n_layer_all = _get_int(md, f"{a}.block_count", src=src)
+    if n_layer_all == 0 or n_layer_all > 512:  # LLAMA_MAX_LAYERS
+        raise UnsupportedModelError(f"{src}: block_count {n_layer_all} is out of range (1..512)")
+    n_nextn = _get_int(md, f"{a}.nextn_predict_layers", 0, src=src)
+    if n_nextn > n_layer_all:
+        raise UnsupportedModelError(f"{src}: nextn_predict_layers {n_nextn} exceeds block_count {n_layer_all}")
+    n_layer = n_layer_all - n_nextn
+    n_head = _per_layer(md, f"{a}.attention.head_count", n_layer_all, 0, src=src)
+    n_head_kv = n_head
+    if f"{a}.attention.head_count_kv" in md:
+        n_head_kv = _per_layer(md, f"{a}.attention.head_count_kv", n_layer_all, 0, src=src)
+    head0 = n_head[0] if n_head else 0
+    k_len = _get_int(md, f"{a}.attention.key_length", n_embd // head0 if head0 else 0, src=src)
+    v_len = _get_int(md, f"{a}.attention.value_length", n_embd // head0 if head0 else 0, src=src)
+    k_len_swa = _get_int(md, f"{a}.attention.key_length_swa", k_len, src=src)
+    v_len_swa = _get_int(md, f"{a}.attention.value_length_swa", v_len, src=src)
+    n_swa = _get_int(md, f"{a}.attention.sliding_window", 0, src=src)
+    swa = _swa_layers(a, md, n_layer_all, n_layer, n_swa, src=src)
+
+    recurrent = [a in RECURRENT_ARCHS] * n_layer_all
+    if a in HYBRID_ARCHS:
+        recurrent = [kv == 0 for kv in n_head_kv]
+
+    mla = None
+    if f"{a}.attention.kv_lora_rank" in md:
+        mla = MlaSpec(
+            kv_lora_rank=_get_int(md, f"{a}.attention.kv_lora_rank", src=src),
+            n_embd_head_k_mla=_get_int(md, f"{a}.attention.key_length_mla", k_len, src=src),
+            n_embd_head_v_mla=_get_int(md, f"{a}.attention.value_length_mla", v_len, src=src),
+            n_rot=_get_int(md, f"{a}.rope.dimension_count", k_len, src=src),
+        )
+    ssm = None
+    if f"{a}.ssm.state_size" in md or f"{a}.ssm.inner_size" in md:
+        ssm = SsmSpec(
+            d_conv=_get_int(md, f"{a}.ssm.conv_kernel", 0, src=src),
+            d_inner=_get_int(md, f"{a}.ssm.inner_size", 0, src=src),
+            d_state=_get_int(md, f"{a}.ssm.state_size", 0, src=src),
+            n_group=_get_int(md, f"{a}.ssm.group_count", 0, src=src),
+            dt_rank=_get_int(md, f"{a}.ssm.time_step_rank", 0, src=src),
+        )
+
+    per_layer_bytes = [0] * n_layer_all
+    per_layer_experts = [0] * n_layer_all
+    for t in tensors:
+        il = t.layer
+        if il is not None:
+            if il >= n_layer_all:
+                raise MalformedError(f"tensor {t.name!r} names block {il} of {n_layer_all}", source=src)
+            per_layer_bytes[il] += t.n_bytes
+            if "_exps" in t.name:
+                per_layer_experts[il] += t.n_bytes
+
+    layers = tuple(
+        LayerSpec(
+            index=il,
+            n_head=n_head[il],
+            n_head_kv=n_head_kv[il],
+            n_embd_head_k=k_len_swa if swa[il] else k_len,
+            n_embd_head_v=v_len_swa if swa[il] else v_len,
+            is_swa=swa[il],
+            is_recurrent=recurrent[il],
+            weights_bytes=per_layer_bytes[il],
+            expert_bytes=per_layer_experts[il],
+        )
+        for il in range(n_layer_all)
+    )
+
+    tokens = header.array_lengths.get("tokenizer.ggml.tokens")
+    n_vocab = tokens if tokens is not None else _get_int(md, f"{a}.vocab_size", 0, src=src)
+    ft = md.get("general.file_type")
+    file_type = ft if isinstance(ft, int) and not isinstance(ft, bool) else None
+    name = md.get("general.name")
+    return ModelSpec(
+        architecture=a,
+        name=name if isinstance(name, str) else os.path.basename(source.display),
+        n_ctx_train=n_ctx_train,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_layer_all=n_layer_all,
+        n_vocab=n_vocab,
+        layers=layers,
+        tensors=tuple(tensors),
+        file_size_bytes=file_size,
+        n_swa=n_swa,
+        n_expert=_get_int(md, f"{a}.expert_count", 0, src=src),
+        n_expert_used=_expert_used(md, a, src),
+        mla=mla,
+        ssm=ssm,
+        file_type=file_type,
+        file_type_name=_FILE_TYPE_NAMES.get(file_type) if file_type is not None else None,
+        alignment=header.alignment,
+        data_offset=header.data_offset,
+        version=header.version,
+        source=source,
+        metadata={k: (v.to_json() if isinstance(v, ArraySummary) else v) for k, v in md.items()},
+    )
+
+
+def _expert_used(md: dict[str, object], a: str, src: str) -> int:
+    v = md.get(f"{a}.expert_used_count", 0)
+    if isinstance(v, list):
+        return max((int(x) for x in v), default=0)
+    return _get_int(md, f"{a}.expert_used_count", 0, src=src)

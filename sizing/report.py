@@ -1,0 +1,140 @@
+"""JSON and table renderings of specs and plans: the one place figures are formatted."""
+
+from __future__ import annotations
+
+from .devices import MIB, Device
+from .memory import MemoryEstimate
+from .plan import Plan
+from .spec import ModelSpec
+
+
+def mib(n: int | float) -> float:
+    return round(n / MIB, 2)
+
+
+def spec_json(spec: ModelSpec) -> dict[str, object]:
+    """The probe's answer: the file's shape, read from the header."""
+    main = spec.layers[: spec.n_layer]
+    return {
+        "architecture": spec.architecture,
+        "name": spec.name,
+        "source": spec.source.display,
+        "shards": list(spec.source.shards),
+        "n_ctx_train": spec.n_ctx_train,
+        "block_count": spec.n_layer_all,
+        "n_layer": spec.n_layer,
+        "n_embd": spec.n_embd,
+        "n_vocab": spec.n_vocab,
+        "head_count": sorted({layer.n_head for layer in main}),
+        "head_count_kv": sorted({layer.n_head_kv for layer in main}),
+        "key_length": sorted({layer.n_embd_head_k for layer in main}),
+        "value_length": sorted({layer.n_embd_head_v for layer in main}),
+        "sliding_window": spec.n_swa,
+        "sliding_layers": [layer.index for layer in main if layer.is_swa],
+        "expert_count": spec.n_expert,
+        "expert_used_count": spec.n_expert_used,
+        "mla": None if spec.mla is None else vars(spec.mla),
+        "ssm": None if spec.ssm is None else vars(spec.ssm),
+        "quantization": spec.quantization,
+        "file_type": spec.file_type,
+        "file_size_bytes": spec.file_size_bytes,
+        "weights_bytes": spec.weights_bytes,
+        "n_tensors": len(spec.tensors),
+        "gguf_version": spec.version,
+        "alignment": spec.alignment,
+        "data_offset": spec.data_offset,
+    }
+
+
+def device_json(dev: Device) -> dict[str, object]:
+    return {"index": dev.index, "name": dev.name, "kind": dev.kind, "label": dev.label,
+            "free_mib": mib(dev.free_bytes), "total_mib": mib(dev.total_bytes)}
+
+
+def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:
+    by_label = {g.label: g for g in plan.gpus}
+    devices = []
+    for d in est.devices:
+        entry = d.to_json()
+        dev = plan.host if d.device == "CPU" else by_label.get(d.device)
+        if dev is not None:
+            entry["free_mib"] = mib(dev.free_bytes)
+            entry["free_after_mib"] = mib(dev.free_bytes - d.total_bytes)
+        devices.append(entry)
+    return {
+        "n_ctx": est.cfg.n_ctx,
+        "type_k": est.cfg.type_k,
+        "type_v": est.cfg.type_v,
+        "flash_attn": est.flash_attn,
+        "kv_cells": {"full": est.kv_cells.full, "swa": est.kv_cells.swa},
+        "kv_mib": mib(est.kv_bytes),
+        "total_mib": mib(est.total_bytes),
+        "devices": devices,
+    }
+
+
+def plan_json(plan: Plan) -> dict[str, object]:
+    """The dry-run answer: per cache type the largest context, the chosen placement, the verdict."""
+    spec = plan.model
+    return {
+        "model": {
+            "name": spec.name,
+            "architecture": spec.architecture,
+            "n_ctx_train": spec.n_ctx_train,
+            "n_layer": spec.n_layer,
+            "block_count": spec.n_layer_all,
+            "file_size_mib": mib(spec.file_size_bytes),
+            "quantization": spec.quantization,
+        },
+        "devices": [device_json(g) for g in plan.gpus],
+        "host": device_json(plan.host),
+        "ctx_cap": plan.ctx_cap,
+        "verdict": plan.verdict,
+        "reasons": list(plan.reasons),
+        "chosen": {
+            "cache_type": plan.cfg.type_k,
+            "n_ctx": plan.cfg.n_ctx,
+            "flash_attn": plan.cfg.flash_attn,
+            "n_ubatch": plan.cfg.n_ubatch,
+            "n_seq_max": plan.cfg.n_seq_max,
+            "swa_full": plan.cfg.swa_full,
+            "n_gpu_layers": plan.placement.n_gpu_layers,
+            "tensor_split": list(plan.placement.tensor_split),
+            "gpus": [plan.gpus[i].index for i in plan.placement.gpus],
+        },
+        "estimate": None if plan.estimate is None else estimate_json(plan.estimate, plan),
+        "cache_types": [
+            {
+                "cache_type": o.cache_type,
+                "n_ctx": o.n_ctx,
+                "verdict": o.verdict,
+                "error": o.error,
+                "kv_mib": None if o.estimate is None else mib(o.estimate.kv_bytes),
+                "total_mib": None if o.estimate is None else mib(o.estimate.total_bytes),
+            }
+            for o in plan.options
+        ],
+    }
+
+
+def plan_table(plan: Plan) -> str:
+    """A short human rendering of a plan, for the command line and the log."""
+    spec = plan.model
+    lines = [
+        f"model {spec.name} ({spec.architecture}, {spec.quantization}, {mib(spec.file_size_bytes)} MiB, "
+        f"n_ctx_train {spec.n_ctx_train}, {spec.n_layer} layers)",
+        "devices: " + (", ".join(f"{g.label} {g.name} {mib(g.free_bytes)}/{mib(g.total_bytes)} MiB free" for g in plan.gpus)
+                       or f"none (CPU; host {mib(plan.host.free_bytes)} MiB available)"),
+        f"{'cache type':<10} {'largest n_ctx':>13} {'KV MiB':>10} {'total MiB':>10}  verdict",
+    ]
+    for o in plan.options:
+        kv = f"{mib(o.estimate.kv_bytes):>10}" if o.estimate else f"{'-':>10}"
+        tot = f"{mib(o.estimate.total_bytes):>10}" if o.estimate else f"{'-':>10}"
+        lines.append(f"{o.cache_type:<10} {o.n_ctx:>13} {kv} {tot}  {o.verdict}{' (' + o.error + ')' if o.error else ''}")
+    c = plan.cfg
+    lines.append(
+        f"chosen: {plan.verdict}, n_ctx {c.n_ctx}, type_k {c.type_k}, type_v {c.type_v}, flash_attn {c.flash_attn}, "
+        f"n_gpu_layers {plan.placement.n_gpu_layers}, swa_full {c.swa_full}"
+    )
+    lines.extend(f"note: {r}" for r in plan.reasons)
+    return "\n".join(lines)
