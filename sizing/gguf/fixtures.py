@@ -1,0 +1,286 @@
+"""Header-only GGUF files of real model shapes, for tests and capacity planning.
+
+``write_fixture("Qwen3-14B", directory)`` writes a GGUF whose header is what
+the real model's would be (public hyperparameters, every tensor llama.cpp's
+loader requires for the architecture with its shape and a realistic type, a
+full-length tokenizer vocabulary) and whose data section is a hole: the file
+is extended to its full size with ``truncate`` and so is sparse. llama.cpp's
+no_alloc dry run (``service.engine.dryrun``) accepts it without reading a
+weight, and the probe sizes it like the real file.
+
+Tensor lists mirror the ``load_arch_tensors`` functions of ``src/models/*.cpp``
+(llama.cpp vendored by llama-cpp-python 0.3.36); tokenizer keys mirror
+``llama_vocab::impl::load`` (``src/llama-vocab.cpp``): a gpt2-style BPE
+vocabulary needs ``tokenizer.ggml.merges``; a sentencepiece (``llama``) one
+needs scores and token types, with the 256 ``<0xNN>`` byte tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import gguf
+import numpy as np
+
+Quant = Literal["bf16", "q8_0", "q4_k_m"]
+QUANTS: tuple[Quant, ...] = ("bf16", "q8_0", "q4_k_m")
+_T = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class FixtureShape:
+    """A model's public hyperparameters, as its GGUF declares them."""
+
+    arch: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    tokenizer: Literal["gpt2", "llama"] = "gpt2"
+    tokenizer_pre: str = "default"
+    tied: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    n_swa: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_expert_shared: int = 0
+    n_layer_dense_lead: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_dim: int = 0
+    head_dim_v_mla: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+FIXTURES: dict[str, FixtureShape] = {
+    "Qwen3-14B": FixtureShape("qwen3", 5120, 40, 40, 8, 128, 17408, 151936, 40960, tokenizer_pre="qwen2", qk_norm=True),
+    "Llama-3.1-8B": FixtureShape("llama", 4096, 32, 32, 8, 128, 14336, 128256, 131072, tokenizer_pre="llama-bpe"),
+    "Qwen2.5-14B": FixtureShape("qwen2", 5120, 48, 40, 8, 128, 13824, 152064, 32768, tokenizer_pre="qwen2", qkv_bias=True),
+    "gemma-2-9b": FixtureShape(
+        "gemma2", 3584, 42, 16, 8, 256, 14336, 256000, 8192, tokenizer="llama", tied=True, post_norms=True, n_swa=4096,
+        extra={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    ),
+    "gemma-3-27b": FixtureShape(
+        "gemma3", 5376, 62, 32, 16, 128, 21504, 262208, 131072, tokenizer="llama", tied=True, post_norms=True,
+        qk_norm=True, n_swa=1024,
+    ),
+    "Mistral-Nemo-12B": FixtureShape("llama", 5120, 40, 32, 8, 128, 14336, 131072, 1024000, tokenizer_pre="tekken"),
+    "Qwen3-30B-A3B": FixtureShape(
+        "qwen3moe", 2048, 48, 32, 4, 128, 6144, 151936, 40960, tokenizer_pre="qwen2", qk_norm=True,
+        n_expert=128, n_expert_used=8, n_ff_exp=768,
+    ),
+    "DeepSeek-V2-Lite": FixtureShape(
+        "deepseek2", 2048, 27, 16, 1, 576, 10944, 102400, 163840, tokenizer_pre="deepseek-llm",
+        n_expert=64, n_expert_used=6, n_ff_exp=1408, n_expert_shared=2, n_layer_dense_lead=1,
+        kv_lora_rank=512, rope_dim=64, head_dim_v_mla=128,
+    ),
+}
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the 256 strings a byte-level BPE vocabulary starts with."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def _vocab(shape: FixtureShape) -> tuple[list[str], list[float], list[int], list[str]]:
+    """Tokens, scores, token types and merges of a synthetic vocabulary of ``n_vocab`` entries."""
+    n = shape.n_vocab
+    if shape.tokenizer == "llama":
+        head = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        types = [2, 3, 3] + [6] * 256
+    else:
+        head = _bytes_to_unicode()
+        types = [1] * 256
+    tokens = head + [f"\u2581t{i}" for i in range(n - len(head))]
+    types = types + [1] * (n - len(head))
+    scores = [0.0] * n
+    merges = [] if shape.tokenizer == "llama" else ["\u0120 t", "\u0120t h", "i n", "e r"]
+    return tokens, scores, types, merges
+
+
+def _qtype(quant: Quant, role: str, n_in: int) -> _T:
+    """The type a tensor gets in a file of this quantization (llama.cpp's fallbacks when rows do not divide)."""
+    if role == "norm":
+        return _T.F32
+    if quant == "bf16":
+        return _T.BF16
+    if quant == "q8_0":
+        return _T.Q8_0 if n_in % 32 == 0 else _T.F16
+    # A Q4_K_M-like mix: Q6_K for the output head and V/down projections, Q4_K elsewhere;
+    # rows that 256 does not divide fall back to a 32-element type, as llama-quantize does.
+    t = _T.Q6_K if role in ("output", "attn_v", "ffn_down") else _T.Q4_K
+    if n_in % 256:
+        t = _T.Q8_0 if t == _T.Q6_K else _T.Q5_0
+        if n_in % 32:
+            t = _T.F16
+    return t
+
+
+def _tensors(shape: FixtureShape) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape in ggml order ne0 first, role) of every tensor the loader requires."""
+    s = shape
+    e, hd = s.n_embd, s.head_dim
+    out: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (e, s.n_vocab), "embd")]
+    out.append(("output_norm.weight", (e,), "norm"))
+    if not s.tied:
+        out.append(("output.weight", (e, s.n_vocab), "output"))
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        out.append((p + "attn_norm.weight", (e,), "norm"))
+        if s.kv_lora_rank:
+            # DeepSeek-V2 MLA (src/models/deepseek2.cpp, is_mla): key_length_mla = nope + rope.
+            nope = s.head_dim_v_mla  # qk_nope_head_dim equals v_head_dim in DeepSeek-V2
+            k_mla = nope + s.rope_dim
+            out.append((p + "attn_kv_a_norm.weight", (s.kv_lora_rank,), "norm"))
+            out.append((p + "attn_q.weight", (e, s.n_head * k_mla), "attn"))
+            out.append((p + "attn_kv_a_mqa.weight", (e, s.kv_lora_rank + s.rope_dim), "attn"))
+            out.append((p + "attn_k_b.weight", (nope, s.kv_lora_rank, s.n_head), "attn"))
+            out.append((p + "attn_v_b.weight", (s.kv_lora_rank, s.head_dim_v_mla, s.n_head), "attn_v"))
+            out.append((p + "attn_output.weight", (s.n_head * s.head_dim_v_mla, e), "attn"))
+        else:
+            q, kv = s.n_head * hd, s.n_head_kv * hd
+            out.append((p + "attn_q.weight", (e, q), "attn"))
+            out.append((p + "attn_k.weight", (e, kv), "attn"))
+            out.append((p + "attn_v.weight", (e, kv), "attn_v"))
+            if s.qkv_bias:
+                out += [(p + "attn_q.bias", (q,), "norm"), (p + "attn_k.bias", (kv,), "norm"), (p + "attn_v.bias", (kv,), "norm")]
+            out.append((p + "attn_output.weight", (q, e), "attn"))
+            if s.qk_norm:
+                out += [(p + "attn_q_norm.weight", (hd,), "norm"), (p + "attn_k_norm.weight", (hd,), "norm")]
+        if s.post_norms:
+            out.append((p + "post_attention_norm.weight", (e,), "norm"))
+            out.append((p + "post_ffw_norm.weight", (e,), "norm"))
+        out.append((p + "ffn_norm.weight", (e,), "norm"))
+        if s.n_expert and i >= s.n_layer_dense_lead:
+            f = s.n_ff_exp
+            out.append((p + "ffn_gate_inp.weight", (e, s.n_expert), "norm"))
+            out.append((p + "ffn_gate_exps.weight", (e, f, s.n_expert), "ffn"))
+            out.append((p + "ffn_up_exps.weight", (e, f, s.n_expert), "ffn"))
+            out.append((p + "ffn_down_exps.weight", (f, e, s.n_expert), "ffn_down"))
+            if s.n_expert_shared:
+                fs = f * s.n_expert_shared
+                out.append((p + "ffn_gate_shexp.weight", (e, fs), "ffn"))
+                out.append((p + "ffn_up_shexp.weight", (e, fs), "ffn"))
+                out.append((p + "ffn_down_shexp.weight", (fs, e), "ffn_down"))
+        else:
+            out.append((p + "ffn_gate.weight", (e, s.n_ff), "ffn"))
+            out.append((p + "ffn_up.weight", (e, s.n_ff), "ffn"))
+            out.append((p + "ffn_down.weight", (s.n_ff, e), "ffn_down"))
+    return out
+
+
+def _nbytes(ne: tuple[int, ...], t: _T) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    n = 1
+    for d in ne[1:]:
+        n *= d
+    return ne[0] // block * size * n
+
+
+def _metadata(w: gguf.GGUFWriter, name: str, shape: FixtureShape, quant: Quant) -> None:
+    s, a = shape, shape.arch
+    w.add_name(name)
+    w.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[quant])
+    w.add_context_length(s.n_ctx_train)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    if s.kv_lora_rank:
+        w.add_key_length(s.kv_lora_rank + s.rope_dim)
+        w.add_value_length(s.kv_lora_rank)
+        w.add_uint32(f"{a}.attention.key_length_mla", s.head_dim_v_mla + s.rope_dim)
+        w.add_uint32(f"{a}.attention.value_length_mla", s.head_dim_v_mla)
+        w.add_kv_lora_rank(s.kv_lora_rank)
+        w.add_rope_dimension_count(s.rope_dim)
+        w.add_leading_dense_block_count(s.n_layer_dense_lead)
+        w.add_expert_shared_count(s.n_expert_shared)
+        w.add_expert_weights_scale(1.0)
+    else:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_rope_dimension_count(s.head_dim)
+    if s.n_expert:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.n_swa:
+        w.add_sliding_window(s.n_swa)
+    for k, v in s.extra.items():
+        w.add_float32(f"{a}.{k}", float(v))  # type: ignore[arg-type]
+    tokens, scores, types, merges = _vocab(s)
+    w.add_tokenizer_model(s.tokenizer)
+    w.add_tokenizer_pre(s.tokenizer_pre)
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    if merges:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(1 if s.tokenizer == "llama" else 0)
+    w.add_eos_token_id(2 if s.tokenizer == "llama" else 1)
+
+
+def fixture_filename(name: str, quant: Quant = "bf16") -> str:
+    """The file name ``write_fixture`` uses: ``{name}-{quant}.gguf``."""
+    return f"{name}-{quant}.gguf"
+
+
+def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "bf16") -> str:
+    """Write (or reuse) the sparse header-only GGUF of model ``name`` in ``directory``; return its path."""
+    if name not in FIXTURES:
+        raise KeyError(f"unknown fixture {name!r}; one of {', '.join(FIXTURES)}")
+    if quant not in QUANTS:
+        raise KeyError(f"unknown quantization {quant!r}; one of {', '.join(QUANTS)}")
+    shape = FIXTURES[name]
+    path = Path(directory) / fixture_filename(name, quant)
+    if path.exists() and path.stat().st_size > 0:
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".gguf.part")
+    w = gguf.GGUFWriter(str(tmp), shape.arch)
+    _metadata(w, name, shape, quant)
+    data_bytes = 0
+    align = gguf.GGUF_DEFAULT_ALIGNMENT
+    for tname, ne, role in _tensors(shape):
+        t = _T.F32 if role == "norm" else _qtype(quant, role, ne[0])
+        if role == "embd" and quant == "q4_k_m":
+            t = _T.Q4_K if ne[0] % 256 == 0 else _T.Q8_0
+        nb = _nbytes(ne, t)
+        # GGUFWriter takes numpy order (it reverses the shape); the dtype only matters for unquantized types.
+        w.add_tensor_info(tname, tuple(reversed(ne)), np.dtype(np.float32), nb, raw_dtype=t)
+        data_bytes += (nb + align - 1) // align * align
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    f.flush()
+    header_end = f.tell()
+    w.close()
+    data_offset = (header_end + align - 1) // align * align
+    # The data section is a hole: the loader's bounds checks pass and a no_alloc load reads nothing.
+    os.truncate(tmp, data_offset + data_bytes)
+    os.replace(tmp, path)
+    return str(path)
