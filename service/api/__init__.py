@@ -1,0 +1,1 @@
+"""HTTP API: app factory, error table, routes."""

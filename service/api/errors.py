@@ -1,0 +1,73 @@
+"""The one table from errors to HTTP: status, OpenAI error type and code, in the OpenAI envelope."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import QueueFull, ServiceError
+
+log = logging.getLogger(__name__)
+
+
+def envelope(message: str, type_: str, code: str | int | None, param: str | None = None, **extra: Any) -> dict[str, Any]:
+    err: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
+    err.update({k: v for k, v in extra.items() if v is not None})
+    return {"error": err}
+
+
+def service_error_body(exc: ServiceError, path: str) -> tuple[int, dict[str, Any]]:
+    """Status and envelope for a domain error; the same for plain responses and stream events."""
+    return exc.status_for(path), envelope(exc.message, exc.type, exc.code_for(path), exc.param, **exc.details)
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service(request: Request, exc: ServiceError) -> JSONResponse:
+        status, body = service_error_body(exc, request.url.path)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+        if status >= 500:
+            log.warning("%s %s -> %d %s", request.method, request.url.path, status, exc.message)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
+            return JSONResponse(envelope(msg, "invalid_request_error", "invalid_json"), status_code=400)
+        param = _param_of(loc)
+        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
+        return JSONResponse(envelope(msg, "invalid_request_error", "invalid_value", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, exc.status_code)
+        return JSONResponse(
+            envelope(str(exc.detail), "invalid_request_error", code), status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(envelope("internal server error", "server_error", "internal_error"), status_code=500)
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One Server-Sent Event."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode("utf-8")

@@ -1,0 +1,88 @@
+"""Management API: dry-run, load, unload, model states."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from sizing.report import plan_json
+
+from ..manager import LoadOptions
+from .deps import ManagerDep
+
+router = APIRouter(prefix="/api")
+
+
+class DeclaredGpu(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("GPU", max_length=200)
+    free_mib: float = Field(ge=0)
+    total_mib: float | None = Field(None, ge=0)
+    bandwidth_gbps: float | None = Field(None, gt=0)
+
+
+class PlanBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(max_length=200)
+    n_ctx: int | None = Field(None, ge=1, le=1 << 24)
+    cache_type: str | None = Field(None, max_length=16)
+    flash_attn: Literal["on", "off", "auto"] | None = None
+    gpu: int | Literal["auto", "all"] | None = None
+    tensor_split: list[float] | None = Field(None, max_length=64)
+    n_seq_max: int | None = Field(None, ge=1, le=256)
+    swa_full: bool | None = None
+
+    def options(self, gpus: list[DeclaredGpu] | None = None) -> LoadOptions:
+        return LoadOptions(
+            n_ctx=self.n_ctx,
+            cache_type=self.cache_type,
+            flash_attn=self.flash_attn,
+            gpu=self.gpu,
+            tensor_split=tuple(self.tensor_split) if self.tensor_split else None,
+            n_seq_max=self.n_seq_max,
+            swa_full=self.swa_full,
+            gpus=[g.model_dump() for g in gpus] if gpus is not None else None,
+        )
+
+
+class DryRunBody(PlanBody):
+    gpus: list[DeclaredGpu] | None = Field(None, max_length=64, description="Hypothetical cards instead of the live ones.")
+
+
+@router.post("/dry-run")
+async def dry_run(body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
+    """What a load would do, per cache type, without loading anything."""
+    _, plan = manager.plan(body.model, body.options(body.gpus))
+    return plan_json(plan)
+
+
+@router.post("/models/load")
+async def load(body: PlanBody, manager: ManagerDep) -> dict[str, Any]:
+    state = await manager.load(body.model, body.options())
+    out = manager.describe(state)
+    assert out is not None
+    return out
+
+
+@router.post("/models/unload")
+async def unload(manager: ManagerDep) -> dict[str, Any]:
+    await manager.unload()
+    return {"status": "unloaded"}
+
+
+@router.get("/models")
+async def models(manager: ManagerDep) -> dict[str, Any]:
+    cur = manager.current
+    out = []
+    for entry in manager.registry.list():
+        if cur is not None and cur.name == entry.name:
+            out.append(manager.describe(cur))
+        elif manager.last_failed is not None and manager.last_failed.name == entry.name:
+            out.append(manager.describe(manager.last_failed))
+        else:
+            out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin})
+    return {"models": out}

@@ -1,0 +1,217 @@
+"""The loaded model's lifecycle: plan first, then load; state for /ready and /api/models.
+
+States: unloaded -> loading -> loaded | failed. A new load is planned and
+checked before anything is unloaded, so a refusal leaves the current model
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Literal, Sequence
+
+from sizing.devices import MIB, Device, host_memory, inventory, parse_declared
+from sizing.errors import ConfigError, DeviceError, ProbeError, SizingError, UnsupportedModelError
+from sizing.gguf import probe_path
+from sizing.plan import Plan, PlanRequest, make_plan
+from sizing.report import plan_json, plan_table
+from sizing.spec import ModelSpec
+
+from .engine.base import Engine, LoadReport
+from .errors import BadRequest, InsufficientMemory, ServiceError
+from .models import ModelEntry, Registry
+from .runner import Runner
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+State = Literal["unloaded", "loading", "loaded", "failed"]
+
+
+@dataclass
+class ModelState:
+    name: str
+    state: State = "unloaded"
+    plan: Plan | None = None
+    report: LoadReport | None = None
+    error: str | None = None
+    since: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What a load or dry-run request may override; None keeps the settings' value."""
+
+    n_ctx: int | None = None
+    cache_type: str | None = None
+    flash_attn: Literal["on", "off", "auto"] | None = None
+    gpu: int | Literal["auto", "all"] | None = None
+    tensor_split: tuple[float, ...] | None = None
+    n_seq_max: int | None = None
+    swa_full: bool | None = None
+    gpus: Sequence[dict[str, Any]] | None = None
+    """Hypothetical cards (dry-run only): [{name, free_mib, total_mib}]."""
+
+
+def plan_request(settings: Settings, opts: LoadOptions) -> PlanRequest:
+    """The settings, overridden by a request's options, as a ``PlanRequest``."""
+    split = opts.tensor_split
+    if split is None and settings.tensor_split:
+        try:
+            split = tuple(float(x) for x in settings.tensor_split.split(","))
+        except ValueError as exc:
+            raise BadRequest(f"GGUF_TENSOR_SPLIT is not a list of numbers: {settings.tensor_split}") from exc
+    cache = opts.cache_type or settings.cache_type
+    return PlanRequest(
+        n_ctx=opts.n_ctx,
+        cache_types=tuple(t.strip() for t in settings.cache_types.split(",") if t.strip()),
+        cache_type=cache,
+        flash_attn=opts.flash_attn or settings.flash_attention,
+        ctx_ceiling=settings.context_length,
+        min_ctx=settings.min_context,
+        n_ubatch=settings.n_ubatch,
+        n_batch=settings.n_batch,
+        n_seq_max=opts.n_seq_max or 1,
+        swa_full=settings.swa_full if opts.swa_full is None else opts.swa_full,
+        allowance_bytes=settings.gpu_allowance_mib * MIB,
+        gpu=opts.gpu if opts.gpu is not None else "auto",
+        tensor_split=split,
+        allow_offload=settings.allow_offload,
+    )
+
+
+class ModelManager:
+    """Owns the engine, the current model's state and plan."""
+
+    def __init__(self, settings: Settings, registry: Registry, engine: Engine, runner: Runner,
+                 devices: Callable[[], tuple[list[Device], Device]] | None = None) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.engine = engine
+        self.runner = runner
+        self.current: ModelState | None = None
+        self.last_failed: ModelState | None = None
+        self._devices = devices or self._live_devices
+        self._load_lock = asyncio.Lock()
+
+    def _live_devices(self) -> tuple[list[Device], Device]:
+        gpus = inventory(declared_path=self.settings.gpus_file, declared_json=self.settings.gpus_json)
+        return gpus, host_memory()
+
+    @property
+    def ready(self) -> bool:
+        return self.current is not None and self.current.state == "loaded"
+
+    def probe(self, entry: ModelEntry) -> ModelSpec:
+        try:
+            return probe_path(entry.path)
+        except (ProbeError, UnsupportedModelError) as exc:
+            raise BadRequest(f"model '{entry.name}' cannot be read: {exc}", param="model") from exc
+
+    def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
+        """Plan a model on the live (or declared, or hypothetical) devices; nothing is loaded."""
+        entry = self.registry.resolve(name)
+        spec = self.probe(entry)
+        try:
+            if opts.gpus is not None:
+                gpus, host = parse_declared(list(opts.gpus)), host_memory()
+            else:
+                gpus, host = self._devices()
+            req = plan_request(self.settings, opts)
+            plan = make_plan(spec, gpus, host, req)
+        except DeviceError as exc:
+            raise BadRequest(str(exc), param="gpus") from exc
+        except (ConfigError, KeyError) as exc:
+            raise BadRequest(str(exc.args[0] if isinstance(exc, KeyError) else exc), param="cache_type") from exc
+        except SizingError as exc:
+            raise BadRequest(str(exc)) from exc
+        return entry, plan
+
+    async def load(self, name: str, opts: LoadOptions = LoadOptions()) -> ModelState:
+        """Plan, refuse with figures if it cannot fit, else load (replacing the current model)."""
+        async with self._load_lock:
+            entry, plan = self.plan(name, opts)
+            if not plan.fits:
+                raise InsufficientMemory(_refusal_message(plan), plan=plan_json(plan))
+            previous = self.current
+            state = ModelState(name=entry.name, state="loading", plan=plan)
+            self.current = state
+            log.info("loading %s with plan:\n%s", entry.name, plan_table(plan))
+
+            def do_load() -> LoadReport:
+                return self.engine.load(entry.path, plan)
+
+            try:
+                report = await self.runner.call(do_load)
+            except ServiceError as exc:
+                state.state, state.error = "failed", exc.message
+                self.last_failed = state
+                self.current = previous if previous is not None and previous.state == "loaded" and self.engine.n_ctx else state
+                raise
+            except Exception as exc:
+                state.state, state.error = "failed", str(exc)
+                self.last_failed = state
+                self.current = state
+                raise
+            state.report = report
+            state.state = "loaded"
+            state.since = time.time()
+            log.info(
+                "loaded %s: n_ctx %d in %.2f s; llama.cpp allocated %s",
+                entry.name, report.n_ctx, report.load_seconds,
+                ", ".join(f"{a.device} {a.total_bytes / MIB:.1f} MiB" for a in report.allocations),
+            )
+            return state
+
+    async def unload(self) -> None:
+        async with self._load_lock:
+            await self.runner.call(self.engine.unload)
+            if self.current is not None:
+                self.current = replace(self.current, state="unloaded", report=None)
+
+    def describe(self, state: ModelState | None) -> dict[str, Any] | None:
+        if state is None:
+            return None
+        out: dict[str, Any] = {"name": state.name, "state": state.state, "error": state.error}
+        if state.plan is not None:
+            out["plan"] = plan_json(state.plan)
+        if state.report is not None:
+            predicted = {d.device: d for d in state.plan.estimate.devices} if state.plan and state.plan.estimate else {}
+            out["n_ctx"] = state.report.n_ctx
+            out["load_seconds"] = round(state.report.load_seconds, 3)
+            out["memory"] = [
+                {
+                    "device": a.device,
+                    "allocated_mib": round(a.total_bytes / MIB, 2),
+                    "allocated": {
+                        "weights_mib": round(a.weights_bytes / MIB, 2),
+                        "kv_mib": round(a.kv_bytes / MIB, 2),
+                        "compute_mib": round(a.compute_bytes / MIB, 2),
+                        "output_mib": round(a.output_bytes / MIB, 2),
+                    },
+                    "predicted_mib": round((predicted[a.device].total_bytes - predicted[a.device].allowance_bytes) / MIB, 2)
+                    if a.device in predicted else None,
+                }
+                for a in state.report.allocations
+            ]
+        return out
+
+
+def _refusal_message(plan: Plan) -> str:
+    est = plan.estimate
+    parts = [f"model '{plan.model.name}' does not fit at {plan.cfg.n_ctx} tokens ({plan.cfg.type_k} cache)"]
+    if est is not None:
+        by_label = {g.label: g for g in plan.gpus}
+        for d in est.devices:
+            dev = plan.host if d.device == "CPU" else by_label.get(d.device)
+            free = dev.free_bytes if dev is not None else 0
+            missing = max(d.total_bytes - free, 0)
+            parts.append(
+                f"{d.device}: needs {d.total_bytes / MIB:.0f} MiB (weights {d.weights_bytes / MIB:.0f}, KV {d.kv_bytes / MIB:.0f}, "
+                f"compute {d.compute_bytes / MIB:.0f}, allowance {d.allowance_bytes / MIB:.0f}), free {free / MIB:.0f} MiB"
+                + (f", missing {missing / MIB:.0f} MiB" if missing else "")
+            )
+    return "; ".join(parts)

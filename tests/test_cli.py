@@ -1,0 +1,59 @@
+"""``python -m sizing probe|plan`` on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sizing", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_probe_json(embedded_model: str) -> None:
+    r = run("probe", embedded_model, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["architecture"] == "gemma3"
+    assert d["n_ctx_train"] == 32768
+    assert d["block_count"] == 18
+    assert d["head_count"] == [4]
+    assert d["head_count_kv"] == [1]
+    assert d["key_length"] == [256] and d["value_length"] == [256]
+    assert d["sliding_window"] == 512
+    assert d["n_vocab"] == 262144
+    assert d["quantization"] == "Q4_K_M"
+    assert d["file_size_bytes"] == 253113024
+
+
+def test_plan_json_on_declared_gpus(embedded_model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps([{"name": "small", "free_mib": 1800, "total_mib": 8192}]))
+    r = run("plan", embedded_model, "--gpus", str(gpus), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    by_type = {o["cache_type"]: o["n_ctx"] for o in d["cache_types"]}
+    assert set(by_type) == {"f16", "q8_0", "q4_0"}
+    assert all(0 < n <= 32768 for n in by_type.values())
+    # A smaller cache never buys a shorter context.
+    assert by_type["f16"] <= by_type["q8_0"] <= by_type["q4_0"]
+
+
+def test_plan_refuses_with_exit_status_when_nothing_fits(embedded_model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps([{"name": "tiny", "free_mib": 100, "total_mib": 8192}]))
+    r = run("plan", embedded_model, "--gpus", str(gpus), "--json")
+    d = json.loads(r.stdout)
+    assert d["verdict"] in ("refused", "partial_offload")
+
+
+def test_probe_of_a_non_gguf_file_is_a_clean_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"NOPE" + b"\0" * 64)
+    r = run("probe", str(p))
+    assert r.returncode == 2
+    assert "magic" in r.stderr
+    assert "Traceback" not in r.stderr
