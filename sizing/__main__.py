@@ -11,10 +11,11 @@ from .errors import SizingError
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from .gguf import probe_path
+    from .gguf import probe_location
     from .report import spec_json
 
-    spec = probe_path(args.path)
+    # PATH may also be an http(s) URL or hf://owner/repo/file.gguf[@revision] (header bytes only).
+    spec = probe_location(args.path)
     data = spec_json(spec)
     if args.json:
         print(json.dumps(data, indent=2))

@@ -5,7 +5,10 @@
     │   ├── NotGGUFError      bad magic
     │   ├── UnsupportedVersionError
     │   ├── TruncatedError    the file ends before the header does
-    │   └── MalformedError    counts, types, offsets or shapes that cannot be right
+    │   ├── MalformedError    counts, types, offsets or shapes that cannot be right
+    │   │   └── LayerArrayError  a per-layer array of the wrong length (also an UnsupportedModelError)
+    │   ├── ShardError        a split GGUF's shards are missing or disagree
+    │   └── RemoteError       an HTTP(S) source could not be read (status, network, no Range support)
     ├── UnsupportedModelError the header is valid but the model cannot be sized
     ├── ConfigError           a context configuration llama.cpp would refuse
     │   └── FlashAttentionRequiredError
@@ -52,6 +55,23 @@ class MalformedError(ProbeError):
 
 class UnsupportedModelError(SizingError):
     """A valid GGUF whose model cannot be sized (missing keys, unknown layout)."""
+
+
+class LayerArrayError(MalformedError, UnsupportedModelError):
+    """A per-layer array (``head_count_kv``, ``sliding_window_pattern``...) whose
+    length is not ``block_count``; ``offset`` is the key's entry."""
+
+
+class ShardError(ProbeError):
+    """A split GGUF whose shards are missing, misnumbered or disagree."""
+
+
+class RemoteError(ProbeError):
+    """An HTTP(S) source could not be read: a status, a network error, no Range support."""
+
+    def __init__(self, message: str, *, status: int | None = None, source: str | None = None) -> None:
+        super().__init__(message, source=source)
+        self.status = status
 
 
 class ConfigError(SizingError):

@@ -13,10 +13,10 @@ from typing import Sequence
 
 import gguf
 
-from ..errors import MalformedError, ProbeError, TruncatedError, UnsupportedModelError
+from ..errors import LayerArrayError, MalformedError, ShardError, TruncatedError, UnsupportedModelError
 from ..spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, TensorInfo
-from .reader import ArraySummary, ByteSource, GGUFHeader, parse_header
-from .sources import FileSource
+from .reader import MIN_WINDOW_BYTES, ArraySummary, ByteSource, GGUFHeader, RawTensor, parse_header
+from .sources import BytesSource, FileSource
 
 _QUANT_SIZES: dict[int, tuple[int, int]] = {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
 _TYPE_NAMES: dict[int, str] = {int(t): t.name for t in gguf.GGMLQuantizationType}
@@ -58,10 +58,17 @@ def type_name(ggml_type: int) -> str:
 
 
 def tensor_nbytes(name: str, shape: Sequence[int], ggml_type: int) -> int:
-    """Exact bytes of a tensor, as ``ggml_nbytes`` computes for a contiguous tensor."""
+    """Exact bytes of a tensor, as ``ggml_nbytes`` computes for a contiguous tensor.
+
+    Block sizes and type sizes come from the gguf package's ``GGML_QUANT_SIZES``
+    (``ggml_blck_size`` / ``ggml_type_size``); ggml's parser refuses the same
+    unknown types and ragged rows (``gguf_init_from_file_impl``).
+    """
     if ggml_type not in _QUANT_SIZES:
         raise MalformedError(f"tensor {name!r} has unknown ggml type {ggml_type}")
     block, type_size = _QUANT_SIZES[ggml_type]
+    if type_size == 0 or block == 0:
+        raise MalformedError(f"tensor {name!r} has removed ggml type {type_name(ggml_type)}")
     if not shape or shape[0] % block:
         raise MalformedError(f"tensor {name!r} row of {shape[0] if shape else 0} is not a multiple of block size {block}")
     n = 1
@@ -76,8 +83,13 @@ def _keep_array(key: str) -> bool:
 
 
 def read_header(source: ByteSource, *, whole: bool = False) -> GGUFHeader:
-    """Parse one file's header; ``whole`` maps the entire source up front (local files)."""
-    return parse_header(source, initial_bytes=source.size if whole else 1 << 20, keep_array=_keep_array)
+    """Parse one file's header.
+
+    A source with ``view()`` (local file, bytes) is walked in place; a windowed
+    one (HTTP) is fetched from a first window of ``MIN_WINDOW_BYTES``, or the
+    whole of it with ``whole``.
+    """
+    return parse_header(source, initial_bytes=source.size if whole else MIN_WINDOW_BYTES, keep_array=_keep_array)
 
 
 def shard_paths(path: str) -> list[str]:
@@ -86,8 +98,8 @@ def shard_paths(path: str) -> list[str]:
     if not m:
         return [path]
     count = int(m.group("count"))
-    if count < 1:
-        raise ProbeError("split count is 0", source=path)
+    if count < 1 or not 1 <= int(m.group("no")) <= count:
+        raise ShardError(f"shard number {m.group('no')} of {count} is out of range", source=path)
     d = os.path.dirname(path)
     return [os.path.join(d, f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
@@ -98,40 +110,92 @@ def probe_path(path: str) -> ModelSpec:
     headers: list[GGUFHeader] = []
     for p in paths:
         if not os.path.exists(p):
-            raise ProbeError(f"shard {os.path.basename(p)} is missing", source=path)
+            raise ShardError(f"shard {os.path.basename(p)} is missing", source=path)
         with FileSource(p) as src:
             headers.append(read_header(src, whole=True))
     return spec_from_headers(headers, ModelSource(path=paths[0], shards=tuple(paths) if len(paths) > 1 else ()))
 
 
+def probe_bytes(data: bytes, name: str = "<bytes>") -> ModelSpec:
+    """Probe a whole GGUF held in memory (tests, fuzzing, uploads)."""
+    return spec_from_headers([read_header(BytesSource(data, name))], ModelSource(path=name))
+
+
 def spec_from_headers(headers: Sequence[GGUFHeader], source: ModelSource) -> ModelSpec:
     """Combine one header per shard into one model spec."""
+    if not headers:
+        raise ShardError("no header to build a spec from", source=source.display)
     first = headers[0]
-    md = first.metadata
-    split_count = md.get("split.count")
-    if isinstance(split_count, int) and split_count != len(headers):
-        raise MalformedError(f"split.count is {split_count} but {len(headers)} shards were read", source=first.source_name)
+    _check_split(headers)
     tensors: list[TensorInfo] = []
+    seen: dict[str, int] = {}
     for i, h in enumerate(headers):
+        spans: list[tuple[int, int, RawTensor]] = []
         for t in h.tensors:
-            nbytes = _checked_nbytes(h, t.name, t.shape, t.ggml_type)
-            if h.data_offset + t.offset + nbytes > h.file_size:
-                raise TruncatedError(
-                    f"tensor {t.name!r} data ends at {h.data_offset + t.offset + nbytes}, past the file's {h.file_size} bytes",
-                    source=h.source_name,
+            if t.name in seen:
+                raise ShardError(
+                    f"tensor {t.name!r} is in shard {seen[t.name] + 1} and shard {i + 1}", source=h.source_name
                 )
+            seen[t.name] = i
+            nbytes = _checked_nbytes(h, t)
+            end = h.data_offset + t.offset + nbytes
+            if end > h.file_size:
+                raise TruncatedError(
+                    f"tensor {t.name!r} data ends at {end}, past the file's {h.file_size} bytes",
+                    offset=t.info_offset, source=h.source_name,
+                )
+            spans.append((t.offset, t.offset + nbytes, t))
             tensors.append(TensorInfo(t.name, t.shape, t.ggml_type, type_name(t.ggml_type), nbytes, t.offset, i))
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        raise MalformedError("a tensor appears in more than one shard", source=first.source_name)
+        _check_overlaps(h, spans)
     return build_spec(first, tensors, source, file_size=sum(h.file_size for h in headers))
 
 
-def _checked_nbytes(h: GGUFHeader, name: str, shape: Sequence[int], ggml_type: int) -> int:
+def _check_overlaps(h: GGUFHeader, spans: list[tuple[int, int, RawTensor]]) -> None:
+    """Two tensors may not share bytes (ggml requires them laid out in order, padded)."""
+    spans.sort(key=lambda s: s[0])
+    for (_, prev_end, prev), (start, end, t) in zip(spans, spans[1:]):
+        if start < prev_end and end > start:
+            raise MalformedError(
+                f"tensor {t.name!r} data at {start} overlaps tensor {prev.name!r} (ends at {prev_end})",
+                offset=t.info_offset, source=h.source_name,
+            )
+
+
+def _check_split(headers: Sequence[GGUFHeader]) -> None:
+    """``split.no`` / ``split.count`` / ``split.tensors.count`` agree with the shards read
+    (llama.cpp ``llama_model_loader``: LLM_KV_SPLIT_*)."""
+    n = len(headers)
+    total = sum(len(h.tensors) for h in headers)
+    for i, h in enumerate(headers):
+        md = h.metadata
+        count = md.get("split.count")
+        if count is None:
+            if n > 1:
+                raise ShardError(f"shard {i + 1} of {n} has no split.count", source=h.source_name)
+            continue
+        if count != n:
+            raise ShardError(
+                f"split.count is {count} but {n} shards were read",
+                offset=h.key_offsets.get("split.count"), source=h.source_name,
+            )
+        no = md.get("split.no")
+        if no is not None and no != i:
+            raise ShardError(
+                f"split.no is {no}, expected {i}", offset=h.key_offsets.get("split.no"), source=h.source_name
+            )
+        declared = md.get("split.tensors.count")
+        if declared is not None and declared != total:
+            raise ShardError(
+                f"split.tensors.count is {declared} but the shards hold {total} tensors",
+                offset=h.key_offsets.get("split.tensors.count"), source=h.source_name,
+            )
+
+
+def _checked_nbytes(h: GGUFHeader, t: RawTensor) -> int:
     try:
-        return tensor_nbytes(name, shape, ggml_type)
+        return tensor_nbytes(t.name, t.shape, t.ggml_type)
     except MalformedError as exc:
-        raise MalformedError(exc.reason, source=h.source_name) from exc
+        raise MalformedError(exc.reason, offset=t.info_offset, source=h.source_name) from exc
 
 
 def _get_int(md: dict[str, object], key: str, default: int | None = None, *, src: str) -> int:
@@ -145,33 +209,44 @@ def _get_int(md: dict[str, object], key: str, default: int | None = None, *, src
     return v
 
 
-def _per_layer(md: dict[str, object], key: str, n: int, default: int, *, src: str) -> list[int]:
-    """A scalar-or-array key as a per-layer list (``get_key_or_arr``)."""
+def _per_layer(
+    md: dict[str, object], key: str, n: int, default: int, *, src: str, offsets: dict[str, int] | None = None
+) -> list[int]:
+    """A scalar-or-array key as a per-layer list (``get_key_or_arr``: an array must have n_layer entries)."""
     v = md.get(key)
     if v is None:
         return [default] * n
+    where = (offsets or {}).get(key)
     if isinstance(v, ArraySummary):
-        raise UnsupportedModelError(f"{src}: per-layer array {key!r} has {v.count} entries, expected {n}")
+        raise LayerArrayError(f"per-layer array {key!r} has {v.count} entries, expected {n}", offset=where, source=src)
     if isinstance(v, list):
         if len(v) != n:
-            raise UnsupportedModelError(f"{src}: per-layer array {key!r} has {len(v)} entries, expected {n}")
+            raise LayerArrayError(f"per-layer array {key!r} has {len(v)} entries, expected {n}", offset=where, source=src)
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in v):
-            raise UnsupportedModelError(f"{src}: per-layer array {key!r} holds non-integers")
+            raise LayerArrayError(f"per-layer array {key!r} holds non-integers", offset=where, source=src)
         return [int(x) for x in v]
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise UnsupportedModelError(f"{src}: key {key!r} should be an integer")
     return [v] * n
 
 
-def _swa_layers(arch: str, md: dict[str, object], n_layer_all: int, n_layer: int, n_swa: int, *, src: str) -> list[bool]:
+def _swa_layers(
+    arch: str, md: dict[str, object], n_layer_all: int, n_layer: int, n_swa: int, *, src: str,
+    offsets: dict[str, int] | None = None,
+) -> list[bool]:
     if n_swa <= 0 or arch not in SWA_PATTERN_DEFAULTS:
         return [False] * n_layer_all
     period, dense_first = SWA_PATTERN_DEFAULTS[arch]
     key = f"{arch}.attention.sliding_window_pattern"
     v = md.get(key)
-    if isinstance(v, list):
-        if len(v) != n_layer_all:
-            raise UnsupportedModelError(f"{src}: {key} has {len(v)} entries, expected {n_layer_all}")
+    if isinstance(v, (list, ArraySummary)):
+        n = v.count if isinstance(v, ArraySummary) else len(v)
+        if n != n_layer_all:
+            raise LayerArrayError(
+                f"per-layer array {key!r} has {n} entries, expected {n_layer_all}",
+                offset=(offsets or {}).get(key), source=src,
+            )
+        assert isinstance(v, list)
         return [bool(x) for x in v]
     if isinstance(v, int) and not isinstance(v, bool):
         period = v
@@ -203,17 +278,18 @@ def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelS
     if n_nextn > n_layer_all:
         raise UnsupportedModelError(f"{src}: nextn_predict_layers {n_nextn} exceeds block_count {n_layer_all}")
     n_layer = n_layer_all - n_nextn
-    n_head = _per_layer(md, f"{a}.attention.head_count", n_layer_all, 0, src=src)
+    ko = header.key_offsets
+    n_head = _per_layer(md, f"{a}.attention.head_count", n_layer_all, 0, src=src, offsets=ko)
     n_head_kv = n_head
     if f"{a}.attention.head_count_kv" in md:
-        n_head_kv = _per_layer(md, f"{a}.attention.head_count_kv", n_layer_all, 0, src=src)
+        n_head_kv = _per_layer(md, f"{a}.attention.head_count_kv", n_layer_all, 0, src=src, offsets=ko)
     head0 = n_head[0] if n_head else 0
     k_len = _get_int(md, f"{a}.attention.key_length", n_embd // head0 if head0 else 0, src=src)
     v_len = _get_int(md, f"{a}.attention.value_length", n_embd // head0 if head0 else 0, src=src)
     k_len_swa = _get_int(md, f"{a}.attention.key_length_swa", k_len, src=src)
     v_len_swa = _get_int(md, f"{a}.attention.value_length_swa", v_len, src=src)
     n_swa = _get_int(md, f"{a}.attention.sliding_window", 0, src=src)
-    swa = _swa_layers(a, md, n_layer_all, n_layer, n_swa, src=src)
+    swa = _swa_layers(a, md, n_layer_all, n_layer, n_swa, src=src, offsets=ko)
 
     recurrent = [a in RECURRENT_ARCHS] * n_layer_all
     if a in HYBRID_ARCHS:

@@ -30,6 +30,10 @@ class BytesSource:
     def fetch(self, offset: int, length: int) -> bytes:
         return self._data[offset : offset + length]
 
+    def view(self) -> bytes:
+        """The whole file, for the reader to walk in place."""
+        return self._data
+
 
 class FileSource:
     """A local regular file, memory-mapped so the header walk copies nothing."""
@@ -61,17 +65,23 @@ class FileSource:
     def size(self) -> int:
         return self._size
 
-    def fetch(self, offset: int, length: int) -> memoryview | bytes:
+    def fetch(self, offset: int, length: int) -> bytes:
         if self._map is None:
             return b""
-        return memoryview(self._map)[offset : offset + length]
+        return self._map[offset : offset + length]
+
+    def view(self) -> mmap.mmap | bytes:
+        """The whole file as one buffer; ``struct.unpack_from`` reads an mmap in
+        place, as fast as bytes and without the copy (measured in bench/probe_bench.py)."""
+        if self._map is None:
+            return b""
+        return self._map
 
     def close(self) -> None:
         if self._map is not None:
             try:
                 self._map.close()
-            except BufferError:
-                # A memoryview still refers to the map; it is released with it.
+            except BufferError:  # pragma: no cover - a caller still holds a view
                 pass
             self._map = None
 

@@ -1,0 +1,279 @@
+"""Fixtures for the GGUF probe tests: small GGUFs written by ``gguf.GGUFWriter``,
+hostile headers built byte by byte, and a local HTTP server with Range support."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import gguf
+import numpy as np
+import pytest
+
+# ---------------------------------------------------------------- GGUFWriter models
+
+
+def write_model(
+    path: Path,
+    *,
+    arch: str = "llama",
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int | Sequence[int] = 2,
+    n_vocab: int = 32,
+    extra: dict[str, object] | None = None,
+    split_max_tensors: int = 0,
+) -> list[Path]:
+    """A tiny model with real tensor data; returns the files written (shards if split)."""
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(list(n_head_kv) if not isinstance(n_head_kv, int) else n_head_kv)  # type: ignore[arg-type]
+    w.add_feed_forward_length(2 * n_embd)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"tok{i}".encode() for i in range(n_vocab)])
+    w.add_token_scores([0.0] * n_vocab)
+    for key, value in (extra or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((n_vocab, n_embd)).astype(np.float16))
+    for il in range(n_layer):
+        w.add_tensor(f"blk.{il}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{il}.attn_q.weight", rng.standard_normal((n_embd, n_embd)).astype(np.float16))
+        w.add_tensor(f"blk.{il}.ffn_up.weight", rng.standard_normal((2 * n_embd, n_embd)).astype(np.float16))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", rng.standard_normal((n_vocab, n_embd)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+    return [path]
+
+
+@pytest.fixture
+def small_model(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "small.gguf")[0]
+
+
+@pytest.fixture(scope="session")
+def big_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose header (a 60,000-token vocabulary, about 1 MB) dwarfs the first window."""
+    path = tmp_path_factory.mktemp("big") / "bigvocab.gguf"
+    return write_model(path, n_vocab=60_000, n_embd=64)[0]
+
+
+# ---------------------------------------------------------------- byte-level headers
+
+
+def gstr(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def kv_u32(key: str, v: int) -> bytes:
+    return gstr(key) + struct.pack("<II", 4, v)
+
+
+def kv_str(key: str, v: str) -> bytes:
+    return gstr(key) + struct.pack("<I", 8) + gstr(v)
+
+
+def kv_arr_u32(key: str, vs: Sequence[int]) -> bytes:
+    return gstr(key) + struct.pack("<IIQ", 9, 4, len(vs)) + b"".join(struct.pack("<I", v) for v in vs)
+
+
+def kv_arr_str(key: str, vs: Sequence[str]) -> bytes:
+    return gstr(key) + struct.pack("<IIQ", 9, 8, len(vs)) + b"".join(gstr(v) for v in vs)
+
+
+def tensor_info(name: str, shape: Sequence[int], ggml_type: int, offset: int) -> bytes:
+    return gstr(name) + struct.pack("<I", len(shape)) + struct.pack(f"<{len(shape)}q", *shape) + struct.pack(
+        "<IQ", ggml_type, offset
+    )
+
+
+@dataclass
+class RawGGUF:
+    """A GGUF assembled from parts; ``bytes()`` pads the header and appends the data."""
+
+    kvs: list[bytes] = field(default_factory=list)
+    tensors: list[bytes] = field(default_factory=list)
+    data: bytes = b""
+    version: int = 3
+    n_kv: int | None = None
+    n_tensors: int | None = None
+    alignment: int = 32
+
+    def header(self) -> bytes:
+        n_kv = len(self.kvs) if self.n_kv is None else self.n_kv
+        n_t = len(self.tensors) if self.n_tensors is None else self.n_tensors
+        return b"GGUF" + struct.pack("<Iqq", self.version, n_t, n_kv) + b"".join(self.kvs) + b"".join(self.tensors)
+
+    def __bytes__(self) -> bytes:
+        h = self.header()
+        pad = (-len(h)) % self.alignment
+        return h + b"\0" * pad + self.data
+
+
+def minimal_llama(n_layer: int = 2, *, extra_kvs: Sequence[bytes] = (), n_vocab: int = 3) -> RawGGUF:
+    """A valid one-tensor-per-layer llama header with F32 data, built by hand."""
+    kvs = [
+        kv_str("general.architecture", "llama"),
+        kv_u32("llama.context_length", 128),
+        kv_u32("llama.embedding_length", 8),
+        kv_u32("llama.block_count", n_layer),
+        kv_u32("llama.attention.head_count", 2),
+        kv_arr_str("tokenizer.ggml.tokens", [f"t{i}" for i in range(n_vocab)]),
+        *extra_kvs,
+    ]
+    tensors = []
+    off = 0
+    for il in range(n_layer):
+        tensors.append(tensor_info(f"blk.{il}.attn_norm.weight", [8], 0, off))
+        off += 32
+    tensors.append(tensor_info("token_embd.weight", [8, n_vocab], 0, off))
+    off += 8 * n_vocab * 4
+    return RawGGUF(kvs=kvs, tensors=tensors, data=b"\0" * off)
+
+
+# ---------------------------------------------------------------- HTTP range server
+
+
+@dataclass
+class RangeServer:
+    base_url: str
+    root: Path
+    bytes_sent: int = 0
+    requests: list[str] = field(default_factory=list)
+    ignore_range: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def url(self, name: str) -> str:
+        return f"{self.base_url}/{name}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.bytes_sent = 0
+            self.requests.clear()
+
+
+_RANGE_RE = re.compile(r"^bytes=(\d+)-(\d*)$")
+
+
+def _handler(state: RangeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            name = self.path.split("?", 1)[0].lstrip("/")
+            path = state.root / name
+            rng = self.headers.get("Range", "")
+            with state.lock:
+                state.requests.append(f"{name} {rng}")
+            if "/" in name or not path.is_file():
+                self._send(404, b"not found")
+                return
+            size = path.stat().st_size
+            m = _RANGE_RE.match(rng)
+            if state.ignore_range or not m:
+                # Tell the client the size, then stream only what it reads before closing.
+                self.send_response(200)
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                with open(path, "rb") as f:
+                    self._copy(f, size)
+                return
+            start = int(m.group(1))
+            end = min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.send_header("Content-Length", str(end - start + 1))
+            self.end_headers()
+            with open(path, "rb") as f:
+                f.seek(start)
+                self._copy(f, end - start + 1)
+
+        def _copy(self, f: object, n: int) -> None:
+            left = n
+            try:
+                while left:
+                    chunk = f.read(min(left, 1 << 16))  # type: ignore[attr-defined]
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    with state.lock:
+                        state.bytes_sent += len(chunk)
+                    left -= len(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+
+        def _send(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+@pytest.fixture
+def range_server(tmp_path: Path) -> Iterator[RangeServer]:
+    root = tmp_path / "served"
+    root.mkdir()
+    state = RangeServer(base_url="", root=root)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    httpd.daemon_threads = True
+    state.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        t.join(timeout=5)
+
+
+def link_into(server: RangeServer, *paths: Path) -> None:
+    """Serve files by hard link (or copy) from the server's root."""
+    for p in paths:
+        dst = server.root / p.name
+        try:
+            os.link(p, dst)
+        except OSError:
+            dst.write_bytes(p.read_bytes())
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    from service.models import embedded_model_path
+
+    return Path(embedded_model_path())
