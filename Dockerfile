@@ -1,0 +1,114 @@
+# syntax=docker/dockerfile:1
+#
+# gguf-fit-server images. Two targets:
+#
+#   docker build -t gguf-fit-server:cuda .                # NVIDIA GPUs (the default, last stage)
+#   docker build -t gguf-fit-server:cpu --target cpu .    # CPU only, python:3.11-slim
+#
+# Each build stage runs the install the README documents ("Install by hand"):
+# llama-cpp-python is compiled from source by pip, with CMAKE_ARGS choosing the
+# backend, then `pip install .` installs the project. The llama-cpp-python pin
+# must equal pyproject.toml's (tests/deploy/test_dockerfile.py checks it): the
+# sizing core mirrors that llama.cpp. It gets its own layer so that a code
+# change does not recompile llama.cpp.
+
+ARG CUDA_VERSION=12.6.3
+ARG UBUNTU_VERSION=24.04
+ARG PYTHON_VERSION=3.11
+
+# ---------------------------------------------------------------- CPU build
+FROM python:${PYTHON_VERSION}-slim AS cpu-build
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install llama-cpp-python==0.3.36
+WORKDIR /src
+COPY pyproject.toml ./
+COPY sizing ./sizing
+COPY service ./service
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install .
+
+# ---------------------------------------------------------------- CPU runtime
+FROM python:${PYTHON_VERSION}-slim AS cpu
+# libgomp1: llama.cpp is built with OpenMP (GGML_OPENMP, on by default).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=cpu-build /opt/venv /opt/venv
+# A numeric, non-root user: Kubernetes' runAsNonRoot can only verify a number.
+# /cache holds the Hugging Face cache and the assembled embedded model; created
+# here so that a named volume mounted on it inherits the ownership.
+RUN groupadd --system --gid 10001 gguf \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gguf gguf \
+    && mkdir -p /models /cache/huggingface /cache/embedded \
+    && chown -R 10001:10001 /cache
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/cache/huggingface \
+    GGUF_HOST=0.0.0.0 \
+    GGUF_PORT=8000 \
+    GGUF_MODELS_DIR=/models \
+    GGUF_EMBEDDED_MODEL_DIR=/cache/embedded
+USER 10001:10001
+WORKDIR /home/gguf
+EXPOSE 8000
+# Ready = a model is loaded and the server takes requests; urlopen raises (exit 1) on 503.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
+    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"
+CMD ["python", "-m", "service"]
+
+# ---------------------------------------------------------------- CUDA build
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS cuda-build
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+# CUDA_ARCHITECTURES bounds the compile time (all of them: "all-major").
+ARG CUDA_ARCHITECTURES="75;80;86;89;90"
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CMAKE_BUILD_PARALLEL_LEVEL=8
+# The build links against the driver stub: there is no GPU (and no libcuda.so.1) at build time.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    ln -sf /usr/local/cuda/lib64/stubs/libcuda.so /usr/local/cuda/lib64/stubs/libcuda.so.1 \
+    && LD_LIBRARY_PATH=/usr/local/cuda/lib64/stubs:$LD_LIBRARY_PATH \
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
+    pip install llama-cpp-python==0.3.36
+WORKDIR /src
+COPY pyproject.toml ./
+COPY sizing ./sizing
+COPY service ./service
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install .
+
+# ---------------------------------------------------------------- CUDA runtime (default target)
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS cuda
+# The same python3 as the build stage: the venv's interpreter is a link to it.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=cuda-build /opt/venv /opt/venv
+RUN groupadd --system --gid 10001 gguf \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gguf gguf \
+    && mkdir -p /models /cache/huggingface /cache/embedded \
+    && chown -R 10001:10001 /cache
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/cache/huggingface \
+    GGUF_HOST=0.0.0.0 \
+    GGUF_PORT=8000 \
+    GGUF_MODELS_DIR=/models \
+    GGUF_EMBEDDED_MODEL_DIR=/cache/embedded \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER 10001:10001
+WORKDIR /home/gguf
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
+    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"
+CMD ["python", "-m", "service"]
