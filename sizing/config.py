@@ -53,9 +53,14 @@ class ContextConfig:
         return 1 if self.kv_unified else max(self.n_seq_max, 1)
 
     @property
+    def n_batch_effective(self) -> int:
+        """``cparams.n_batch``: clamped to n_ctx (the requested one, before padding) for causal models."""
+        return min(self.n_batch, max(self.n_ctx, 1))
+
+    @property
     def n_ubatch_effective(self) -> int:
-        """llama.cpp clamps n_ubatch to n_batch."""
-        return min(self.n_ubatch, self.n_batch)
+        """``cparams.n_ubatch``: n_ubatch clamped to the effective n_batch (``llama_context`` constructor)."""
+        return min(self.n_ubatch or self.n_batch, self.n_batch_effective)
 
     def with_ctx(self, n_ctx: int) -> "ContextConfig":
         return replace(self, n_ctx=n_ctx)

@@ -1,10 +1,20 @@
 """KV cache bytes, as llama.cpp allocates them.
 
-Mirrors ``llama_kv_cache`` (``src/llama-kv-cache.cpp``) and
-``llama_kv_cache_iswa`` (``src/llama-kv-cache-iswa.cpp``), llama.cpp vendored
-by llama-cpp-python 0.3.36: per layer, K = row(type_k, n_embd_head_k *
-n_head_kv) and V = row(type_v, n_embd_head_v * n_head_kv) per cell, times
-cells, times streams.
+Mirrors ``llama_kv_cache::llama_kv_cache`` (``src/llama-kv-cache.cpp``),
+``llama_kv_cache_iswa::llama_kv_cache_iswa`` (``src/llama-kv-cache-iswa.cpp``)
+and ``llama_memory_recurrent`` (``src/llama-memory-recurrent.cpp``) of the
+llama.cpp vendored by llama-cpp-python 0.3.36:
+
+- per layer with KV, one K tensor ``[n_embd_k_gqa(il), kv_size, n_stream]`` of
+  type_k and one V tensor ``[n_embd_v_gqa, kv_size, n_stream]`` of type_v, each
+  row ``ggml_row_size`` bytes;
+- without flash attention V is stored transposed (``v_trans``) and every
+  layer's V is as wide as the widest (``n_embd_v_gqa_max``);
+- MLA (``hparams.is_mla()``) keeps K only (the compressed latent);
+- the sliding-window cache of an iSWA model holds
+  ``GGML_PAD(min(kv_size, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256)``
+  cells unless ``swa_full``;
+- recurrent layers keep a fixed F32 state per sequence.
 """
 
 from __future__ import annotations
@@ -14,13 +24,15 @@ from typing import Iterable
 
 from .config import ContextConfig, pad
 from .errors import ConfigError
-from .ggml import cache_type
+from .ggml import CacheType, cache_type
 from .spec import LayerSpec, ModelSpec
+
+F32 = 4
 
 
 @dataclass(frozen=True)
 class KvCells:
-    """Cells per stream of the full-attention cache and of the sliding-window cache."""
+    """Cells per stream of the full-attention cache and of the sliding-window cache (0: none)."""
 
     full: int
     swa: int
@@ -39,50 +51,78 @@ def kv_cells(spec: ModelSpec, cfg: ContextConfig) -> KvCells:
     return KvCells(full=full, swa=swa)
 
 
-def _kv_layers(spec: ModelSpec) -> list[LayerSpec]:
-    return [layer for layer in spec.layers[: spec.n_layer] if layer.has_kv]
+def kv_layers(spec: ModelSpec) -> list[LayerSpec]:
+    """Main-graph layers that keep an attention KV cache (``hparams.has_kv``)."""
+    return [layer for layer in spec.layers[: spec.n_layer] if layer.has_kv and not _is_shared(spec, layer)]
 
 
-def _layer_widths(spec: ModelSpec, layer: LayerSpec, flash: bool) -> tuple[int, int]:
-    """Elements per cell of K and V for one layer."""
-    if spec.mla is not None:
-        # MLA caches the compressed latent (key_length = kv_lora_rank + rope dims, one KV head)
-        # as K only; V is a view of it (llama_kv_cache with is_mla).
-        return layer.n_embd_head_k * layer.n_head_kv, 0
+def _is_shared(spec: ModelSpec, layer: LayerSpec) -> bool:
+    """Layers past ``n_layer - shared_kv_layers`` reuse an earlier layer's cache (Gemma3n/Gemma4): no bytes."""
+    n_shared = spec.metadata.get(f"{spec.architecture}.attention.shared_kv_layers", 0)
+    if not isinstance(n_shared, int) or isinstance(n_shared, bool) or n_shared <= 0:
+        return False
+    return layer.index >= spec.n_layer - n_shared
+
+
+def _v_width_max(spec: ModelSpec) -> int:
+    return max((l.n_embd_head_v * l.n_head_kv for l in kv_layers(spec)), default=0)
+
+
+def layer_widths(spec: ModelSpec, layer: LayerSpec, flash: bool) -> tuple[int, int]:
+    """Elements per cell of K and V for one layer (V is 0 for MLA)."""
     k = layer.n_embd_head_k * layer.n_head_kv
+    if spec.mla is not None and spec.mla.n_embd_head_k_mla and spec.mla.n_embd_head_v_mla:
+        # MLA caches the compressed latent (key_length = kv_lora_rank + rope dims, one KV head)
+        # as K only; V is a view of it (has_v = !is_mla).
+        return k, 0
     v = layer.n_embd_head_v * layer.n_head_kv
     if not flash:
-        # Without flash attention V is stored transposed and padded to the widest layer.
-        v = max(l.n_embd_head_v * l.n_head_kv for l in _kv_layers(spec))
+        v = _v_width_max(spec)
     return k, v
 
 
-def check_cache_types(spec: ModelSpec, cfg: ContextConfig) -> None:
-    """Refuse cache types whose block size does not divide a head size (llama.cpp refuses them too)."""
+def check_cache_types(spec: ModelSpec, cfg: ContextConfig, flash: bool = True) -> None:
+    """Refuse what ``llama_init_from_model`` refuses about cache types (src/llama-context.cpp).
+
+    With flash attention on, a quantized type's block size must divide every
+    head size; MLA models need type_k == type_v.
+    """
     tk, tv = cache_type(cfg.type_k), cache_type(cfg.type_v)
-    for layer in _kv_layers(spec):
-        if layer.n_embd_head_k % tk.block_size:
+    if spec.mla is not None and tk.name != tv.name:
+        raise ConfigError(
+            f"model uses MLA and does not support different K ({tk.name}) and V ({tv.name}) cache types"
+        )
+    if not flash:
+        return
+    for layer in spec.layers[: spec.n_layer]:
+        if tk.quantized and layer.n_embd_head_k and layer.n_embd_head_k % tk.block_size:
             raise ConfigError(
                 f"K cache type {tk.name} with block size {tk.block_size} does not divide "
                 f"n_embd_head_k={layer.n_embd_head_k} (layer {layer.index})"
             )
-        if layer.n_embd_head_v % tv.block_size:
+        if tv.quantized and layer.n_embd_head_v and layer.n_embd_head_v % tv.block_size:
             raise ConfigError(
                 f"V cache type {tv.name} with block size {tv.block_size} does not divide "
                 f"n_embd_head_v={layer.n_embd_head_v} (layer {layer.index})"
             )
 
 
-def kv_bytes_per_cell(spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None) -> tuple[int, int]:
-    """Bytes per cell of (full-attention layers, sliding layers), over ``layers`` (default: all)."""
+def _row(t: CacheType, n: int) -> int:
+    return t.row_bytes(n) if n else 0
+
+
+def kv_bytes_per_cell(
+    spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None
+) -> tuple[int, int]:
+    """Bytes per cell and stream of (full-attention layers, sliding layers), over ``layers`` (default: all)."""
     tk, tv = cache_type(cfg.type_k), cache_type(cfg.type_v)
     wanted = None if layers is None else set(layers)
     full = swa = 0
-    for layer in _kv_layers(spec):
+    for layer in kv_layers(spec):
         if wanted is not None and layer.index not in wanted:
             continue
-        k, v = _layer_widths(spec, layer, flash)
-        b = tk.row_bytes(k) + (tv.row_bytes(v) if v else 0)
+        k, v = layer_widths(spec, layer, flash)
+        b = _row(tk, k) + _row(tv, v)
         if layer.is_swa:
             swa += b
         else:
@@ -90,14 +130,40 @@ def kv_bytes_per_cell(spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: 
     return full, swa
 
 
-def kv_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None) -> int:
-    """Total KV cache bytes (all streams) for ``layers`` (default: every layer with KV)."""
+def kv_split_bytes(
+    spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None
+) -> tuple[int, int]:
+    """(full-attention cache, sliding-window cache) bytes, all streams."""
     cells = kv_cells(spec, cfg)
     full, swa = kv_bytes_per_cell(spec, cfg, flash, layers)
-    return (full * cells.full + swa * cells.swa) * cfg.n_stream
+    return full * cells.full * cfg.n_stream, swa * cells.swa * cfg.n_stream
+
+
+def recurrent_state_bytes(spec: ModelSpec, cfg: ContextConfig, layers: Iterable[int] | None = None) -> int:
+    """Mamba-style recurrent state (``llama_memory_recurrent``): F32 r and s per layer and sequence.
+
+    r: ``(d_conv - 1) * (d_inner + 2 * n_group * d_state)``; s: ``d_state * d_inner``
+    (``llama_hparams::n_embd_r`` / ``n_embd_s``). Independent of n_ctx.
+    """
+    if spec.ssm is None:
+        return 0
+    s = spec.ssm
+    n_r = max(s.d_conv - 1, 0) * (s.d_inner + 2 * s.n_group * s.d_state)
+    n_s = s.d_state * s.d_inner
+    wanted = None if layers is None else set(layers)
+    n = sum(
+        1 for l in spec.layers[: spec.n_layer] if l.is_recurrent and (wanted is None or l.index in wanted)
+    )
+    return F32 * (n_r + n_s) * n * max(cfg.n_seq_max, 1)
+
+
+def kv_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None) -> int:
+    """Total KV cache bytes (all streams) plus recurrent state, for ``layers`` (default: every layer)."""
+    full, swa = kv_split_bytes(spec, cfg, flash, layers)
+    return full + swa + recurrent_state_bytes(spec, cfg, layers)
 
 
 def kv_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16") -> int:
-    """Bytes one more token of context costs over every full-attention layer (Eq. 4 of the first source)."""
+    """Bytes one more token of context costs over every full-attention layer (flash attention on)."""
     full, _ = kv_bytes_per_cell(spec, ContextConfig(n_ctx=256, type_k=type_k, type_v=type_v), flash=True)
     return full

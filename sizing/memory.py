@@ -25,17 +25,18 @@ DEFAULT_GPU_ALLOWANCE_BYTES = 500 * 1000 * 1000
 def resolve_flash_attn(cfg: ContextConfig) -> bool:
     """The flash-attention decision llama.cpp will act on, refusing what it would refuse.
 
-    A quantized cache with flash attention explicitly off is refused (llama.cpp
-    fails context creation for quantized V; this service refuses quantized K
-    too, as the second source document's loader does). ``auto`` turns it on:
-    the CPU and CUDA backends both support it for the head sizes we plan.
+    Mirrors ``llama_init_from_model`` (src/llama-context.cpp): a quantized V cache
+    with flash attention disabled fails context creation. This service also
+    refuses a quantized K with flash attention off (llama.cpp accepts it, but
+    CUDA then dequantizes the whole K view every step); ``auto`` resolves to
+    on, as llama.cpp's fused-op probe does on the CPU and CUDA backends.
     """
     quantized = [t for t in (cfg.type_k, cfg.type_v) if cache_type(t).quantized]
     if cfg.flash_attn == "off":
         if quantized:
             raise FlashAttentionRequiredError(
-                f"KV cache type_k={cfg.type_k}, type_v={cfg.type_v} is quantized and needs flash attention, "
-                "but flash attention is off; set flash_attn to 'on' or 'auto', or use an f16 cache"
+                f"KV cache type_k={cfg.type_k}, type_v={cfg.type_v}: {', '.join(quantized)} is quantized and "
+                "needs flash attention, but flash_attn is 'off'; set flash_attn to 'on' or 'auto', or use an f16 cache"
             )
         return False
     return True
@@ -95,7 +96,12 @@ class MemoryEstimate:
 
 
 def output_buffer_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
-    """Host output buffer: logits of one token per sequence (``llama_context::output_reserve``)."""
+    """Host output buffer at context creation: F32 logits for n_seq_max outputs.
+
+    ``llama_context::output_reserve(n_seq_max)`` (src/llama-context.cpp) sizes it
+    ``n_vocab * max(n_outputs, n_seq_max) * 4``; it grows on demand when a batch
+    asks for more outputs (up to ``n_vocab * n_batch * 4`` when every token is an output).
+    """
     return spec.n_vocab * max(1, cfg.n_seq_max) * 4
 
 
@@ -109,7 +115,7 @@ def estimate(
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context."""
     flash = resolve_flash_attn(cfg)
-    check_cache_types(spec, cfg)
+    check_cache_types(spec, cfg, flash)
     n_all = spec.n_layer_all
     slots = placement.slots(n_all)
     labels = list(gpu_labels) or [f"CUDA{g}" for g in placement.gpus]
