@@ -164,6 +164,7 @@ class RangeServer:
     root: Path
     bytes_sent: int = 0
     requests: list[str] = field(default_factory=list)
+    authorizations: list[str] = field(default_factory=list)
     ignore_range: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -192,7 +193,8 @@ def _handler(state: RangeServer) -> type[BaseHTTPRequestHandler]:
             rng = self.headers.get("Range", "")
             with state.lock:
                 state.requests.append(f"{name} {rng}")
-            if "/" in name or not path.is_file():
+                state.authorizations.append(self.headers.get("Authorization", ""))
+            if ".." in name.split("/") or not path.is_file():
                 self._send(404, b"not found")
                 return
             size = path.stat().st_size
@@ -262,18 +264,13 @@ def range_server(tmp_path: Path) -> Iterator[RangeServer]:
         t.join(timeout=5)
 
 
-def link_into(server: RangeServer, *paths: Path) -> None:
-    """Serve files by hard link (or copy) from the server's root."""
+def link_into(server: RangeServer, *paths: Path, under: str = "") -> None:
+    """Serve files by hard link (or copy) from the server's root (or a folder ``under`` it)."""
+    folder = server.root / under
+    folder.mkdir(parents=True, exist_ok=True)
     for p in paths:
-        dst = server.root / p.name
+        dst = folder / p.name
         try:
             os.link(p, dst)
         except OSError:
             dst.write_bytes(p.read_bytes())
-
-
-@pytest.fixture(scope="session")
-def embedded_model() -> Path:
-    from service.models import embedded_model_path
-
-    return Path(embedded_model_path())
