@@ -1,0 +1,57 @@
+"""Session fixtures for the sizing tests: header-only GGUFs of real shapes, written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from sizing.gguf import probe_path
+from sizing.gguf.fixtures import write_fixture
+from sizing.spec import ModelSpec
+
+# Worst errors seen by test_memory_vs_llama, reported in the terminal summary.
+ACCURACY: dict[str, tuple[float, str]] = {}
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf-fixtures")
+
+
+@pytest.fixture(scope="session")
+def fixture_path(fixture_dir: Path) -> Callable[..., str]:
+    """``fixture_path("Qwen3-14B", quant="bf16")``: the sparse GGUF, written on first use."""
+
+    def get(name: str, quant: str = "bf16") -> str:
+        return write_fixture(name, fixture_dir, quant)  # type: ignore[arg-type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fixture_spec(fixture_path: Callable[..., str]) -> Callable[..., ModelSpec]:
+    cache: dict[tuple[str, str], ModelSpec] = {}
+
+    def get(name: str, quant: str = "bf16") -> ModelSpec:
+        if (name, quant) not in cache:
+            cache[name, quant] = probe_path(fixture_path(name, quant))
+        return cache[name, quant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_path() -> str:
+    from service.models import embedded_model_path
+
+    return embedded_model_path()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not ACCURACY:
+        return
+    terminalreporter.section("memory model vs llama.cpp dry run")
+    for what, (err, case) in sorted(ACCURACY.items()):
+        terminalreporter.write_line(f"{what:<28} {err:8.4f}  {case}")

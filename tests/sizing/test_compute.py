@@ -1,0 +1,66 @@
+"""Compute buffer model: exact terms and properties."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from sizing.compute import compute_bytes, logits_bytes, output_phase_bytes
+from sizing.config import ContextConfig
+from sizing.errors import FlashAttentionRequiredError
+from sizing.memory import estimate, output_buffer_bytes, resolve_flash_attn
+from sizing.spec import ModelSpec
+
+MIB = 1 << 20
+MODELS = ["Qwen3-14B", "Llama-3.1-8B", "gemma-3-27b", "gemma-2-9b", "Mistral-Nemo-12B", "Qwen3-30B-A3B", "DeepSeek-V2-Lite"]
+
+
+def test_logits_of_the_reserve_ubatch(fixture_spec: Callable[..., ModelSpec]) -> None:
+    spec = fixture_spec("Qwen3-14B")
+    cfg = ContextConfig(n_ctx=4096)
+    assert logits_bytes(spec, cfg) == 4 * 151936 * 512
+    # logits + result_norm in and out: what sched_reserve logs with flash attention (316.75 MiB)
+    assert output_phase_bytes(spec, cfg) == round(316.75 * MIB)
+
+
+def test_without_flash_attention_scores_dominate_at_long_context(fixture_spec: Callable[..., ModelSpec]) -> None:
+    spec = fixture_spec("Qwen3-14B")
+    cfg = ContextConfig(n_ctx=16384, flash_attn="off")
+    # kq (16384 x 512 x 40 F32) + mask + 3 n_embd + 2 q + 2 kv per token: 1366.01 MiB in llama.cpp's log
+    assert abs(compute_bytes(spec, cfg, flash=False) / MIB - 1366.01) < 0.02
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_flash_attention_never_costs_more(fixture_spec: Callable[..., ModelSpec], model: str) -> None:
+    spec = fixture_spec(model)
+    for n_ctx in (1000, 4096, 32768, 131072):
+        for n_ub in (512, 2048):
+            for par in (1, 4):
+                cfg = ContextConfig(n_ctx=n_ctx, n_ubatch=n_ub, n_batch=n_ub, n_seq_max=par)
+                on = estimate(spec, cfg).total_bytes
+                off = estimate(spec, ContextConfig(n_ctx=n_ctx, n_ubatch=n_ub, n_batch=n_ub, n_seq_max=par, flash_attn="off")).total_bytes
+                assert on <= off
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_larger_context_never_needs_less(fixture_spec: Callable[..., ModelSpec], model: str) -> None:
+    spec = fixture_spec(model)
+    for fa in ("on", "off"):
+        prev = 0
+        for n in range(256, 140000, 4099):
+            total = estimate(spec, ContextConfig(n_ctx=n, flash_attn=fa, swa_full=True)).total_bytes  # type: ignore[arg-type]
+            assert total >= prev
+            prev = total
+
+
+def test_quantized_cache_with_flash_attention_off_is_refused() -> None:
+    with pytest.raises(FlashAttentionRequiredError, match=r"type_k=q8_0, type_v=q4_0.*flash_attn is 'off'"):
+        resolve_flash_attn(ContextConfig(n_ctx=4096, type_k="q8_0", type_v="q4_0", flash_attn="off"))
+    assert resolve_flash_attn(ContextConfig(n_ctx=4096, type_k="q8_0", type_v="q8_0", flash_attn="auto")) is True
+    assert resolve_flash_attn(ContextConfig(n_ctx=4096, flash_attn="off")) is False
+
+
+def test_output_buffer_is_one_row_of_logits_per_sequence(fixture_spec: Callable[..., ModelSpec]) -> None:
+    spec = fixture_spec("Qwen3-14B")
+    assert output_buffer_bytes(spec, ContextConfig(n_ctx=4096, n_seq_max=4)) == 151936 * 4 * 4
