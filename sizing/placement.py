@@ -31,8 +31,20 @@ class Placement:
     gpus: tuple[int, ...] = ()
     n_gpu_layers: int = 0
     tensor_split: tuple[float, ...] = ()
-    experts_on_host: bool = False
-    """MoE expert tensors pinned to host memory (``tensor_buft_overrides``)."""
+    n_cpu_moe: int = 0
+    """MoE expert tensors of blocks 0..n_cpu_moe-1 pinned to host memory (``tensor_buft_overrides``,
+    llama.cpp's ``--n-cpu-moe``); their attention and shared weights stay on the GPU."""
+
+    @property
+    def experts_on_host(self) -> bool:
+        return self.n_cpu_moe > 0
+
+    def expert_override_pattern(self) -> str | None:
+        """The tensor_buft_overrides regex that keeps these blocks' experts in host memory."""
+        if self.n_cpu_moe <= 0:
+            return None
+        blocks = "|".join(str(i) for i in range(self.n_cpu_moe))
+        return rf"^blk\.({blocks})\.ffn_(up|down|gate)_exps"
 
     @property
     def cpu_only(self) -> bool:

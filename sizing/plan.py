@@ -3,22 +3,35 @@
 Pure: takes a ``ModelSpec``, the devices (GPUs and host memory) and a
 ``PlanRequest``; returns a ``Plan`` value. Computed once per load request;
 nothing downstream recomputes sizes.
+
+The rules (the second source document's, done for llama.cpp):
+- one card when one card holds the model at the minimum context: the card
+  with the most free memory (``auto``), or the card named;
+- otherwise a layer split over the cards with the most free memory first,
+  only as many as needed; layers are moved off a card that comes out short
+  onto one with room until every card fits or no arrangement can;
+- ``"all"`` splits over every card even when one would do, and is refused
+  (SPLIT_NOT_HONOURED) when a card would get no layer;
+- a model no arrangement of cards holds runs with some layers in host memory
+  (partial offload, ``sizing.offload``) unless that is disallowed; then the
+  refusal lists every card's figures.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from .config import ContextConfig, FlashAttn, pad
 from .devices import MIB, Device
 from .errors import ConfigError
 from .fit import largest_fitting
 from .memory import DEFAULT_GPU_ALLOWANCE_BYTES, MemoryEstimate, estimate
-from .placement import Placement
+from .placement import Placement, assign_slots
 from .spec import ModelSpec
 
 Verdict = Literal["cpu", "one_card", "split", "partial_offload", "refused"]
+RefusalCode = Literal["INSUFFICIENT_MEMORY", "SPLIT_NOT_HONOURED", "INVALID_CONFIG"]
 DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
 
@@ -29,7 +42,7 @@ class PlanRequest:
     n_ctx: int | None = None
     cache_types: tuple[str, ...] = DEFAULT_CACHE_TYPES
     cache_type: str = "q8_0"
-    """The type to load with (must be one of ``cache_types`` or is added)."""
+    """The type to load with (reported even when not in ``cache_types``)."""
     flash_attn: FlashAttn = "auto"
     ctx_ceiling: int | None = None
     min_ctx: int = 4096
@@ -41,7 +54,25 @@ class PlanRequest:
     gpu: int | Literal["auto", "all"] = "auto"
     tensor_split: tuple[float, ...] | None = None
     allow_offload: bool = True
-    """Whether a model the cards cannot hold may run with some layers on the host."""
+    """Whether a model the cards cannot hold may run with some layers in host memory."""
+    host_bandwidth_bytes_per_s: float = 40e9
+    """Host memory read bandwidth for the speed model (measured at service start, overridable)."""
+    disk_bandwidth_bytes_per_s: float = 2e9
+    """Model file read bandwidth for weights past MemAvailable."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One placement considered for partial offload, with its predicted speed."""
+
+    placement: Placement
+    n_ctx: int
+    decode_tokens_per_s: float
+    prompt_tokens_per_s: float
+    gpu_weights_bytes: int
+    host_weights_bytes: int
+    disk_weights_bytes: int
+    description: str
 
 
 @dataclass(frozen=True)
@@ -55,6 +86,9 @@ class CacheTypeOption:
     placement: Placement
     estimate: MemoryEstimate | None
     error: str | None = None
+    refusal: RefusalCode | None = None
+    candidates: tuple[Candidate, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +106,9 @@ class Plan:
     options: tuple[CacheTypeOption, ...]
     ctx_cap: int
     reasons: tuple[str, ...] = field(default=())
+    refusal: RefusalCode | None = None
+    candidates: tuple[Candidate, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -88,7 +125,15 @@ def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:
     return cap
 
 
-def _base_cfg(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
+def ctx_floor(spec: ModelSpec, req: PlanRequest, cap: int) -> int:
+    """The smallest context a placement must hold to count: the requested n_ctx, else the minimum."""
+    if req.n_ctx:
+        return cap
+    return min(req.min_ctx, cap)
+
+
+def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
+    """The llama.cpp context parameters for this request at ``n_ctx``."""
     return ContextConfig(
         n_ctx=n_ctx,
         type_k=cache,
@@ -101,61 +146,196 @@ def _base_cfg(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
     )
 
 
-def _fits(est: MemoryEstimate, gpus: Sequence[Device], host: Device) -> bool:
-    if any(need.total_bytes > dev.free_bytes for need, dev in zip(est.gpus, gpus)):
-        return False
-    return est.host.total_bytes <= host.free_bytes
+class Sizer:
+    """Estimates and fit checks for one model, cache type and device set."""
+
+    def __init__(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, cache: str) -> None:
+        self.spec = spec
+        self.gpus = list(gpus)
+        self.host = host
+        self.req = req
+        self.cache = cache
+
+    def estimate(self, placement: Placement, n_ctx: int) -> MemoryEstimate:
+        labels = [self.gpus[i].label for i in placement.gpus]
+        return estimate(
+            self.spec, context_config(self.req, self.cache, n_ctx), placement,
+            gpu_labels=labels, allowance_bytes=self.req.allowance_bytes,
+        )
+
+    def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
+        """Bytes each used GPU is missing (negative: to spare)."""
+        return [need.total_bytes - self.gpus[i].free_bytes for need, i in zip(est.gpus, placement.gpus)]
+
+    def host_fits(self, est: MemoryEstimate) -> bool:
+        return est.host.total_bytes <= self.host.free_bytes
+
+    def fits(self, placement: Placement, n_ctx: int) -> bool:
+        est = self.estimate(placement, n_ctx)
+        return self.host_fits(est) and all(s <= 0 for s in self.shortfalls(est, placement))
+
+    def balanced_split(self, idx: Sequence[int], n_ctx: int, *, keep_all: bool = False) -> Placement | None:
+        """A full-offload layer split over ``idx`` that fits at ``n_ctx``, or None.
+
+        Starts from shares proportional to each card's free memory less its
+        allowance (llama.cpp's default split), then moves one layer at a time
+        off the card that is shortest onto the card with the most room, as long
+        as that reduces the worst shortfall.
+        """
+        n_all = self.spec.n_layer_all
+        slots_n = n_all + 1
+        shares = [max(self.gpus[i].free_bytes - self.req.allowance_bytes, 0) for i in idx]
+        if sum(shares) <= 0:
+            return None
+        slots = assign_slots(n_all, slots_n, [float(s) for s in shares])
+        counts = [sum(1 for s in slots if s == p) for p in range(len(idx))]
+        best: float | None = None
+        for _ in range(slots_n * len(idx) + 1):
+            if keep_all and min(counts) == 0:
+                return None
+            pl = _split_placement(idx, counts)
+            est = self.estimate(pl, n_ctx)
+            over = self.shortfalls(est, pl)
+            if not self.host_fits(est):
+                return None
+            worst = max(over)
+            if worst <= 0:
+                return pl
+            if best is not None and worst >= best:
+                return None
+            best = worst
+            short = over.index(worst)
+            if counts[short] == 0:
+                return None
+            room = sorted((o, p) for p, o in enumerate(over) if p != short)
+            if not room or room[0][0] >= 0:
+                return None
+            counts[short] -= 1
+            counts[room[0][1]] += 1
+        return None
 
 
-def _split_for(gpus: Sequence[Device], allowance: int) -> tuple[float, ...]:
-    return tuple(max(g.free_bytes - allowance, 0) / MIB for g in gpus)
+def _split_placement(idx: Sequence[int], counts: Sequence[int]) -> Placement:
+    """Slots per card as llama.cpp's tensor_split: proportions equal to the counts give exactly them."""
+    if len(idx) == 1:
+        return Placement(gpus=tuple(idx), n_gpu_layers=sum(counts), tensor_split=(1.0,))
+    return Placement(gpus=tuple(idx), n_gpu_layers=sum(counts), tensor_split=tuple(float(c) for c in counts))
 
 
-def _candidates(spec: ModelSpec, gpus: Sequence[Device], req: PlanRequest) -> list[tuple[Verdict, Placement, list[int]]]:
-    """Placements to try, best first: (verdict, placement, positions into ``gpus``)."""
-    full = spec.n_layer_all + 1
-    if not gpus:
-        return [("cpu", Placement(), [])]
-    order = sorted(range(len(gpus)), key=lambda i: -gpus[i].free_bytes)
-    out: list[tuple[Verdict, Placement, list[int]]] = []
-    if isinstance(req.gpu, int):
-        out.append(("one_card", Placement(gpus=(req.gpu,), n_gpu_layers=full, tensor_split=(1.0,)), [req.gpu]))
-        return out
-    if req.gpu == "all" or req.tensor_split:
-        idx = list(range(len(gpus)))
-        split = req.tensor_split or _split_for(gpus, req.allowance_bytes)
-        verdict: Verdict = "split" if len(idx) > 1 else "one_card"
-        return [(verdict, Placement(gpus=tuple(idx), n_gpu_layers=full, tensor_split=tuple(split)), idx)]
-    out.append(("one_card", Placement(gpus=(order[0],), n_gpu_layers=full, tensor_split=(1.0,)), [order[0]]))
-    for k in range(2, len(gpus) + 1):
-        idx = sorted(order[:k])
-        chosen = [gpus[i] for i in idx]
-        out.append(("split", Placement(gpus=tuple(idx), n_gpu_layers=full, tensor_split=_split_for(chosen, req.allowance_bytes)), idx))
-    return out
+def _search(fits_at: Callable[[int], bool], floor: int, cap: int) -> int:
+    return largest_fitting(fits_at, floor, cap)
 
 
 def _option(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, cache: str, cap: int) -> CacheTypeOption:
-    floor = min(req.min_ctx, cap)
+    floor = ctx_floor(spec, req, cap)
+    sz = Sizer(spec, gpus, host, req, cache)
     try:
-        # Validate the cache type and flash-attention rule once, before searching.
-        estimate(spec, _base_cfg(req, cache, pad(floor)))
+        # Validate the cache type and the flash-attention rule once, before searching.
+        estimate(spec, context_config(req, cache, pad(floor)))
     except (ConfigError, KeyError) as exc:
-        return CacheTypeOption(cache, 0, "refused", Placement(), None, error=str(exc.args[0] if isinstance(exc, KeyError) else exc))
-    for verdict, placement, idx in _candidates(spec, gpus, req):
-        used = [gpus[i] for i in idx]
-        labels = [used_dev.label for used_dev in used]
+        msg = str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)
+        return CacheTypeOption(cache, 0, "refused", Placement(), None, error=msg, refusal="INVALID_CONFIG")
 
-        def est_at(n: int) -> MemoryEstimate:
-            return estimate(spec, _base_cfg(req, cache, n), placement, gpu_labels=labels, allowance_bytes=req.allowance_bytes)
+    full = spec.n_layer_all + 1
+    n = len(gpus)
+    if n == 0:
+        cpu = Placement()
+        best = _search(lambda c: sz.fits(cpu, c), floor, cap)
+        if best:
+            return CacheTypeOption(cache, best, "cpu", cpu, sz.estimate(cpu, best))
+        return _offload_or_refuse(sz, [], floor, cap, "host memory cannot hold the model at the minimum context")
 
-        n = largest_fitting(lambda n: _fits(est_at(n), used, host), floor, cap)
-        if n:
-            return CacheTypeOption(cache, n, verdict, placement, est_at(n))
-    # Nothing holds the minimum context: report the best candidate's figures at the floor.
-    verdict, placement, idx = _candidates(spec, gpus, req)[-1 if gpus else 0]
-    labels = [gpus[i].label for i in idx]
-    est = estimate(spec, _base_cfg(req, cache, floor), placement, gpu_labels=labels, allowance_bytes=req.allowance_bytes)
-    return CacheTypeOption(cache, 0, "refused", placement, est, error="does not fit at the minimum context")
+    if isinstance(req.gpu, int):
+        if not 0 <= req.gpu < n:
+            return CacheTypeOption(cache, 0, "refused", Placement(), None,
+                                   error=f"gpu {req.gpu} does not exist ({n} cards)", refusal="INVALID_CONFIG")
+        one = Placement(gpus=(req.gpu,), n_gpu_layers=full, tensor_split=(1.0,))
+        best = _search(lambda c: sz.fits(one, c), floor, cap)
+        if best:
+            return CacheTypeOption(cache, best, "one_card", one, sz.estimate(one, best))
+        return _offload_or_refuse(sz, [req.gpu], floor, cap, f"card {req.gpu} cannot hold the model at {floor} tokens")
+
+    if req.tensor_split is not None:
+        if len(req.tensor_split) != n or any(s < 0 for s in req.tensor_split) or sum(req.tensor_split) <= 0:
+            return CacheTypeOption(cache, 0, "refused", Placement(), None, refusal="INVALID_CONFIG",
+                                   error=f"tensor_split needs {n} non-negative proportions, got {list(req.tensor_split)}")
+        idx = [i for i in range(n) if req.tensor_split[i] > 0]
+        given = Placement(gpus=tuple(idx), n_gpu_layers=full, tensor_split=tuple(req.tensor_split[i] for i in idx))
+        best = _search(lambda c: sz.fits(given, c), floor, cap)
+        verdict: Verdict = "split" if len(idx) > 1 else "one_card"
+        if best:
+            return CacheTypeOption(cache, best, verdict, given, sz.estimate(given, best))
+        return _refused(sz, given, floor, f"the tensor_split {list(req.tensor_split)} does not fit at {floor} tokens")
+
+    if req.gpu == "all":
+        idx = list(range(n))
+        at_floor = sz.balanced_split(idx, floor, keep_all=True)
+        if at_floor is None:
+            proportional = _split_placement(idx, _proportional_counts(sz, idx))
+            counts = _counts(spec, proportional)
+            if min(counts) == 0 or any(g.free_bytes <= req.allowance_bytes for g in gpus):
+                est = sz.estimate(proportional, floor)
+                share = ", ".join(
+                    f"{gpus[i].label} {c} layers ({d.weights_bytes / MIB:.0f} MiB of weights, {gpus[i].free_bytes / MIB:.0f} MiB free)"
+                    for i, c, d in zip(idx, counts, est.gpus)
+                )
+                return CacheTypeOption(cache, 0, "refused", proportional, est, refusal="SPLIT_NOT_HONOURED",
+                                       error=f"a split over all {n} cards would leave a card without layers: {share}")
+            return _refused(sz, proportional, floor, f"the {n} cards cannot hold the model at {floor} tokens")
+        best = _search(lambda c: sz.balanced_split(idx, c, keep_all=True) is not None, floor, cap)
+        pl = sz.balanced_split(idx, best, keep_all=True)
+        assert pl is not None
+        return CacheTypeOption(cache, best, "split", pl, sz.estimate(pl, best))
+
+    # auto: the card with the most free memory, else the fewest cards that hold it.
+    order = sorted(range(n), key=lambda i: (-gpus[i].free_bytes, i))
+    one = Placement(gpus=(order[0],), n_gpu_layers=full, tensor_split=(1.0,))
+    if sz.fits(one, floor):
+        best = _search(lambda c: sz.fits(one, c), floor, cap)
+        return CacheTypeOption(cache, best, "one_card", one, sz.estimate(one, best))
+    for k in range(2, n + 1):
+        idx = sorted(order[:k])
+        if sz.balanced_split(idx, floor) is None:
+            continue
+        best = _search(lambda c: sz.balanced_split(idx, c) is not None, floor, cap)
+        pl = sz.balanced_split(idx, best)
+        assert pl is not None
+        return CacheTypeOption(cache, best, "split", pl, sz.estimate(pl, best))
+    return _offload_or_refuse(sz, list(range(n)), floor, cap, f"no arrangement of the {n} cards holds the model at {floor} tokens")
+
+
+def _proportional_counts(sz: Sizer, idx: Sequence[int]) -> list[int]:
+    shares = [float(max(sz.gpus[i].free_bytes - sz.req.allowance_bytes, 0)) for i in idx]
+    if sum(shares) <= 0:
+        shares = [1.0] * len(idx)
+    slots = assign_slots(sz.spec.n_layer_all, sz.spec.n_layer_all + 1, shares)
+    return [sum(1 for s in slots if s == p) for p in range(len(idx))]
+
+
+def _counts(spec: ModelSpec, pl: Placement) -> list[int]:
+    slots = pl.slots(spec.n_layer_all)
+    return [sum(1 for s in slots if s == p) for p in range(len(pl.gpus))]
+
+
+def _refused(sz: Sizer, placement: Placement, floor: int, why: str) -> CacheTypeOption:
+    """A refusal that carries every figure: the estimate at the minimum context."""
+    est = sz.estimate(placement, floor)
+    return CacheTypeOption(sz.cache, 0, "refused", placement, est, error=why, refusal="INSUFFICIENT_MEMORY")
+
+
+def _offload_or_refuse(sz: Sizer, idx: list[int], floor: int, cap: int, why: str) -> CacheTypeOption:
+    """Partial offload when allowed (``sizing.offload``), else a refusal with the best full-offload figures."""
+    order = sorted(idx, key=lambda i: (-sz.gpus[i].free_bytes, i))
+    proportional = _split_placement(sorted(order), _proportional_counts(sz, sorted(order))) if order else Placement()
+    if len(order) == 1:
+        proportional = Placement(gpus=(order[0],), n_gpu_layers=sz.spec.n_layer_all + 1, tensor_split=(1.0,))
+    if sz.req.allow_offload:
+        from .offload import plan_offload
+
+        opt = plan_offload(sz, sorted(order), floor, cap)
+        if opt is not None:
+            return opt
+    return _refused(sz, proportional, floor, why + ("" if sz.req.allow_offload else "; offloading layers to host memory is disabled"))
 
 
 def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest = PlanRequest()) -> Plan:
@@ -165,17 +345,29 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
     options = tuple(_option(spec, gpus, host, req, t, cap) for t in types)
     chosen = next(o for o in options if o.cache_type == req.cache_type)
     reasons: list[str] = []
+    if req.n_ctx and req.n_ctx > cap:
+        reasons.append(f"requested n_ctx {req.n_ctx} capped at {cap} (n_ctx_train {spec.n_ctx_train}"
+                       + (f", ceiling {req.ctx_ceiling})" if req.ctx_ceiling else ")"))
     if chosen.error:
         reasons.append(f"{chosen.cache_type}: {chosen.error}")
-    n_ctx = chosen.n_ctx or min(req.min_ctx, cap)
-    cfg = _base_cfg(req, chosen.cache_type, n_ctx)
+    n_ctx = chosen.n_ctx or ctx_floor(spec, req, cap)
+    cfg = context_config(req, chosen.cache_type, n_ctx)
     if chosen.estimate is not None:
         cfg = replace(cfg, flash_attn="on" if chosen.estimate.flash_attn else "off")
     if chosen.n_ctx and chosen.n_ctx < spec.n_ctx_train:
-        reasons.append(
-            f"context {chosen.n_ctx} of the model's {spec.n_ctx_train}: "
-            + ("capped by the configured ceiling" if chosen.n_ctx == cap and cap < spec.n_ctx_train else "limited by free memory")
-        )
+        if chosen.n_ctx == cap and req.n_ctx:
+            why = "as requested"
+        elif chosen.n_ctx == cap and req.ctx_ceiling and cap < spec.n_ctx_train:
+            why = "capped by the configured ceiling"
+        else:
+            why = "limited by free memory"
+        reasons.append(f"context {chosen.n_ctx} of the model's {spec.n_ctx_train}: {why}")
+    if chosen.verdict == "one_card":
+        reasons.append(f"one card holds the model: {gpus[chosen.placement.gpus[0]].label} {gpus[chosen.placement.gpus[0]].name}")
+    elif chosen.verdict == "split":
+        reasons.append("split over " + ", ".join(f"{gpus[i].label}" for i in chosen.placement.gpus))
+    elif chosen.verdict == "cpu":
+        reasons.append("no GPU: the whole model runs on the CPU from host memory")
     return Plan(
         model=spec,
         gpus=tuple(gpus),
@@ -188,4 +380,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         options=options,
         ctx_cap=cap,
         reasons=tuple(reasons),
+        refusal=chosen.refusal,
+        candidates=chosen.candidates,
+        warnings=chosen.warnings,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .devices import MIB, Device
 from .memory import MemoryEstimate
-from .plan import Plan
+from .plan import Candidate, Plan
 from .spec import ModelSpec
 
 
@@ -58,8 +58,10 @@ def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:
         entry = d.to_json()
         dev = plan.host if d.device == "CPU" else by_label.get(d.device)
         if dev is not None:
+            entry["name"] = dev.name
             entry["free_mib"] = mib(dev.free_bytes)
             entry["free_after_mib"] = mib(dev.free_bytes - d.total_bytes)
+            entry["missing_mib"] = mib(max(d.total_bytes - dev.free_bytes, 0))
         devices.append(entry)
     return {
         "n_ctx": est.cfg.n_ctx,
@@ -90,7 +92,9 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "host": device_json(plan.host),
         "ctx_cap": plan.ctx_cap,
         "verdict": plan.verdict,
+        "refusal": plan.refusal,
         "reasons": list(plan.reasons),
+        "warnings": list(plan.warnings),
         "chosen": {
             "cache_type": plan.cfg.type_k,
             "n_ctx": plan.cfg.n_ctx,
@@ -101,19 +105,39 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "n_gpu_layers": plan.placement.n_gpu_layers,
             "tensor_split": list(plan.placement.tensor_split),
             "gpus": [plan.gpus[i].index for i in plan.placement.gpus],
+            "n_cpu_moe": plan.placement.n_cpu_moe,
         },
+        "candidates": [candidate_json(c, plan) for c in plan.candidates],
         "estimate": None if plan.estimate is None else estimate_json(plan.estimate, plan),
         "cache_types": [
             {
                 "cache_type": o.cache_type,
                 "n_ctx": o.n_ctx,
                 "verdict": o.verdict,
+                "refusal": o.refusal,
                 "error": o.error,
+                "n_gpu_layers": o.placement.n_gpu_layers,
                 "kv_mib": None if o.estimate is None else mib(o.estimate.kv_bytes),
                 "total_mib": None if o.estimate is None else mib(o.estimate.total_bytes),
             }
             for o in plan.options
         ],
+    }
+
+
+def candidate_json(c: Candidate, plan: Plan) -> dict[str, object]:
+    return {
+        "description": c.description,
+        "n_ctx": c.n_ctx,
+        "n_gpu_layers": c.placement.n_gpu_layers,
+        "gpus": [plan.gpus[i].index for i in c.placement.gpus],
+        "tensor_split": list(c.placement.tensor_split),
+        "n_cpu_moe": c.placement.n_cpu_moe,
+        "gpu_weights_mib": mib(c.gpu_weights_bytes),
+        "host_weights_mib": mib(c.host_weights_bytes),
+        "disk_weights_mib": mib(c.disk_weights_bytes),
+        "decode_tokens_per_s": round(c.decode_tokens_per_s, 2),
+        "prompt_tokens_per_s": round(c.prompt_tokens_per_s, 1),
     }
 
 
@@ -136,5 +160,21 @@ def plan_table(plan: Plan) -> str:
         f"chosen: {plan.verdict}, n_ctx {c.n_ctx}, type_k {c.type_k}, type_v {c.type_v}, flash_attn {c.flash_attn}, "
         f"n_gpu_layers {plan.placement.n_gpu_layers}, swa_full {c.swa_full}"
     )
+    if plan.estimate is not None:
+        by_label = {g.label: g for g in plan.gpus}
+        for d in plan.estimate.devices:
+            dev = plan.host if d.device == "CPU" else by_label.get(d.device)
+            free = dev.free_bytes if dev is not None else 0
+            lines.append(
+                f"  {d.device:<6} layers {len(d.layers):>3}  weights {mib(d.weights_bytes):>9}  KV {mib(d.kv_bytes):>8}  "
+                f"compute {mib(d.compute_bytes):>8}  allowance {mib(d.allowance_bytes):>6}  free {mib(free):>9}  "
+                + (f"missing {mib(d.total_bytes - free)}" if d.total_bytes > free else f"spare {mib(free - d.total_bytes)}")
+            )
+    if plan.candidates:
+        lines.append("partial-offload candidates (fastest first):")
+        for c in plan.candidates[:8]:
+            lines.append(f"  {c.description:<62} n_ctx {c.n_ctx:>7}  decode {c.decode_tokens_per_s:8.2f} tok/s  "
+                         f"prompt {c.prompt_tokens_per_s:8.1f} tok/s")
     lines.extend(f"note: {r}" for r in plan.reasons)
+    lines.extend(f"warning: {w}" for w in plan.warnings)
     return "\n".join(lines)

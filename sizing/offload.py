@@ -1,0 +1,245 @@
+"""Partial offload: serve a model the cards cannot hold, choosing the placement that generates fastest.
+
+llama.cpp's partial offload already streams: the layers left on the host
+run from host memory (or, past MemAvailable, from the mmapped file), and for
+prompt batches ``op_offload`` copies their weights to the GPU. Candidates:
+- whole layers on the GPUs, in llama.cpp's slot order (output first, then
+  the top layers), for every ``n_gpu_layers`` that fits;
+- for a MoE model, the expert tensors pinned to host memory first
+  (``tensor_buft_overrides``), attention and shared weights on the GPU, then
+  also whole layers.
+Each gets the largest context and a predicted decode speed; the plan takes the
+fastest that holds the minimum context and lists the others as the trade-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Sequence
+
+from .devices import MIB
+from .memory import MemoryEstimate
+from .placement import Placement, assign_slots
+from .speed import TokenBytes, Tiers, decode_tokens_per_s, gpu_bandwidth, prompt_tokens_per_s
+
+if TYPE_CHECKING:
+    from .spec import ModelSpec
+    from .plan import Candidate, CacheTypeOption, Sizer
+
+def with_experts_on_host(sz: "Sizer", est: MemoryEstimate, placement: Placement) -> MemoryEstimate:
+    """Move the expert tensors of blocks below ``n_cpu_moe`` to the host in an estimate (the override's effect)."""
+    if not placement.experts_on_host:
+        return est
+    gpus = []
+    moved_total = 0
+    for d in est.gpus:
+        moved = sum(sz.spec.layers[il].expert_bytes for il in d.layers if il < placement.n_cpu_moe)
+        moved_total += moved
+        gpus.append(replace(d, weights_bytes=d.weights_bytes - moved))
+    host = replace(est.host, weights_bytes=est.host.weights_bytes + moved_total)
+    return replace(est, host=host, gpus=tuple(gpus))
+
+
+def _estimate(sz: "Sizer", pl: Placement, n_ctx: int) -> MemoryEstimate:
+    return with_experts_on_host(sz, sz.estimate(pl, n_ctx), pl)
+
+
+def _gpu_ok(sz: "Sizer", est: MemoryEstimate, pl: Placement) -> bool:
+    return all(need.total_bytes <= sz.gpus[i].free_bytes for need, i in zip(est.gpus, pl.gpus))
+
+
+def _host_ok(sz: "Sizer", est: MemoryEstimate) -> bool:
+    """Host memory must hold everything but weights; weights past MemAvailable come from the mmapped file."""
+    h = est.host
+    return h.total_bytes - h.weights_bytes <= sz.host.free_bytes
+
+
+def disk_bytes(sz: "Sizer", est: MemoryEstimate) -> int:
+    """Weight bytes that do not fit in MemAvailable and are read from the file (page cache misses)."""
+    return max(est.host.total_bytes - sz.host.free_bytes, 0)
+
+
+def fits(sz: "Sizer", pl: Placement, n_ctx: int) -> bool:
+    est = _estimate(sz, pl, n_ctx)
+    return _gpu_ok(sz, est, pl) and _host_ok(sz, est)
+
+
+def _placement(sz: "Sizer", idx: Sequence[int], ngl: int, n_cpu_moe: int) -> Placement:
+    if ngl <= 0 or not idx:
+        return Placement()
+    shares = tuple(float(max(sz.gpus[i].free_bytes - sz.req.allowance_bytes, 1)) for i in idx)
+    if len(idx) == 1:
+        shares = (1.0,)
+    return Placement(gpus=tuple(idx), n_gpu_layers=ngl, tensor_split=shares, n_cpu_moe=n_cpu_moe)
+
+
+def _balanced(sz: "Sizer", idx: Sequence[int], ngl: int, n_ctx: int, n_cpu_moe: int) -> Placement | None:
+    """The proportional split of ``ngl`` slots, rebalanced by whole slots when a card is short."""
+    pl = _placement(sz, idx, ngl, n_cpu_moe)
+    if pl.cpu_only or len(idx) == 1:
+        return pl if fits(sz, pl, n_ctx) else None
+    slots = assign_slots(sz.spec.n_layer_all, ngl, pl.tensor_split)
+    counts = [sum(1 for s in slots if s == p) for p in range(len(idx))]
+    best = None
+    for _ in range(ngl * len(idx) + 1):
+        cand = replace(pl, tensor_split=tuple(float(c) for c in counts))
+        est = _estimate(sz, cand, n_ctx)
+        if not _host_ok(sz, est):
+            return None
+        over = [need.total_bytes - sz.gpus[i].free_bytes for need, i in zip(est.gpus, cand.gpus)]
+        worst = max(over)
+        if worst <= 0:
+            return cand
+        if best is not None and worst >= best:
+            return None
+        best = worst
+        short = over.index(worst)
+        room = sorted((o, p) for p, o in enumerate(over) if p != short)
+        if counts[short] == 0 or not room or room[0][0] >= 0:
+            return None
+        counts[short] -= 1
+        counts[room[0][1]] += 1
+    return None
+
+
+def token_bytes(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int) -> tuple[TokenBytes, list[int]]:
+    """Bytes a decoded token reads from GPU, host and disk, and per GPU (for per-card bandwidth)."""
+    spec = sz.spec
+    frac = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
+
+    def layer_read(il: int, experts_here: bool) -> int:
+        layer = spec.layers[il]
+        dense = layer.weights_bytes - layer.expert_bytes
+        return dense + (int(layer.expert_bytes * frac) if experts_here else 0)
+
+    slots = pl.slots(spec.n_layer_all)
+    per_gpu = [0] * len(pl.gpus)
+    host = 0
+    for il in range(spec.n_layer_all):
+        d = slots[il]
+        layer = spec.layers[il]
+        if d is None:
+            host += layer_read(il, True)
+        else:
+            experts_on_host = il < pl.n_cpu_moe
+            per_gpu[d] += layer_read(il, not experts_on_host)
+            if experts_on_host:
+                host += int(layer.expert_bytes * frac)
+    head = spec.token_embd_bytes if spec.output_tied else spec.output_bytes
+    out_dev = slots[spec.n_layer_all]
+    if out_dev is None:
+        host += head
+    else:
+        per_gpu[out_dev] += head
+    # Attention reads the KV cache, on average half full.
+    half = sz.estimate(pl, n_ctx)  # same layers, KV per device
+    for p, d in enumerate(half.gpus):
+        per_gpu[p] += d.kv_bytes // 2
+    host += half.host.kv_bytes // 2
+    disk = min(disk_bytes(sz, est), host)
+    return TokenBytes(gpu=sum(per_gpu), host=host - disk, disk=disk), per_gpu
+
+
+def speed(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tiers) -> tuple[float, float, TokenBytes]:
+    """(decode tokens/s, prompt tokens/s, bytes per token) of a placement."""
+    tb, per_gpu = token_bytes(sz, pl, est, n_ctx)
+    gpu_s = sum(b / gpu_bandwidth(sz.gpus[i].name, sz.gpus[i].bandwidth_bytes_per_s) for b, i in zip(per_gpu, pl.gpus))
+    seconds = gpu_s + tb.host / tiers.host + tb.disk / tiers.disk
+    decode = 1.0 / seconds if seconds > 0 else float("inf")
+    spec = sz.spec
+    frac = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
+    active_bytes = sum(layer.weights_bytes - layer.expert_bytes * (1 - frac) for layer in spec.layers)
+    active_params = active_bytes * _param_count(spec) / max(spec.weights_bytes, 1)
+    gpu_w = sum(d.weights_bytes for d in est.gpus)
+    gpu_share = gpu_w / max(gpu_w + est.host.weights_bytes - spec.token_embd_bytes, 1)
+    host_w = max(est.host.weights_bytes - spec.token_embd_bytes, 0)
+    prompt = prompt_tokens_per_s(active_params, min(gpu_share, 1.0), host_w, sz.req.n_ubatch, tiers)
+    if pl.cpu_only:
+        prompt = prompt_tokens_per_s(active_params, 0.0, host_w, sz.req.n_ubatch, tiers, op_offload=False)
+        decode = decode_tokens_per_s(tb, tiers)
+    return decode, prompt, tb
+
+
+def _param_count(spec: "ModelSpec") -> int:
+    tensors = spec.tensors
+    n = 0
+    for t in tensors:
+        c = 1
+        for d in t.shape:
+            c *= d
+        n += c
+    return n
+
+
+def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTypeOption | None":
+    """The fastest partial-offload placement that holds ``floor`` tokens, with the trade-off listed."""
+    from .fit import largest_fitting
+    from .plan import CacheTypeOption, Candidate
+
+    spec = sz.spec
+    tiers = Tiers(host=sz.req.host_bandwidth_bytes_per_s, disk=sz.req.disk_bandwidth_bytes_per_s)
+    full = spec.n_layer_all + 1
+    candidates: list[Candidate] = []
+
+    def add(ngl: int, n_cpu_moe: int) -> bool:
+        pl = _balanced(sz, idx, ngl, floor, n_cpu_moe) if ngl else Placement()
+        if pl is None or not fits(sz, pl, floor):
+            return False
+
+        def ok(c: int) -> bool:
+            p = _balanced(sz, idx, ngl, c, n_cpu_moe) if ngl else Placement()
+            return p is not None and fits(sz, p, c)
+
+        best_ctx = largest_fitting(ok, floor, cap)
+        pl = (_balanced(sz, idx, ngl, best_ctx, n_cpu_moe) if ngl else Placement()) or pl
+        est = _estimate(sz, pl, best_ctx)
+        dec, pro, _ = speed(sz, pl, est, best_ctx, tiers)
+        if not ngl:
+            what = "all layers on the CPU"
+        elif n_cpu_moe:
+            what = f"all {full} slots on the GPU, experts of {n_cpu_moe} blocks in host memory"
+        else:
+            what = f"{ngl} of {full} slots on the GPU"
+        disk = disk_bytes(sz, est)
+        candidates.append(Candidate(pl, best_ctx, dec, pro, sum(d.weights_bytes for d in est.gpus),
+                                    est.host.weights_bytes - disk, disk, what))
+        return True
+
+    if idx and spec.n_expert and any(layer.expert_bytes for layer in spec.layers[: spec.n_layer_all]):
+        # Experts of the first blocks in host memory, everything else on the GPU: the fewest that fit first.
+        n_moe = spec.n_layer_all
+        lo, hi = 1, n_moe
+        if add(full, n_moe):
+            candidates.pop()
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(sz, _placement(sz, idx, full, mid), floor) or _balanced(sz, idx, full, floor, mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            for k in sorted({lo, min(lo + 4, n_moe), min(lo + 12, n_moe), n_moe}):
+                add(full, k)
+    # Whole layers: the most that fit first, then a few fewer for more context.
+    listed = 0
+    for ngl in (range(full - 1, -1, -1) if idx else (0,)):
+        if add(ngl, 0):
+            listed += 1
+            if listed >= 6:
+                break
+    if idx and listed and not any(c.placement.cpu_only for c in candidates):
+        add(0, 0)
+    if not candidates:
+        return None
+    candidates.sort(key=lambda c: -c.decode_tokens_per_s)
+    chosen = candidates[0]
+    est = _estimate(sz, chosen.placement, chosen.n_ctx)
+    warnings = []
+    if chosen.disk_weights_bytes:
+        warnings.append(
+            f"{chosen.disk_weights_bytes / MIB:.0f} MiB of weights exceed available host memory and are read from "
+            "the mmapped file (disk tier): expect slow generation"
+        )
+    verdict = "cpu" if chosen.placement.cpu_only else "partial_offload"
+    return CacheTypeOption(sz.cache, chosen.n_ctx, verdict, chosen.placement, est,  # type: ignore[arg-type]
+                           candidates=tuple(candidates), warnings=tuple(warnings))
+

@@ -1,0 +1,85 @@
+"""Predicted generation speed of a placement, from bytes read per token and each tier's bandwidth.
+
+Decoding one token reads every weight it uses once (all of a dense model;
+the shared tensors and ``n_expert_used / n_expert`` of the experts of a MoE)
+plus the KV cache; each tier streams its share at its bandwidth, one after
+the other (layers run in order). Prompt processing is compute-bound on the
+GPU, plus, for layers left on the host, the ``op_offload`` copy of their
+weights over PCIe once per ubatch. These are models for ranking placements,
+checked on real hardware by ``bench/offload_gpu.py``; the service reports
+measured speeds beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+# Memory bandwidth by GPU name (vendor figures, bytes/s); matched by substring, longest first.
+GPU_BANDWIDTH: dict[str, float] = {
+    "H200": 4800 * GB, "H100": 3350 * GB, "A100": 2039 * GB, "L40S": 864 * GB, "L40": 864 * GB,
+    "A6000": 768 * GB, "A5000": 768 * GB, "A4000": 448 * GB, "L4": 300 * GB, "T4": 320 * GB, "V100": 900 * GB,
+    "RTX 5090": 1792 * GB, "RTX 5080": 960 * GB, "RTX 4090": 1008 * GB, "RTX 4080": 717 * GB,
+    "RTX 4070 Ti": 504 * GB, "RTX 4070": 504 * GB, "RTX 4060 Ti": 288 * GB, "RTX 4060": 272 * GB,
+    "RTX 3090 Ti": 1008 * GB, "RTX 3090": 936 * GB, "RTX 3080 Ti": 912 * GB, "RTX 3080 Laptop": 448 * GB,
+    "RTX 3080": 760 * GB, "RTX 3070": 448 * GB, "RTX 3060 Ti": 448 * GB, "RTX 3060": 360 * GB,
+    "RTX 2080 Ti": 616 * GB, "RTX 2080": 448 * GB, "RTX 2070": 448 * GB, "RTX 2060": 336 * GB,
+}
+DEFAULT_GPU_BANDWIDTH = 450 * GB
+DEFAULT_GPU_FLOPS = 40e12
+"""Effective dense FLOP/s for prompt processing when the card is not known."""
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Bandwidths of the memory tiers a token's weights are read from, bytes/s."""
+
+    gpu: float = DEFAULT_GPU_BANDWIDTH
+    host: float = 40 * GB
+    disk: float = 2 * GB
+    pcie: float = 25 * GB
+    gpu_flops: float = DEFAULT_GPU_FLOPS
+    cpu_flops: float = 0.5e12
+
+
+def gpu_bandwidth(name: str, declared: float | None = None) -> float:
+    """A card's memory bandwidth: declared, else from the table by name, else a middling default."""
+    if declared:
+        return declared
+    for key in sorted(GPU_BANDWIDTH, key=len, reverse=True):
+        if key.lower() in name.lower():
+            return GPU_BANDWIDTH[key]
+    return DEFAULT_GPU_BANDWIDTH
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one decoded token reads from each tier."""
+
+    gpu: int
+    host: int
+    disk: int
+
+
+def decode_tokens_per_s(b: TokenBytes, t: Tiers) -> float:
+    seconds = b.gpu / t.gpu + b.host / t.host + b.disk / t.disk
+    return 1.0 / seconds if seconds > 0 else float("inf")
+
+
+def prompt_tokens_per_s(active_params: float, gpu_share: float, host_weight_bytes: int, n_ubatch: int,
+                        t: Tiers, op_offload: bool = True) -> float:
+    """Prompt tokens/s: GPU compute for the offloaded share; host layers computed on the GPU after a PCIe copy
+    (op_offload) or on the CPU."""
+    flops_per_token = 2.0 * active_params
+    gpu_s = flops_per_token * n_ubatch * gpu_share / t.gpu_flops
+    host_share = 1.0 - gpu_share
+    if host_share > 0:
+        if op_offload:
+            host_s = host_weight_bytes / t.pcie + flops_per_token * n_ubatch * host_share / t.gpu_flops
+        else:
+            host_s = flops_per_token * n_ubatch * host_share / t.cpu_flops
+    else:
+        host_s = 0.0
+    total = gpu_s + host_s
+    return n_ubatch / total if total > 0 else float("inf")

@@ -1,0 +1,103 @@
+"""Partial offload (issue 6): models larger than the cards still run, on the fastest placement."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from sizing.devices import Device
+from sizing.plan import PlanRequest, make_plan
+from sizing.spec import ModelSpec
+
+GIB = 1 << 30
+Spec = Callable[..., ModelSpec]
+
+# The first source document's laptop: an 8 GB card (8.6 GB) with 2.2 GB used, 32 GB of host RAM.
+LAPTOP_GPU = Device(0, "NVIDIA GeForce RTX 3080 Laptop GPU", int(8.6e9 - 2.2e9), int(8.6e9))
+LAPTOP_HOST = Device(0, "host memory", int(32e9 * 0.85), int(32e9), "host")
+SECONDS_PER_TOKEN_STREAMED = 27.0  # AirLLM on that laptop (first source document, Table 6)
+
+
+def test_qwen3_14b_bf16_on_the_laptop_is_a_partial_offload(model_spec: Spec) -> None:
+    spec = model_spec("Qwen3-14B")
+    plan = make_plan(spec, [LAPTOP_GPU], LAPTOP_HOST, PlanRequest(cache_type="f16", n_ctx=4096))
+    assert plan.verdict == "partial_offload"
+    ngl = plan.placement.n_gpu_layers
+    assert 0 < ngl < spec.n_layer_all + 1
+    est = plan.estimate
+    assert est is not None
+    gpu = est.gpus[0]
+    assert gpu.total_bytes <= LAPTOP_GPU.free_bytes
+    # The most slots that fit: one more would not.
+    from sizing.offload import fits
+    from sizing.plan import Sizer
+
+    sz = Sizer(spec, [LAPTOP_GPU], LAPTOP_HOST, plan.request, "f16")
+    from dataclasses import replace
+
+    assert not fits(sz, replace(plan.placement, n_gpu_layers=ngl + 1), 4096)
+    best = plan.candidates[0]
+    assert best.placement == plan.placement
+    # Faster than streaming every layer through the card per token, by a wide margin.
+    assert best.decode_tokens_per_s > 10 / SECONDS_PER_TOKEN_STREAMED
+    # The trade-off is listed: fewer layers, and all on the CPU, each slower.
+    speeds = [c.decode_tokens_per_s for c in plan.candidates]
+    assert speeds == sorted(speeds, reverse=True)
+    assert any(c.placement.cpu_only for c in plan.candidates)
+
+
+def test_moe_on_a_12gb_card_keeps_experts_in_host_memory(model_spec: Spec) -> None:
+    spec = model_spec("Qwen3-30B-A3B", "q4_k_m")
+    card = Device(0, "NVIDIA GeForce RTX 3060", 12 * GIB - 300 * (1 << 20), 12 * GIB)
+    host = Device(0, "host memory", 28 * GIB, 32 * GIB, "host")
+    plan = make_plan(spec, [card], host, PlanRequest(n_ctx=8192))
+    assert plan.verdict == "partial_offload"
+    # All attention on the GPU: every slot offloaded, only expert tensors stay on the host.
+    assert plan.placement.n_gpu_layers == spec.n_layer_all + 1
+    assert 0 < plan.placement.n_cpu_moe <= spec.n_layer_all
+    assert plan.estimate is not None
+    assert plan.estimate.gpus[0].layers == tuple(range(spec.n_layer_all))
+    expert_host = sum(spec.layers[il].expert_bytes for il in range(plan.placement.n_cpu_moe))
+    assert plan.estimate.host.weights_bytes >= expert_host
+    whole_layers = [c for c in plan.candidates if c.placement.n_cpu_moe == 0 and not c.placement.cpu_only]
+    assert whole_layers, "the whole-layer split is listed for comparison"
+    assert plan.candidates[0].decode_tokens_per_s > max(c.decode_tokens_per_s for c in whole_layers)
+    pattern = plan.placement.expert_override_pattern()
+    assert pattern is not None
+    import re
+
+    assert re.search(pattern, "blk.0.ffn_up_exps.weight")
+    assert not re.search(pattern, f"blk.{plan.placement.n_cpu_moe}.ffn_up_exps.weight")
+    assert not re.search(pattern, "blk.0.attn_q.weight")
+
+
+def test_offload_disallowed_refuses_with_figures(model_spec: Spec) -> None:
+    spec = model_spec("Qwen3-14B")
+    plan = make_plan(spec, [LAPTOP_GPU], LAPTOP_HOST, PlanRequest(cache_type="f16", allow_offload=False))
+    assert plan.verdict == "refused" and plan.refusal == "INSUFFICIENT_MEMORY"
+    assert plan.estimate is not None and plan.estimate.gpus[0].weights_bytes > LAPTOP_GPU.free_bytes
+
+
+def test_weights_beyond_host_memory_come_from_disk_with_a_warning(model_spec: Spec) -> None:
+    spec = model_spec("Qwen2.5-14B")
+    small_host = Device(0, "host memory", 16 * GIB, 16 * GIB, "host")
+    plan = make_plan(spec, [LAPTOP_GPU], small_host, PlanRequest(cache_type="q8_0", n_ctx=4096))
+    assert plan.verdict == "partial_offload"
+    assert plan.candidates[0].disk_weights_bytes > 0
+    assert any("disk" in w for w in plan.warnings)
+
+
+def test_no_gpu_and_too_little_ram_still_runs_from_the_file(model_spec: Spec) -> None:
+    spec = model_spec("Qwen3-14B")
+    host = Device(0, "host memory", 12 * GIB, 16 * GIB, "host")
+    plan = make_plan(spec, [], host, PlanRequest(cache_type="q8_0", n_ctx=4096))
+    assert plan.verdict == "cpu"
+    assert plan.placement.cpu_only
+    assert any("disk" in w for w in plan.warnings)
+
+
+def test_card_with_no_room_runs_everything_on_the_cpu(model_spec: Spec) -> None:
+    spec = model_spec("Qwen3-14B")
+    full_card = Device(0, "RTX 3060", 200 * (1 << 20), 12 * GIB)
+    plan = make_plan(spec, [full_card], Device(0, "host memory", 60 * GIB, 64 * GIB, "host"), PlanRequest(n_ctx=4096))
+    assert plan.verdict == "cpu"
+    assert plan.placement.n_gpu_layers == 0
