@@ -49,6 +49,7 @@ def _plan(args: argparse.Namespace) -> int:
         n_batch=max(args.ubatch, 512),
         n_seq_max=args.parallel,
         swa_full=args.swa_full,
+        allow_offload=not args.no_offload,
     )
     plan = make_plan(spec, gpus, host, req)
     print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))
@@ -112,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--ubatch", type=int, default=512)
     pl.add_argument("--parallel", type=int, default=1)
     pl.add_argument("--swa-full", action="store_true")
+    pl.add_argument("--no-offload", action="store_true", help="refuse instead of keeping layers in host memory")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=_plan)
 

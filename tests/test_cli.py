@@ -45,9 +45,17 @@ def test_plan_json_on_declared_gpus(embedded_model: str, tmp_path) -> None:  # t
 def test_plan_refuses_with_exit_status_when_nothing_fits(embedded_model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     gpus = tmp_path / "gpus.json"
     gpus.write_text(json.dumps([{"name": "tiny", "free_mib": 100, "total_mib": 8192}]))
-    r = run("plan", embedded_model, "--gpus", str(gpus), "--json")
+    r = run("plan", embedded_model, "--gpus", str(gpus), "--json", "--no-offload")
+    assert r.returncode == 3
     d = json.loads(r.stdout)
-    assert d["verdict"] in ("refused", "partial_offload")
+    assert d["verdict"] == "refused"
+    assert d["refusal"] == "INSUFFICIENT_MEMORY"
+    card = next(x for x in d["estimate"]["devices"] if x["device"] == "CUDA0")
+    assert card["missing_mib"] > 0
+    # Offload allowed (the default): a card with no room runs the model on the CPU.
+    r = run("plan", embedded_model, "--gpus", str(gpus), "--json")
+    assert r.returncode == 0
+    assert json.loads(r.stdout)["verdict"] == "cpu"
 
 
 def test_probe_of_a_non_gguf_file_is_a_clean_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
