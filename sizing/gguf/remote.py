@@ -4,7 +4,7 @@
 resolves a Hugging Face ``repo_id`` + ``filename`` with ``hf_hub_url`` (the
 ``HF_ENDPOINT`` environment variable, read at call time, picks the hub) and
 sends the token ``huggingface_hub`` would send (``token`` argument, else
-``HF_TOKEN`` or the stored login).
+``HF_TOKEN`` or the stored login, via ``huggingface_hub.get_token``).
 
 The header is fetched in growing windows (see ``sizing.gguf.reader._Cursor.grow``):
 each window is at least a lower bound of the bytes still needed and at most
@@ -177,14 +177,19 @@ def probe_hf(
     *,
     client: httpx.Client | None = None,
 ) -> ModelSpec:
-    """Probe ``filename`` of the Hugging Face repo ``repo_id`` without downloading its weights."""
-    from huggingface_hub.utils import build_hf_headers
+    """Probe ``filename`` of the Hugging Face repo ``repo_id`` without downloading its weights.
+
+    ``token`` defaults to huggingface_hub's own (``HF_TOKEN``, else the stored login).
+    The headers are built here rather than with ``build_hf_headers``, which may
+    itself call the hub (``/api/agent-harnesses``, huggingface_hub 2.x).
+    """
+    from huggingface_hub import get_token
 
     url = hf_url(repo_id, filename, revision)
-    try:
-        headers = build_hf_headers(token=token)
-    except Exception as exc:  # huggingface_hub raises its own errors for bad tokens
-        raise RemoteError(f"cannot build Hugging Face headers: {exc}", source=url) from exc
+    tok = token if token is not None else get_token()
+    headers = {"User-Agent": "gguf-fit-server-probe"}
+    if tok:
+        headers["Authorization"] = f"Bearer {tok}"
     if client is not None:
         client.headers.update(headers)
     return probe_url(url, headers=headers, client=client)

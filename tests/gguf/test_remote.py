@@ -1,0 +1,150 @@
+"""Remote probes through a local HTTP server (127.0.0.1) with Range support: header bytes only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sizing.__main__ import main
+from sizing.errors import ProbeError, RemoteError
+from sizing.gguf import probe_hf, probe_path, probe_url
+from sizing.gguf.remote import shard_urls
+from tests.gguf.conftest import RangeServer, link_into, write_model
+
+
+def _same(a: object, b: object) -> None:
+    from sizing.spec import ModelSpec
+
+    assert isinstance(a, ModelSpec) and isinstance(b, ModelSpec)
+    assert a.tensors == b.tensors
+    assert a.layers == b.layers
+    assert (a.n_vocab, a.n_layer, a.data_offset, a.file_size_bytes) == (b.n_vocab, b.n_layer, b.data_offset, b.file_size_bytes)
+    assert dict(a.metadata) == dict(b.metadata)
+
+
+def test_probe_url_equals_local(range_server: RangeServer, small_model: Path) -> None:
+    link_into(range_server, small_model)
+    spec = probe_url(range_server.url(small_model.name))
+    _same(spec, probe_path(str(small_model)))
+    assert spec.source.url == range_server.url(small_model.name)
+    assert all(r.split(" ", 1)[1].startswith("bytes=") for r in range_server.requests)
+
+
+def test_remote_transfers_little_more_than_the_header(range_server: RangeServer, big_vocab_model: Path) -> None:
+    link_into(range_server, big_vocab_model)
+    spec = probe_url(range_server.url(big_vocab_model.name))
+    header = spec.data_offset
+    assert header > 900_000  # the first window is a small part of it
+    assert spec.file_size_bytes > 10 * header
+    assert header <= range_server.bytes_sent < 1.1 * header
+    assert len(range_server.requests) < 40
+    _same(spec, probe_path(str(big_vocab_model)))
+
+
+def test_remote_embedded_model(range_server: RangeServer, embedded_model: str) -> None:
+    path = Path(embedded_model)
+    link_into(range_server, path)
+    spec = probe_url(range_server.url(path.name))
+    assert spec.n_vocab == 262_144
+    assert range_server.bytes_sent < 1.1 * spec.data_offset
+    assert range_server.bytes_sent < spec.file_size_bytes / 30  # 6.5 MB of 253 MB
+    _same(spec, probe_path(embedded_model))
+
+
+def test_remote_split(range_server: RangeServer, tmp_path: Path) -> None:
+    files = write_model(tmp_path / "m.gguf", n_layer=3, split_max_tensors=4)
+    link_into(range_server, *files)
+    spec = probe_url(range_server.url(files[2].name))
+    assert spec.source.shards == tuple(range_server.url(f.name) for f in files)
+    assert len(spec.tensors) == 1 + 3 * 3 + 2
+    assert spec.file_size_bytes == sum(f.stat().st_size for f in files)
+    assert {r.split(" ")[0] for r in range_server.requests} == {f.name for f in files}
+
+
+def test_shard_urls_keep_the_query() -> None:
+    assert shard_urls("https://h/a/m-00002-of-00002.gguf?download=1") == [
+        "https://h/a/m-00001-of-00002.gguf?download=1", "https://h/a/m-00002-of-00002.gguf?download=1",
+    ]
+
+
+def test_http_404_is_a_remote_error(range_server: RangeServer) -> None:
+    with pytest.raises(RemoteError) as ei:
+        probe_url(range_server.url("nope.gguf"))
+    assert ei.value.status == 404
+
+
+def test_connection_refused_is_a_remote_error() -> None:
+    with pytest.raises(RemoteError):
+        probe_url("http://127.0.0.1:9/x.gguf", timeout_s=2)
+
+
+def test_not_http() -> None:
+    with pytest.raises(ProbeError):
+        probe_url("ftp://127.0.0.1/x.gguf")
+
+
+def test_server_ignoring_range_is_refused(range_server: RangeServer, big_vocab_model: Path) -> None:
+    link_into(range_server, big_vocab_model)
+    range_server.ignore_range = True
+    with pytest.raises(RemoteError, match="ignores Range"):
+        probe_url(range_server.url(big_vocab_model.name))
+
+
+def test_small_file_without_range_support_is_read(range_server: RangeServer, tmp_path: Path) -> None:
+    from tests.gguf.conftest import minimal_llama
+
+    f = tmp_path / "tiny.gguf"
+    f.write_bytes(bytes(minimal_llama(2)))
+    link_into(range_server, f)
+    range_server.ignore_range = True
+    assert probe_url(range_server.url("tiny.gguf")).n_layer == 2
+
+
+def test_truncated_remote_file(range_server: RangeServer, big_vocab_model: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(big_vocab_model.read_bytes()[:500_000])
+    link_into(range_server, cut)
+    with pytest.raises(ProbeError) as ei:
+        probe_url(range_server.url("cut.gguf"))
+    assert ei.value.offset is not None and ei.value.offset < 500_000
+    assert range_server.bytes_sent <= 500_000
+
+
+def test_probe_hf_honours_endpoint_and_token(
+    range_server: RangeServer, small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link_into(range_server, small_model, under="acme/tiny/resolve/v1")
+    monkeypatch.setenv("HF_ENDPOINT", range_server.base_url)
+    spec = probe_hf("acme/tiny", small_model.name, revision="v1", token="hf_secret")
+    _same(spec, probe_path(str(small_model)))
+    assert spec.source.url == f"{range_server.base_url}/acme/tiny/resolve/v1/{small_model.name}"
+    assert set(range_server.authorizations) == {"Bearer hf_secret"}, range_server.requests
+
+
+def test_cli_probe_hf_and_url(
+    range_server: RangeServer, small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link_into(range_server, small_model, under="acme/tiny/resolve/main")
+    link_into(range_server, small_model)
+    monkeypatch.setenv("HF_ENDPOINT", range_server.base_url)
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    assert main(["probe", f"hf://acme/tiny/{small_model.name}", "--json"]) == 0
+    via_hf = json.loads(capsys.readouterr().out)
+    assert main(["probe", range_server.url(small_model.name), "--json"]) == 0
+    via_url = json.loads(capsys.readouterr().out)
+    assert via_hf["n_tensors"] == via_url["n_tensors"] == 9
+    assert via_hf["source"].endswith(f"/acme/tiny/resolve/main/{small_model.name}")
+    assert "Bearer hf_env" in range_server.authorizations
+    assert main(["probe", range_server.url("missing.gguf")]) == 2
+    assert "404" in capsys.readouterr().err
+
+
+def test_shared_client_is_used(range_server: RangeServer, small_model: Path) -> None:
+    link_into(range_server, small_model)
+    seen: list[str] = []
+    with httpx.Client(event_hooks={"request": [lambda r: seen.append(r.headers["range"])]}) as c:
+        probe_url(range_server.url(small_model.name), client=c)
+    assert seen and all(s.startswith("bytes=") for s in seen)
