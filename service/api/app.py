@@ -15,6 +15,7 @@ from ..models import Registry
 from ..runner import Runner
 from ..settings import Settings
 from . import errors, management, openai, ops
+from . import page
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(openai.router)
     app.include_router(management.router)
+    page.install(app)
     return app
 
 
