@@ -292,3 +292,34 @@ def test_windowed_source_gives_the_same_errors() -> None:
     for cut in (10, 30, 1000, len(good) // 2, len(good) - 40):
         with pytest.raises((TruncatedError, MalformedError)):  # a short file cannot hold its counts
             parse_header(Windowed(good[:cut]), initial_bytes=100)
+
+
+def _token_kv(body: bytes, count: int) -> bytes:
+    return gstr("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, count) + body
+
+
+TOKENS_AT = 24 + 8 + len("tokenizer.ggml.tokens") + 16
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_long_tokens_among_short_ones(windowed: bool) -> None:
+    """Strings of 256 bytes and more leave the regex path; the walk still ends exactly."""
+    toks = [b"x" * (300 if i % 700 == 5 else 70_000 if i == 2222 else i % 40) for i in range(5000)]
+    raw = RawGGUF(kvs=[_token_kv(b"".join(gstr(t) for t in toks), len(toks)), kv_u32("after", 7)])
+    src = BytesSource(bytes(raw))
+    if windowed:
+        src.view = None  # type: ignore[method-assign, assignment]
+    h = parse_header(src, initial_bytes=1000)
+    assert h.array_lengths["tokenizer.ggml.tokens"] == 5000
+    assert h.metadata["after"] == 7
+    assert h.header_bytes == len(raw.header())
+
+
+@pytest.mark.parametrize("bad", [0, 7, 1500, 2047, 4999])
+def test_bad_length_in_a_long_array_is_located_exactly(bad: int) -> None:
+    toks = [b"t%d" % i for i in range(5000)]
+    body = b"".join(gstr(t) if i != bad else struct.pack("<Q", 1 << 62) + t for i, t in enumerate(toks))
+    with pytest.raises(TruncatedError) as ei:
+        parse_header(BytesSource(bytes(RawGGUF(kvs=[_token_kv(body, len(toks))]))))
+    assert f"element {bad} of" in str(ei.value)
+    assert ei.value.offset == TOKENS_AT + sum(8 + len(t) for t in toks[:bad])
