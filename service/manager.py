@@ -209,8 +209,9 @@ def _refusal_message(plan: Plan) -> str:
             dev = plan.host if d.device == "CPU" else by_label.get(d.device)
             free = dev.free_bytes if dev is not None else 0
             missing = max(d.total_bytes - free, 0)
+            label = f"{d.device} ({dev.name})" if dev is not None and d.device != "CPU" else d.device
             parts.append(
-                f"{d.device}: needs {d.total_bytes / MIB:.0f} MiB (weights {d.weights_bytes / MIB:.0f}, KV {d.kv_bytes / MIB:.0f}, "
+                f"{label}: needs {d.total_bytes / MIB:.0f} MiB (weights {d.weights_bytes / MIB:.0f}, KV {d.kv_bytes / MIB:.0f}, "
                 f"compute {d.compute_bytes / MIB:.0f}, allowance {d.allowance_bytes / MIB:.0f}), free {free / MIB:.0f} MiB"
                 + (f", missing {missing / MIB:.0f} MiB" if missing else "")
             )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .engine.base import Cancel, Chunk
-from .errors import QueueFull, ServiceError
+from .errors import EngineFailure, QueueFull, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,11 @@ class Runner:
                 job.loop.call_soon_threadsafe(put, chunk)
         except ServiceError as exc:
             job.loop.call_soon_threadsafe(put, exc)
-        except Exception as exc:  # an engine bug must not kill the worker
+        except Exception as exc:  # an engine bug must not kill the worker; it becomes ours (500 engine_error)
             log.exception("generation failed")
-            job.loop.call_soon_threadsafe(put, exc)
+            err = EngineFailure(f"generation failed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            job.loop.call_soon_threadsafe(put, err)
         finally:
             try:
                 job.loop.call_soon_threadsafe(put, _DONE)

@@ -14,7 +14,7 @@ from ..manager import ModelManager
 from ..models import Registry
 from ..runner import Runner
 from ..settings import Settings
-from . import errors, management, openai, ops
+from . import errors, management, metrics, openai, ops
 from . import page
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                 log.exception("unload at shutdown failed")
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
+    app.state.metrics = metrics.Metrics()
+    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
     errors.install(app)
     app.include_router(ops.router)
     app.include_router(openai.router)
     app.include_router(management.router)
+    app.include_router(metrics.router)
     page.install(app)
     return app
 

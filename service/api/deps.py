@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from ..manager import ModelManager
 from ..settings import Settings
+from .metrics import Metrics
 
 
 def get_manager(request: Request) -> ModelManager:
@@ -20,5 +21,11 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
 ManagerDep = Annotated[ModelManager, Depends(get_manager)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]

@@ -27,8 +27,16 @@ def service_error_body(exc: ServiceError, path: str) -> tuple[int, dict[str, Any
     return exc.status_for(path), envelope(exc.message, exc.type, exc.code_for(path), exc.param, **exc.details)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "json-or-python"})
+
+
 def _param_of(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    """The request field an error is about: pydantic's location without ``body`` and union-member tags
+    (``prompt.str`` -> ``prompt``, ``stream_options.StreamOptions.include_usage`` -> ``stream_options.include_usage``)."""
+    parts = [
+        str(p) for p in loc
+        if p != "body" and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p[:1].isupper()))
+    ]
     return ".".join(parts) or None
 
 

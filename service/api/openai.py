@@ -1,44 +1,68 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Every check that can fail a request (model, n, schema, context) runs before the
+first byte, so a refused streamed request is a plain HTTP error; a failure
+during generation ends a stream with the error event and ``[DONE]``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Iterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..engine.base import Cancel, Chunk, GenerationParams
+from ..engine.base import Cancel, Chunk, GenerationParams, TokenLogprob
 from ..errors import BadRequest, ContextLengthExceeded, ModelNotFound, NotReady, ServiceError
 from ..runner import chunks
-from .deps import ManagerDep
+from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
+from .metrics import Metrics
 
 router = APIRouter(prefix="/v1")
 
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = Field(None, max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=256)
     max_tokens: int | None = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    response_format: ResponseFormat | None = None
+    user: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -47,19 +71,41 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         return v
 
+    def logprobs_n(self) -> int | None:
+        """None: no log probabilities; k: the sampled token's and k alternatives'."""
+        return None
+
     def params(self) -> GenerationParams:
         if self.n != 1:
-            raise BadRequest("only n=1 is supported", param="n")
+            raise BadRequest("only n=1 is supported: one choice per request", param="n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        json_schema = None
+        json_object = False
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise BadRequest("response_format json_schema needs json_schema.schema", param="response_format")
+            json_schema = json.dumps(rf.json_schema.schema_)
+        elif rf is not None and rf.type == "json_object":
+            json_object = True
         return GenerationParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object,
         )
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
+        if self.echo:
+            raise BadRequest("echo is not supported", param="echo")
         if isinstance(self.prompt, list):
             if len(self.prompt) != 1:
                 raise BadRequest("exactly one prompt is supported", param="prompt")
@@ -76,17 +122,25 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_n(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def params(self) -> GenerationParams:
         # Chat has no default limit in the OpenAI API: until the model stops or the context ends.
         p = super().params()
-        limit = self.max_tokens if "max_tokens" in self.model_fields_set else self.max_completion_tokens
+        limit = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         return replace(p, max_tokens=limit)
 
 
 def _served_name(manager: Any, requested: str | None) -> str:
-    """The loaded model's name, or an error when the request names another model."""
+    """The loaded model's name, or an error when the request names another model (never served by another)."""
     cur = manager.current
     if requested is not None and (cur is None or requested != cur.name):
         manager.registry.resolve(requested)  # 404 for an unknown name
@@ -96,35 +150,46 @@ def _served_name(manager: Any, requested: str | None) -> str:
     return str(cur.name)
 
 
-async def _check_context(manager: Any, n_prompt: int, max_tokens: int | None) -> None:
-    n_ctx = manager.engine.n_ctx
+def _check_context(n_ctx: int, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
+    """400 when the prompt, or the prompt plus max_tokens, does not fit the context."""
     if n_prompt >= n_ctx:
         raise ContextLengthExceeded(
-            f"the prompt has {n_prompt} tokens but the context holds {n_ctx}",
-            param="messages" if max_tokens is None else "prompt",
-            n_prompt_tokens=n_prompt, n_ctx=n_ctx,
+            f"This model's maximum context length is {n_ctx} tokens; the prompt has {n_prompt} tokens",
+            param=prompt_param, prompt_tokens=n_prompt, n_ctx=n_ctx,
         )
     if max_tokens is not None and n_prompt + max_tokens > n_ctx:
         raise ContextLengthExceeded(
-            f"the prompt's {n_prompt} tokens plus max_tokens {max_tokens} exceed the context of {n_ctx} tokens",
-            param="max_tokens", n_prompt_tokens=n_prompt, n_ctx=n_ctx,
+            f"This model's maximum context length is {n_ctx} tokens; the prompt's {n_prompt} tokens plus "
+            f"max_tokens {max_tokens} exceed it",
+            param="max_tokens", prompt_tokens=n_prompt, max_tokens=max_tokens, n_ctx=n_ctx,
         )
 
 
-async def _collect(request: Request, agen: AsyncIterator[Chunk], cancel: Cancel) -> list[Chunk]:
-    """All chunks of a non-streamed generation, cancelling it if the client disconnects."""
-    out: list[Chunk] = []
-    it = agen.__aiter__()
+async def _watch_disconnect(request: Request, cancel: Cancel) -> None:
+    """Set ``cancel`` the moment the client goes away (the ASGI server reports ``http.disconnect``)."""
     while True:
-        nxt = asyncio.ensure_future(it.__anext__())
-        while not nxt.done():
-            done, _ = await asyncio.wait({nxt}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                cancel.set()
-        try:
-            out.append(nxt.result())
-        except StopAsyncIteration:
-            return out
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
+class _Timer:
+    """Time to first token and per-token latency, into the metrics."""
+
+    def __init__(self, metrics: Metrics, t0: float) -> None:
+        self.metrics = metrics
+        self.last = t0
+        self.first = True
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.first:
+            self.metrics.first_token(now - self.last)
+            self.first = False
+        else:
+            self.metrics.token(now - self.last)
+        self.last = now
 
 
 def _usage(last: Chunk) -> dict[str, int]:
@@ -135,7 +200,33 @@ def _usage(last: Chunk) -> dict[str, int]:
     }
 
 
-async def _run(request: Request, manager: Any, body: _Common, kind: Literal["completion", "chat"]) -> Any:
+def _finish(last: Chunk) -> str:
+    return "stop" if last.finish_reason in (None, "cancelled") else last.finish_reason
+
+
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [
+        {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes_),
+         "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in t.top]}
+        for t in lps
+    ], "refusal": None}
+
+
+def _completion_logprobs(lps: list[TokenLogprob], offset0: int = 0) -> dict[str, Any]:
+    offsets, pos = [], offset0
+    for t in lps:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {
+        "tokens": [t.token for t in lps],
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [dict(t.top) for t in lps],
+        "text_offset": offsets,
+    }
+
+
+async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, kind: Literal["completion", "chat"]) -> Any:
+    t0 = time.perf_counter()
     name = _served_name(manager, body.model)
     params = body.params()
     engine = manager.engine
@@ -143,67 +234,114 @@ async def _run(request: Request, manager: Any, body: _Common, kind: Literal["com
     if kind == "completion":
         assert isinstance(body, CompletionRequest)
         prompt = body.prompt_text()
-        n_prompt = await manager.runner.call(lambda: engine.count_tokens(prompt))
-        work = lambda: engine.complete(prompt, params, cancel)  # noqa: E731
+        count: Callable[[], int] = lambda: int(engine.count_tokens(prompt))  # noqa: E731
+        generate: Callable[[], Iterator[Chunk]] = lambda: engine.complete(prompt, params, cancel)  # noqa: E731
+        prompt_param = "prompt"
     else:
         assert isinstance(body, ChatRequest)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        n_prompt = await manager.runner.call(lambda: engine.count_chat_tokens(messages))
-        work = lambda: engine.chat(messages, params, cancel)  # noqa: E731
-    await _check_context(manager, n_prompt, params.max_tokens)
-    job = manager.runner.submit(work, cancel)
-    rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream(request, chunks(job), cancel, kind, rid, created, name, include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    got = await _collect(request, chunks(job), cancel)
+        count = lambda: int(engine.count_chat_tokens(messages))  # noqa: E731
+        generate = lambda: engine.chat(messages, params, cancel)  # noqa: E731
+        prompt_param = "messages"
+
+    def work() -> Iterator[Chunk]:
+        # On the engine thread, in FIFO order: every check that can refuse the request, then one
+        # empty "admitted" chunk, then the generation. The HTTP layer waits for that first item,
+        # so a refusal is a plain HTTP error even for a streamed request.
+        engine.check(params)
+        n_prompt = count()
+        _check_context(engine.n_ctx, n_prompt, params.max_tokens, prompt_param)
+        yield Chunk(prompt_tokens=n_prompt)
+        yield from generate()
+
+    job = manager.runner.submit(work, cancel)  # 429 beyond the queue's bound
+    results = chunks(job)
+    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
+    try:
+        try:
+            await results.__anext__()  # admitted: the checks passed
+        except StopAsyncIteration:  # cancelled while queued: the client is gone
+            return JSONResponse({}, status_code=499)
+        except ServiceError as exc:
+            metrics.error(exc.code_for(request.url.path))
+            raise
+        rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        timer = _Timer(metrics, t0)
+        want_lp = params.logprobs is not None
+        if body.stream:
+            watcher.cancel()  # Starlette's StreamingResponse listens for the disconnect from here on
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = _stream(request, results, cancel, kind, rid, created, name, include_usage, timer, want_lp)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        got: list[Chunk] = []
+        try:
+            async for c in results:
+                if c.text or c.logprobs:
+                    timer.tick()
+                got.append(c)
+        except ServiceError as exc:
+            metrics.error(exc.code_for(request.url.path))
+            raise
+    finally:
+        watcher.cancel()
     text = "".join(c.text for c in got)
+    lps = [t for c in got for t in c.logprobs]
     last = got[-1] if got else Chunk(finish_reason="stop")
-    finish = last.finish_reason if last.finish_reason != "cancelled" else "stop"
+    metrics.generation(last.prompt_tokens, last.completion_tokens)
     if kind == "completion":
-        choice: dict[str, Any] = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"text": text, "index": 0, "finish_reason": _finish(last),
+                                  "logprobs": _completion_logprobs(lps) if want_lp else None}
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(last),
+                  "logprobs": _chat_logprobs(lps) if want_lp else None}
         obj = "chat.completion"
     return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice], "usage": _usage(last)})
 
 
 async def _stream(
     request: Request, agen: AsyncIterator[Chunk], cancel: Cancel, kind: str, rid: str, created: int, model: str,
-    include_usage: bool,
+    include_usage: bool, timer: _Timer, want_lp: bool,
 ) -> AsyncIterator[bytes]:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    offset = 0
 
-    def event(delta_text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def event(c: Chunk | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        nonlocal offset
+        lp: Any = None
+        if want_lp and c is not None:
+            lp = _completion_logprobs(list(c.logprobs), offset) if kind == "completion" else _chat_logprobs(list(c.logprobs))
         if kind == "completion":
-            choice: dict[str, Any] = {"text": delta_text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"text": c.text if c else "", "index": 0, "logprobs": lp, "finish_reason": finish}
+            offset += len(c.text) if c else 0
         else:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
-            if delta_text is not None:
-                delta["content"] = delta_text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                delta["content"] = ""
+            elif c is not None:
+                delta["content"] = c.text
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
     try:
         if kind == "chat":
-            yield sse(event("", None, role=True))
+            yield sse(event(None, None, role=True))
         last = Chunk()
         async for c in agen:
-            if c.text:
-                yield sse(event(c.text, None))
+            if c.text or c.logprobs:
+                timer.tick()
+                yield sse(event(c, None))
             if c.finish_reason is not None:
                 last = c
-        finish = last.finish_reason if last.finish_reason != "cancelled" else "stop"
-        yield sse(event(None if kind == "chat" else "", finish))
+        timer.metrics.generation(last.prompt_tokens, last.completion_tokens)
+        yield sse(event(None, _finish(last)))
         if include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)})
     except ServiceError as exc:
         _, body = service_error_body(exc, request.url.path)
+        timer.metrics.error(exc.code_for(request.url.path))
         yield sse(body)
     finally:
         cancel.set()
@@ -211,33 +349,31 @@ async def _stream(
 
 
 @router.post("/completions")
-async def completions(request: Request, body: CompletionRequest, manager: ManagerDep) -> Any:
-    return await _run(request, manager, body, "completion")
+async def completions(request: Request, body: CompletionRequest, manager: ManagerDep, metrics: MetricsDep) -> Any:
+    return await _run(request, manager, metrics, body, "completion")
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, body: ChatRequest, manager: ManagerDep) -> Any:
-    return await _run(request, manager, body, "chat")
+async def chat_completions(request: Request, body: ChatRequest, manager: ManagerDep, metrics: MetricsDep) -> Any:
+    return await _run(request, manager, metrics, body, "chat")
+
+
+def _model_card(manager: Any, name: str) -> dict[str, Any]:
+    cur = manager.current
+    return {
+        "id": name, "object": "model", "created": 0, "owned_by": "local",
+        "loaded": cur is not None and cur.name == name and cur.state == "loaded",
+    }
 
 
 @router.get("/models")
 async def list_models(manager: ManagerDep) -> dict[str, Any]:
-    cur = manager.current
-    data = []
-    for entry in manager.registry.list():
-        data.append({
-            "id": entry.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "local",
-            "loaded": cur is not None and cur.name == entry.name and cur.state == "loaded",
-        })
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model_card(manager, e.name) for e in manager.registry.list()]}
 
 
 @router.get("/models/{name}")
 async def get_model(name: str, manager: ManagerDep) -> dict[str, Any]:
     for entry in manager.registry.list():
         if entry.name == name:
-            return {"id": entry.name, "object": "model", "created": 0, "owned_by": "local"}
+            return _model_card(manager, entry.name)
     raise ModelNotFound(f"The model '{name[:200]}' does not exist", param="model")

@@ -48,8 +48,16 @@ class GenerationParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     logprobs: int | None = None
+    """None: no log probabilities; k >= 0: the sampled token's and the k most likely alternatives'."""
     grammar: str | None = None
+    """A GBNF grammar constraining the output (llama.cpp's grammar sampler)."""
+    json_schema: str | None = None
+    """A JSON schema (JSON text) the output must satisfy; the engine turns it into a grammar."""
+    json_object: bool = False
+    """Constrain the output to a JSON object (OpenAI ``response_format: json_object``)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,19 @@ class Chunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    logprobs: Any = None
+    logprobs: tuple["TokenLogprob", ...] = ()
+    """One entry per token this chunk's text came from, when requested."""
     role: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log probability of one sampled token and its most likely alternatives (natural log)."""
+
+    token: str
+    logprob: float
+    bytes_: tuple[int, ...] = ()
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -83,6 +102,15 @@ class Engine(Protocol):
 
     @property
     def n_ctx(self) -> int: ...
+
+    @property
+    def kv_cells_used(self) -> int:
+        """KV cache cells holding tokens now (the last request's prompt and output)."""
+        ...
+
+    def check(self, params: GenerationParams) -> None:
+        """Raise ``BadRequest`` for parameters this engine cannot honour (before any byte is sent)."""
+        ...
 
     def load(self, path: str, plan: Plan) -> LoadReport: ...
 

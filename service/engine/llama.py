@@ -10,6 +10,7 @@ stop strings and usage counts are exact and streaming equals non-streaming.
 from __future__ import annotations
 
 import codecs
+import collections
 import ctypes
 import logging
 import random
@@ -22,7 +23,7 @@ from sizing.ggml import GGML_TYPE_IDS
 from sizing.plan import Plan
 
 from ..errors import BadRequest, EngineFailure, InsufficientMemory, NotReady
-from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport
+from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from .chat_template import BuiltinChatTemplate, ChatTemplate
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ _RE_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+
 _RE_KV_BUF = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
 _RE_OUT_BUF = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
 _RE_COMPUTE = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
+_RE_DEVICE = re.compile(r"device (\d+)")
 _RE_OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
 
 
@@ -77,6 +79,8 @@ class _LogTap:
     _callback: Any = None
     _capture: list[str] | None = None
     _partial = ""
+    _recent: "collections.deque[str]" = collections.deque(maxlen=32)
+    """The last warning and error lines: where an allocation failed names its device."""
 
     @classmethod
     def install(cls) -> None:
@@ -102,6 +106,7 @@ class _LogTap:
             if cls._capture is not None:
                 cls._capture.append(line)
             if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+                cls._recent.append(line)
                 log.warning("llama.cpp: %s", line)
             else:
                 log.debug("llama.cpp: %s", line)
@@ -115,6 +120,16 @@ class _LogTap:
     def stop(cls) -> None:
         cls._capture = None
 
+    @classmethod
+    def failed_device(cls) -> str | None:
+        """The device of the latest failed allocation in llama.cpp's log (ggml-cuda.cu: "... on device N ...")."""
+        for line in reversed(cls._recent):
+            if "alloc" in line.lower() or "out of memory" in line.lower():
+                m = _RE_DEVICE.search(line)
+                if m:
+                    return f"CUDA{m.group(1)}"
+        return None
+
 
 class LlamaEngine:
     """A llama-cpp-python ``Llama`` behind the ``Engine`` protocol."""
@@ -123,6 +138,8 @@ class LlamaEngine:
         self._llm: Any = None
         self._n_threads = n_threads
         self._template: ChatTemplate | BuiltinChatTemplate | None = None
+        self._abort_cb: Any = None
+        self._device = "CPU"
 
     @property
     def n_ctx(self) -> int:
@@ -176,6 +193,7 @@ class LlamaEngine:
         self.unload()
         self._llm = llm
         self._template = ChatTemplate.from_llama(llm)
+        self._device = ",".join(f"CUDA{i}" for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
         allocs, offloaded = parse_allocations(lines)
         return LoadReport(
             n_ctx=int(llm.n_ctx()),
@@ -214,6 +232,102 @@ class LlamaEngine:
         prompt, add_bos = self._chat_prompt(messages)
         return self._generate(self._tokenize_prompt(prompt, add_bos=add_bos), params, cancel)
 
+    def check(self, params: GenerationParams) -> None:
+        """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
+        self._grammar(params)
+
+    def _grammar(self, params: GenerationParams) -> Any:
+        from llama_cpp import llama_grammar
+
+        try:
+            if params.json_schema is not None:
+                text = llama_grammar.json_schema_to_gbnf(params.json_schema)
+            elif params.json_object:
+                text = llama_grammar.JSON_GBNF
+            elif params.grammar:
+                text = params.grammar
+            else:
+                return None
+            return llama_grammar.LlamaGrammar.from_string(text, verbose=False)
+        except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
+            raise BadRequest(f"response_format: the JSON schema cannot be turned into a grammar: {exc}",
+                             param="response_format") from exc
+
+    @property
+    def kv_cells_used(self) -> int:
+        return int(self._llm.n_tokens) if self._llm is not None else 0
+
+    def _set_abort(self, cancel: Cancel | None) -> None:
+        """llama.cpp's abort callback: polled per graph node, so a long prompt evaluation stops when the client leaves.
+
+        Only set during prompt evaluation: a ctypes callback per node costs more than the
+        per-token ``Cancel`` check it would duplicate (ggml-cpu.c ``ggml_graph_compute_thread``).
+        """
+        import llama_cpp
+
+        llm = self._llm
+        if llm is None:
+            return
+        if cancel is None:
+            self._abort_cb = None
+            llama_cpp.llama_set_abort_callback(llm._ctx.ctx, llama_cpp.ggml_abort_callback(), None)
+            return
+
+        event = cancel.event
+
+        @llama_cpp.ggml_abort_callback  # type: ignore[misc]
+        def _abort(_data: ctypes.c_void_p) -> bool:
+            return event.is_set()
+
+        self._abort_cb = _abort  # keep a reference while llama.cpp holds the pointer
+        llama_cpp.llama_set_abort_callback(llm._ctx.ctx, _abort, None)
+
+    def _logprob(self, llm: Any, tok: int, k: int) -> TokenLogprob:
+        """The sampled token's log-softmax over the logits it was sampled from, and the top k alternatives."""
+        import llama_cpp
+        import numpy as np
+
+        n_vocab = llm.n_vocab()
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
+        x = logits.astype(np.float64)
+        m = x.max()
+        lse = m + np.log(np.exp(x - m).sum())
+        piece = bytes(llm.detokenize([tok]))
+        top: tuple[tuple[str, float], ...] = ()
+        if k > 0:
+            idx = np.argpartition(-x, k)[:k]
+            idx = idx[np.argsort(-x[idx])]
+            top = tuple((bytes(llm.detokenize([int(i)])).decode("utf-8", "replace"), float(x[i] - lse)) for i in idx)
+        return TokenLogprob(piece.decode("utf-8", "replace"), float(x[tok] - lse), tuple(piece), top)
+
+    def _decode_failure(self, exc: RuntimeError, n_prompt: int, params: GenerationParams, cancel: Cancel) -> Exception | None:
+        """llama_decode's return code to our errors (llama.cpp llama-context.cpp ``llama_context::decode``):
+        1 no KV slot, -2 allocation failed: out of memory; 2 aborted (our abort callback); else a failure."""
+        m = re.search(r"llama_decode returned (-?\d+)", str(exc))
+        code = int(m.group(1)) if m else None
+        if code == 2 and cancel.cancelled:
+            return None
+        if code in (1, -2) or "out of memory" in str(exc).lower():
+            device = _LogTap.failed_device() or self._device
+            return InsufficientMemory(
+                f"out of memory on {device} during generation (llama_decode returned {code}) with "
+                f"{n_prompt} prompt tokens and max_tokens {params.max_tokens}",
+                device=device, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
+            )
+        return EngineFailure(f"llama.cpp failed to decode: {exc}")
+
+    def _release(self, llm: Any) -> None:
+        """Drop the failed request's KV cells so the next request starts from an empty cache."""
+        import llama_cpp
+
+        try:
+            llm.reset()
+            mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+            if mem is not None:
+                llama_cpp.llama_memory_clear(mem, True)
+        except Exception:  # best effort: the next request resets again
+            log.exception("clearing the KV cache after a failed request failed")
+
     def _generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         import llama_cpp
 
@@ -222,23 +336,20 @@ class LlamaEngine:
         n_prompt = len(tokens)
         room = n_ctx - n_prompt
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        if max_new <= 0:
+            yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
+            return
+        grammar = self._grammar(params)
         # Start from an empty cache every request: identical inputs give identical outputs.
         llm.reset()
         llm.set_seed(params.seed if params.seed is not None else random.randint(0, 2**31 - 1))
         vocab = llm._model.vocab
-        grammar = None
-        if params.grammar:
-            from llama_cpp import LlamaGrammar
-
-            grammar = LlamaGrammar.from_string(params.grammar, verbose=False)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         stops = [s for s in params.stop if s]
         pending = ""
+        pending_lp: list[TokenLogprob] = []
         n_out = 0
         finish = "length"
-        if max_new <= 0:
-            yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
-            return
         gen = llm.generate(
             tokens,
             top_k=0,
@@ -246,12 +357,19 @@ class LlamaEngine:
             min_p=0.0,
             temp=params.temperature,
             repeat_penalty=1.0,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
             reset=True,
             grammar=grammar,
         )
         stopped = False
+        self._set_abort(cancel)
+        aborting = True
         try:
             for tok in gen:
+                if aborting:
+                    self._set_abort(None)
+                    aborting = False
                 if cancel.cancelled:
                     finish = "cancelled"
                     break
@@ -259,10 +377,13 @@ class LlamaEngine:
                     finish = "stop"
                     break
                 n_out += 1
+                if params.logprobs is not None:
+                    pending_lp.append(self._logprob(llm, tok, params.logprobs))
                 pending += decoder.decode(llm.detokenize([tok]))
                 emit, pending, stopped = _split_stop(pending, stops)
                 if emit:
-                    yield Chunk(text=emit)
+                    yield Chunk(text=emit, logprobs=tuple(pending_lp))
+                    pending_lp = []
                 if stopped:
                     finish = "stop"
                     break
@@ -270,18 +391,20 @@ class LlamaEngine:
                     finish = "length"
                     break
         except RuntimeError as exc:
-            if "decode" in str(exc).lower():
-                raise InsufficientMemory(
-                    f"llama.cpp failed to decode ({exc}) with {n_prompt} prompt tokens and max_tokens {params.max_tokens}",
-                    device="CPU", prompt_tokens=n_prompt, max_tokens=params.max_tokens,
-                ) from exc
-            raise EngineFailure(str(exc)) from exc
+            self._release(llm)
+            err = self._decode_failure(exc, n_prompt, params, cancel)
+            if err is None:
+                finish = "cancelled"
+            else:
+                raise err from exc
         finally:
+            if aborting:
+                self._set_abort(None)
             gen.close()
         if not stopped:
             pending += decoder.decode(b"", final=True)
-            if pending:
-                yield Chunk(text=pending)
+            if pending or pending_lp:
+                yield Chunk(text=pending, logprobs=tuple(pending_lp))
         yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out)
 
 

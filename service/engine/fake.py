@@ -1,0 +1,123 @@
+"""A small fake engine: the ``Engine`` protocol without llama.cpp, for the paths a CPU cannot reach.
+
+Tokens are whitespace-separated words (plus one BOS); the output is a
+deterministic function of the seed; each token takes ``token_delay_s``. A
+fault can be armed at the engine boundary: ``oom_after_tokens`` makes the next
+generation fail the way ``LlamaEngine`` reports a failed ``llama_decode``
+(``InsufficientMemory`` naming the device, the prompt's tokens and
+max_tokens), after releasing the request's KV cells.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Iterator
+
+from sizing.plan import Plan
+
+from ..errors import BadRequest, InsufficientMemory, NotReady
+from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
+
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
+
+
+class FakeEngine:
+    """Deterministic, configurable, thread-compatible (the runner still serialises calls)."""
+
+    def __init__(self, *, token_delay_s: float = 0.0, device: str = "CUDA0", load_delay_s: float = 0.0) -> None:
+        self.token_delay_s = token_delay_s
+        self.load_delay_s = load_delay_s
+        self.device = device
+        self.oom_after_tokens: int | None = None
+        """Armed fault: the next generation fails with out-of-memory after this many tokens."""
+        self.fail_load: Exception | None = None
+        self._n_ctx = 0
+        self._cells = 0
+        self.running = threading.Event()
+        self.generations = 0
+        self.cancelled = 0
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def kv_cells_used(self) -> int:
+        return self._cells
+
+    def load(self, path: str, plan: Plan) -> LoadReport:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        if self.fail_load is not None:
+            exc, self.fail_load = self.fail_load, None
+            raise exc
+        self._n_ctx = plan.cfg.n_ctx
+        est = plan.estimate
+        allocs = tuple(
+            Allocation(d.device, d.weights_bytes, d.kv_bytes, d.compute_bytes, 0) for d in est.devices
+        ) if est is not None else ()
+        return LoadReport(n_ctx=self._n_ctx, allocations=allocs, load_seconds=self.load_delay_s)
+
+    def unload(self) -> None:
+        self._n_ctx = 0
+        self._cells = 0
+
+    def _require(self) -> None:
+        if not self._n_ctx:
+            raise NotReady("no model is loaded")
+
+    def check(self, params: GenerationParams) -> None:
+        if params.grammar is not None and not params.grammar.strip():
+            raise BadRequest("empty grammar", param="response_format")
+
+    def count_tokens(self, text: str) -> int:
+        self._require()
+        return 1 + len(text.split())
+
+    def _chat_text(self, messages: list[dict[str, Any]]) -> str:
+        return " ".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
+
+    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
+        return self.count_tokens(self._chat_text(messages))
+
+    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._generate(self.count_tokens(prompt), params, cancel)
+
+    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._generate(self.count_chat_tokens(messages), params, cancel)
+
+    def _generate(self, n_prompt: int, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        self.generations += 1
+        rng = random.Random(params.seed if params.seed is not None else random.randrange(1 << 30))
+        max_new = self._n_ctx - n_prompt if params.max_tokens is None else min(params.max_tokens, self._n_ctx - n_prompt)
+        oom, self.oom_after_tokens = self.oom_after_tokens, None
+        self._cells = n_prompt
+        self.running.set()
+        n_out = 0
+        finish = "length"
+        try:
+            while n_out < max_new:
+                if cancel.cancelled:
+                    self.cancelled += 1
+                    finish = "cancelled"
+                    break
+                if oom is not None and n_out >= oom:
+                    self._cells = 0  # the failed request's memory is released
+                    raise InsufficientMemory(
+                        f"out of memory on {self.device} during generation (llama_decode returned -2) with "
+                        f"{n_prompt} prompt tokens and max_tokens {params.max_tokens}",
+                        device=self.device, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
+                    )
+                if self.token_delay_s:
+                    time.sleep(self.token_delay_s)
+                word = rng.choice(WORDS) + " "
+                n_out += 1
+                self._cells += 1
+                lp = (TokenLogprob(word, -1.0, tuple(word.encode()), ((word, -1.0),) * (params.logprobs or 0)),) \
+                    if params.logprobs is not None else ()
+                yield Chunk(text=word, logprobs=lp)
+        finally:
+            self.running.clear()
+        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out)
