@@ -18,7 +18,7 @@ from tests.gguf.conftest import minimal_llama
 # 100 tokens: long enough to go through the unchecked skip_strings walk.
 VALID = bytes(minimal_llama(2, n_vocab=100))
 HEADER_LEN = len(minimal_llama(2, n_vocab=100).header())
-FUZZ = settings(max_examples=600, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _outcome(data: bytes) -> ModelSpec | SizingError:
