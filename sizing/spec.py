@@ -7,6 +7,7 @@ behaviour beyond derived properties.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 
@@ -120,34 +121,34 @@ class ModelSpec:
     metadata: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False)
     """Scalar metadata and short arrays, by key; long arrays are summarised."""
 
-    @property
+    @cached_property
     def weights_bytes(self) -> int:
         """Exact bytes of every tensor in the file."""
         return sum(t.n_bytes for t in self.tensors)
 
-    @property
+    @cached_property
     def token_embd_bytes(self) -> int:
         """Bytes of ``token_embd.weight`` (stays in host memory in llama.cpp)."""
         return sum(t.n_bytes for t in self.tensors if t.name.startswith("token_embd."))
 
-    @property
+    @cached_property
     def output_bytes(self) -> int:
         """Bytes of the output head (``output.weight``), 0 when tied to the embedding."""
         return sum(t.n_bytes for t in self.tensors if t.name == "output.weight")
 
-    @property
+    @cached_property
     def output_tied(self) -> bool:
         """True when the output head reuses ``token_embd`` (no ``output.weight``)."""
         return not any(t.name == "output.weight" for t in self.tensors)
 
-    @property
+    @cached_property
     def output_layer_bytes(self) -> int:
         """Bytes that llama.cpp's output slot holds: output norm and head (tied: a copy of token_embd)."""
         head = self.token_embd_bytes if self.output_tied else self.output_bytes
         norm = sum(t.n_bytes for t in self.tensors if t.name.startswith("output_norm."))
         return head + norm
 
-    @property
+    @cached_property
     def swa_layer_count(self) -> int:
         """How many main blocks use a sliding window."""
         return sum(1 for layer in self.layers[: self.n_layer] if layer.is_swa)
