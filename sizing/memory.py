@@ -31,11 +31,11 @@ def resolve_flash_attn(cfg: ContextConfig) -> bool:
     CUDA then dequantizes the whole K view every step); ``auto`` resolves to
     on, as llama.cpp's fused-op probe does on the CPU and CUDA backends.
     """
-    quantized = [t for t in (cfg.type_k, cfg.type_v) if cache_type(t).quantized]
+    quantized = [f"{k}={t}" for k, t in (("type_k", cfg.type_k), ("type_v", cfg.type_v)) if cache_type(t).quantized]
     if cfg.flash_attn == "off":
         if quantized:
             raise FlashAttentionRequiredError(
-                f"KV cache type_k={cfg.type_k}, type_v={cfg.type_v}: {', '.join(quantized)} is quantized and "
+                f"KV cache type_k={cfg.type_k}, type_v={cfg.type_v}: quantized {' and '.join(quantized)} "
                 "needs flash attention, but flash_attn is 'off'; set flash_attn to 'on' or 'auto', or use an f16 cache"
             )
         return False
