@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -281,3 +282,19 @@ def test_replicas_share_models_and_reserve_gpus(replicas: dict[str, Any]) -> Non
     assert (REPLICAS.parent / mount["source"]).resolve() == ROOT / "deploy" / "nginx.conf"
     assert mount["target"].startswith("/etc/nginx/templates/") and mount["target"].endswith(".conf.template")
     assert nginx["ports"][0].startswith("127.0.0.1:")
+
+
+def test_the_service_accepts_the_compose_environment(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment the container gets (no GGUF_* set on the host) parses into Settings as intended."""
+    for var in [k for k in os.environ if k.startswith("GGUF_")]:
+        monkeypatch.delenv(var)
+    env = interpolate(compose["services"]["gguf"]["environment"], {})
+    for var, value in env.items():
+        if value is not None:  # a bare key is absent from the container
+            monkeypatch.setenv(var, str(value))
+    settings = Settings()
+    assert settings.host == "0.0.0.0"
+    assert settings.models_dir == "/models"
+    for name, field in Settings.model_fields.items():
+        if name not in CONTAINER_VALUES:
+            assert getattr(settings, name) == field.default, name

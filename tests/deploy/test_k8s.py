@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,19 @@ def test_configmap_holds_settings(by_kind: dict[str, list[dict[str, Any]]]) -> N
         assert all(isinstance(v, str) for v in maps[name]["data"].values())
         # A setting the pod fixes (paths, bind address) must not be overridable from the ConfigMap by accident.
         assert not set(maps[name]["data"]) & set(_env(_container(deployment)))
+
+
+def test_the_service_accepts_the_pod_environment(by_kind: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in [k for k in os.environ if k.startswith("GGUF_")]:
+        monkeypatch.delenv(var)
+    (deployment,) = by_kind["Deployment"]
+    container = _container(deployment)
+    maps = {c["metadata"]["name"]: c["data"] for c in by_kind.get("ConfigMap", [])}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    env.update(_env(container))  # env wins over envFrom, as in Kubernetes
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    settings = Settings()
+    assert (settings.host, settings.port, settings.models_dir) == ("0.0.0.0", 8000, "/models")
