@@ -106,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         reader = gguf.GGUFReader(path)
         py_ms = (time.perf_counter() - t) * 1000
         assert len(reader.tensors) == len(spec.tensors)
-        print(f"gguf-py     once   {py_ms:7.1f} ms  (gguf.GGUFReader {gguf.__name__} "
-              f"{getattr(gguf, '__version__', '')})".rstrip())
+        from importlib.metadata import version
+
+        print(f"gguf-py     once   {py_ms:7.1f} ms  (gguf.GGUFReader, gguf {version('gguf')})")
         print(f"ratio       gguf.GGUFReader / probe = {py_ms / probe_ms:.0f}x")
 
     ok = probe_ms <= TARGET_MS and probe_ms <= c_ms
-    print(f"target      median <= {TARGET_MS:.0f} ms and <= ggml C: {'met' if ok else 'MISSED'}")
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    print(f"target      median <= {TARGET_MS:.0f} ms and <= ggml C: {'met' if ok else 'MISSED'}"
+          f"  (load {load:.1f} per core; the absolute target assumes an idle machine)")
     return 0 if ok else 1
 
 
