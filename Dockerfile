@@ -18,13 +18,17 @@ ARG PYTHON_VERSION=3.11
 
 # ---------------------------------------------------------------- CPU build
 FROM python:${PYTHON_VERSION}-slim AS cpu-build
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential cmake \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# GGML_NATIVE=off: no -march=native, so the image runs on other CPUs than the
+# build machine's (llama.cpp then enables AVX2/FMA/F16C, x86-64-v3).
 RUN --mount=type=cache,target=/root/.cache/pip \
+    CMAKE_ARGS="-DGGML_NATIVE=off" \
     pip install llama-cpp-python==0.3.36
 WORKDIR /src
 COPY pyproject.toml ./
@@ -36,6 +40,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # ---------------------------------------------------------------- CPU runtime
 FROM python:${PYTHON_VERSION}-slim AS cpu
 # libgomp1: llama.cpp is built with OpenMP (GGML_OPENMP, on by default).
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libgomp1 \
     && rm -rf /var/lib/apt/lists/*
@@ -59,11 +64,12 @@ WORKDIR /home/gguf
 EXPOSE 8000
 # Ready = a model is loaded and the server takes requests; urlopen raises (exit 1) on 503.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"]
 CMD ["python", "-m", "service"]
 
 # ---------------------------------------------------------------- CUDA build
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS cuda-build
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential cmake \
     && rm -rf /var/lib/apt/lists/*
@@ -74,10 +80,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     CMAKE_BUILD_PARALLEL_LEVEL=8
 # The build links against the driver stub: there is no GPU (and no libcuda.so.1) at build time.
+# GGML_NATIVE=off as in the CPU build: the image must run on other hosts' CPUs.
 RUN --mount=type=cache,target=/root/.cache/pip \
     ln -sf /usr/local/cuda/lib64/stubs/libcuda.so /usr/local/cuda/lib64/stubs/libcuda.so.1 \
     && LD_LIBRARY_PATH=/usr/local/cuda/lib64/stubs:$LD_LIBRARY_PATH \
-    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
+    CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=off -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
     pip install llama-cpp-python==0.3.36
 WORKDIR /src
 COPY pyproject.toml ./
@@ -89,6 +96,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # ---------------------------------------------------------------- CUDA runtime (default target)
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS cuda
 # The same python3 as the build stage: the venv's interpreter is a link to it.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 libgomp1 \
     && rm -rf /var/lib/apt/lists/*
@@ -110,5 +118,5 @@ USER 10001:10001
 WORKDIR /home/gguf
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"]
 CMD ["python", "-m", "service"]

@@ -8,6 +8,7 @@ mirrors that llama.cpp).
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import shlex
 import tomllib
@@ -172,7 +173,8 @@ def test_healthcheck_hits_ready(dockerfile: Dockerfile, stage_name: str, ready_s
     options, sep, command = check.partition("CMD ")
     assert sep, "HEALTHCHECK needs CMD"
     assert "--start-period=" in options
-    argv = shlex.split(command)
+    assert command.startswith("["), "exec form: no shell needed in the container"
+    argv = json.loads(command)
     assert argv[:2] == ["python", "-c"], "a python one-liner: the image has no curl"
     assert ready_server.run_check(argv) == 0
     ready_server.status = 503
@@ -186,8 +188,11 @@ def test_build_installs_the_pinned_llama_cpp_python_then_the_project(dockerfile:
     runs = dockerfile.stage(build_stage).all("RUN")
     installs = [(run, targets) for run in runs for targets in pip_installs(run)]
     assert [targets for _, targets in installs] == [[f"llama-cpp-python=={pin}"], ["."]], installs
+    cmake_args = re.search(r"""CMAKE_ARGS=["']([^"']*)["']""", installs[0][0])
+    assert cmake_args, "CMAKE_ARGS chooses llama.cpp's build"
+    assert "-DGGML_NATIVE=off" in cmake_args.group(1).split(), "-march=native would tie the image to the build host's CPU"
     if build_stage == "cuda-build":
-        assert re.search(r"""CMAKE_ARGS=["'][^"']*-DGGML_CUDA=on""", installs[0][0]), "llama.cpp must be built with CUDA"
+        assert "-DGGML_CUDA=on" in cmake_args.group(1).split(), "llama.cpp must be built with CUDA"
 
 
 def readme_install_commands() -> list[list[str]]:

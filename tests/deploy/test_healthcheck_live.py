@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _commands() -> list[list[str]]:
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8").replace("\\\n", " ")
-    found = [shlex.split(m) for m in re.findall(r"^HEALTHCHECK\b.*?\bCMD\s+(.*)$", dockerfile, re.MULTILINE)]
+    found = [json.loads(m) for m in re.findall(r"^HEALTHCHECK\b.*?\bCMD\s+(.*)$", dockerfile, re.MULTILINE)]
     with (ROOT / "docker-compose.yml").open(encoding="utf-8") as fh:
         compose = yaml.safe_load(fh)
     found += [s["healthcheck"]["test"][1:] for s in compose["services"].values()]
