@@ -333,6 +333,7 @@
       if (s.kind !== "used" && s.kind !== "free") words.push(s.label + " " + fmtMiB(s.mib) + " MiB");
       x += w;
     }
+    if (est) words.push("this plan needs " + fmtMiB(info.need) + " MiB");
     if (info.freeAfter < 0 && est) {
       const x0 = info.total * k, w = (info.usedByOthers + info.need - info.total) * k;
       if (w > 0) {
@@ -471,7 +472,9 @@
       renderChart(state.chartData, largest, plan);
       return;
     }
-    const ns = sampleContexts(model.n_ctx_train);
+    // Evenly spaced contexts, and each cache type's largest: the crossing is then a measured point.
+    const extra = (largest.cache_types || []).map((c) => c.n_ctx).filter((n) => isNum(n) && n > 0 && n <= model.n_ctx_train);
+    const ns = Array.from(new Set(sampleContexts(model.n_ctx_train).concat(extra))).sort((a, b) => a - b);
     setStatus("Plan updated; sampling memory at " + ns.length + " contexts for " + types.length + " cache types…");
     const jobs = [];
     for (const t of types) {
@@ -479,10 +482,19 @@
     }
     const answers = await pool(jobs, 4);
     if (seq !== state.chartSeq) return;
-    const series = {};
-    types.forEach((t, ti) => { series[t] = ns.map((_, ni) => needOf(answers[ti * ns.length + ni])); });
-    const onCards = (largest.devices || []).length > 0;
-    state.chartData = { key, ns, types, series, onCards };
+    // Past the largest context the planner keeps the cards full and moves layers to host memory: such a
+    // point says nothing about the memory the context needs, so the line stops (unless the plan offloads anyway).
+    const comparable = (a) => a && (a.verdict !== "partial_offload" || largest.verdict === "partial_offload");
+    const series = {}, notes = {};
+    types.forEach((t, ti) => {
+      const got = ns.map((_, ni) => answers[ti * ns.length + ni]);
+      series[t] = got.map((a) => (comparable(a) ? needOf(a) : null));
+      notes[t] = got.map((a) => (a && !comparable(a) ? "layers move to host memory" : null));
+    });
+    // Where the memory was measured: on the cards when the plans put anything there, else in host memory.
+    const onCards = answers.some((a) => a && a.estimate && Array.isArray(a.estimate.devices)
+      && a.estimate.devices.some((d) => d.device !== "CPU"));
+    state.chartData = { key, ns, types, series, notes, onCards };
     renderChart(state.chartData, largest, plan);
     setStatus("Plan and chart updated for " + body.model + ".");
   }
@@ -529,7 +541,7 @@
     // Free memory lines: each card (or the host), and the chosen cards together when there are several.
     const lines = [];
     const devices = Array.isArray(plan.devices) ? plan.devices : [];
-    if (devices.length) {
+    if (data.onCards && devices.length) {
       for (const d of devices) lines.push({ mib: d.free_mib, label: d.label + " free " + fmtMiB(d.free_mib) + " MiB" });
       const used = ((plan.chosen || {}).gpus || []).map((i) => devices.find((d) => d.index === i)).filter(Boolean);
       if (used.length > 1) {
@@ -539,21 +551,26 @@
     } else if (plan.host && isNum(plan.host.free_mib)) {
       lines.push({ mib: plan.host.free_mib, label: "host free " + fmtMiB(plan.host.free_mib) + " MiB" });
     }
-    const dataMax = all.length ? Math.max.apply(null, all) : 1;
-    let yMax = dataMax * 1.15;
     // A free line far above the curves would flatten them: it is named at the top instead.
-    for (const ln of lines) if (isNum(ln.mib) && ln.mib <= dataMax * 3) yMax = Math.max(yMax, ln.mib * 1.08);
-    const step = niceStep(yMax, 6);
-    yMax = Math.ceil(yMax / step) * step;
+    const inView = lines.filter((ln) => isNum(ln.mib) && (!all.length || ln.mib <= Math.max.apply(null, all) * 3));
+    const span = all.concat(inView.map((ln) => ln.mib));
+    const hi = span.length ? Math.max.apply(null, span) : 1;
+    let lo = span.length ? Math.min.apply(null, span) : 0;
+    // From zero, unless the figures sit in a narrow band far from it (the first tick then says where it starts).
+    if (lo < hi * 0.5) lo = 0;
+    const pad = (hi - lo) * 0.12 || hi * 0.1 || 1;
+    const step = niceStep(hi + pad - (lo === 0 ? 0 : lo - pad), 6);
+    const yMin = lo === 0 ? 0 : Math.floor((lo - pad) / step) * step;
+    const yMax = Math.ceil((hi + pad) / step) * step;
     const X = (n) => L + (n / nMax) * pw;
-    const Y = (m) => T + ph - (m / yMax) * ph;
+    const Y = (m) => T + ph - ((m - yMin) / (yMax - yMin)) * ph;
 
     // Grid and axes.
-    for (let v = 0; v <= yMax + 1e-9; v += step) {
+    for (let v = yMin; v <= yMax + 1e-9; v += step) {
       svgEl.appendChild(sv("line", { x1: L, x2: L + pw, y1: Y(v), y2: Y(v), class: "grid" }));
       svgEl.appendChild(sv("text", { x: L - 6, y: Y(v) + 4, "text-anchor": "end", class: "tick" }, Math.round(v)));
     }
-    const xt = data.ns.filter((n) => n !== 256);
+    const xt = sampleContexts(nMax).filter((n) => n !== 256);
     for (const n of [0].concat(xt)) {
       svgEl.appendChild(sv("line", { x1: X(n), x2: X(n), y1: T + ph, y2: T + ph + 5, class: "axis" }));
       svgEl.appendChild(sv("text", { x: X(n), y: T + ph + 19, "text-anchor": "middle", class: "tick" }, ctxLabel(n)));
@@ -565,24 +582,24 @@
     svgEl.appendChild(sv("text", { x: 16, y: T + ph / 2, "text-anchor": "middle", class: "axis-title",
       transform: "rotate(-90 16 " + (T + ph / 2) + ")" }, data.onCards ? "MiB on the cards" : "MiB in host memory"));
 
+    // Labels at the right edge, laid out together at the end so that none covers another.
+    const labels = [];
+
     // Free memory lines.
-    let offTop = 0;
     for (const ln of lines) {
       if (!isNum(ln.mib)) continue;
-      if (ln.mib > yMax) {
-        svgEl.appendChild(sv("text", { x: L + pw + 14, y: T + 4 + 14 * offTop++, class: "free-label" },
-          "\u2191 " + ln.label + " (above)"));
+      if (!inView.includes(ln)) {
+        labels.push({ y: T + 4, text: "\u2191 " + ln.label + " (above)", cls: "free-label", parent: svgEl });
         continue;
       }
       svgEl.appendChild(sv("line", { x1: L, x2: L + pw, y1: Y(ln.mib), y2: Y(ln.mib), class: "free-line" }));
-      svgEl.appendChild(sv("text", { x: L + pw + 14, y: Y(ln.mib) + 4, class: "free-label" }, ln.label));
+      labels.push({ y: Y(ln.mib) + 4, text: ln.label, cls: "free-label", parent: svgEl });
     }
 
     // One line per cache type, each with its own dash and marker shape; the chosen one thicker.
     const chosen = (plan.chosen || {}).cache_type;
     const largestBy = {};
     for (const c of largest.cache_types || []) largestBy[c.cache_type] = c;
-    const labelYs = [];
     data.types.forEach((t, i) => {
       const ys = data.series[t];
       const pts = [];
@@ -601,13 +618,21 @@
         }
       }
       const last = pts[pts.length - 1];
-      let ly = last[1] + 4;
-      for (const u of labelYs) if (Math.abs(u - ly) < 14) ly = u + 14;
-      labelYs.push(ly);
       const lbl = t + (c && isNum(c.n_ctx) ? " (largest " + ctxLabel(c.n_ctx) + ")" : "") + (t === chosen ? " \u2190 chosen" : "");
-      g.appendChild(sv("text", { x: L + pw + 14, y: ly, class: "series-label m" + (i % 4) }, lbl));
+      labels.push({ y: last[1] + 4, text: lbl, cls: "series-label m" + (i % 4), parent: g });
       svgEl.appendChild(g);
     });
+    labels.sort((a, b) => a.y - b.y);
+    let prevY = -Infinity;
+    for (const lb of labels) {
+      lb.y = Math.max(lb.y, prevY + 15);
+      prevY = lb.y;
+    }
+    const overflow = prevY - (H - 4);
+    for (const lb of labels) {
+      if (overflow > 0) lb.y -= overflow;
+      lb.parent.appendChild(sv("text", { x: L + pw + 14, y: lb.y.toFixed(1), class: lb.cls }, lb.text));
+    }
 
     // The same numbers as a table.
     const hr = el("tr");
@@ -617,7 +642,10 @@
     data.ns.forEach((n, j) => {
       const tr = el("tr");
       tr.appendChild(el("th", { scope: "row" }, String(n)));
-      for (const t of data.types) tr.appendChild(el("td", {}, fmtMiB(data.series[t][j])));
+      for (const t of data.types) {
+        const note = data.notes && data.notes[t] ? data.notes[t][j] : null;
+        tr.appendChild(el("td", {}, note || fmtMiB(data.series[t][j])));
+      }
       tbody.appendChild(tr);
     });
     bump("chartRenders");

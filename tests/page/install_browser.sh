@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What the page tests (tests/page/test_page_browser.py) need: Debian's Chromium and its chromedriver (no browser
+# is downloaded by anything else), a font, and Selenium in the venv. Run as root; idempotent.
+#   bash tests/page/install_browser.sh            # uses .venv/bin/python
+#   PYTHON=/path/to/python bash tests/page/install_browser.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+        chromium chromium-driver fonts-dejavu-core
+fi
+"$PYTHON" -c 'import selenium' 2>/dev/null || "$PYTHON" -m pip install -q 'selenium>=4.20'
+chromium --version
+chromedriver --version
+"$PYTHON" -c 'import selenium; print("selenium", selenium.__version__)'
