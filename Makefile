@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test setup bench clean
+.PHONY: run test setup browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/python -m service
 
-test: setup
+# The page tests drive Debian's Chromium (installed with apt-get when missing; no browser download).
+browser: setup
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || bash tests/page/install_browser.sh
+
+test: setup browser
 	$(BIN)/python -m pytest
 
 clean:
