@@ -111,8 +111,15 @@ class _Request:
 class BatchedEngine:
     """Several requests decoded in shared ``llama_decode`` batches, behind the ``Engine`` protocol."""
 
-    def __init__(self, *, n_threads: int | None = None) -> None:
+    def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False) -> None:
+        """``batch_invariant``: load without the CPU backend's repacked weight layouts (``use_extra_bufts``
+        off). ggml-cpu's repack kernels (ggml/src/ggml-cpu/repack.cpp ``forward_mul_mat``) multiply rows in
+        groups of 4 with a gemm and the rest with a gemv, which round differently: a sequence's logits then
+        depend on how many other sequences share its batch (0.78 max logit difference measured with 4 rows,
+        gemma-3-270m Q4_K_M). Off, a request's tokens do not depend on its neighbours; prompt processing is
+        slower."""
         self._n_threads = n_threads
+        self._batch_invariant = batch_invariant
         self._lock = threading.Lock()  # load/unload against each other and against new requests
         self._model: Any = None
         self._ctx: Any = None
@@ -173,6 +180,7 @@ class BatchedEngine:
             keep.append(split)  # llama.cpp reads it during the load only, but keep it alive with the model
             mp.tensor_split = split
         mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+        mp.use_extra_bufts = not self._batch_invariant
         # Llama(n_batch=...) clamps n_batch to n_ctx and n_ubatch to n_batch: do the same.
         n_batch = max(min(cfg.n_batch, cfg.n_ctx), slots)
         cp = llama_cpp.llama_context_default_params()
@@ -403,7 +411,12 @@ class BatchedEngine:
         r.out.put(_DONE)
 
     def _step(self, active: list[_Request], free: list[int]) -> None:
-        """One ``llama_decode``: a token for each generating sequence, then prompt chunks up to n_batch."""
+        """One ``llama_decode``: a token for each generating sequence, then prompt chunks up to n_batch.
+
+        In batch-invariant mode only one prompt is fed per step: with a non-unified cache llama.cpp splits a
+        batch into ubatches holding the same number of tokens of every sequence (``split_equal``,
+        src/llama-batch.cpp), so several prompts in one step are processed interleaved, token by token,
+        and their greedy outputs were seen to differ from one-at-a-time runs."""
         import llama_cpp
 
         batch = self._batch
@@ -439,6 +452,8 @@ class BatchedEngine:
                     add(r.tokens[i], i, r.seq, last)
                 r.batch_take = take
                 members.append(r)
+                if self._batch_invariant:
+                    break  # one prompt per step: prompts never share a ubatch (see _step's docstring)
         batch.n_tokens = n
         ret = int(llama_cpp.llama_decode(self._ctx.ctx, batch))
         if ret != 0:
