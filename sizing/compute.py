@@ -5,25 +5,20 @@ llama.cpp never computes the compute buffer in closed form:
 worst-case graph (``n_tokens = min(n_ctx, n_ubatch)``, every token an output,
 the whole KV view) and ``ggml_gallocr`` (``ggml/src/ggml-alloc.c``) measures
 the peak of a best-fit allocator that frees each tensor after its last use.
-The peak is the largest set of tensors alive together (plus fragmentation),
-so this module models the graph's phases and takes the largest:
+For the mirrored architectures (llama, qwen2, qwen3, gemma2, gemma3) this module
+rebuilds that graph's tensors in the builders' node order (``_Reserve``, after
+``src/models/*.cpp`` and ``llm_graph_context::build_attn`` / ``build_attn_mha`` /
+``build_ffn`` / ``build_norm`` in ``src/llama-graph.cpp``; the first and last
+layers only, see ``KEEP_LAYERS``) and replays ``ggml_gallocr`` over it
+(``sizing/graph_alloc.py``); the peak is the prediction, cached per model shape
+and configuration. Other architectures (MoE, MLA) keep the phase model below,
+the largest of:
 
-- **output**: the logits ``[n_vocab, n_ubatch]`` F32 (``llm_graph_context::build_inp_out_ids``
-  keeps every token in the reserve graph) with the final norm's input and output;
-- **attention without flash attention** (``llm_graph_context::build_attn_mha``):
-  ``kq = mul_mat(k, q)`` F32 ``[n_kv, n_ubatch, n_head]`` (softmax in place), the
-  F32 masks ``[n_kv, n_ubatch]`` (``build_attn_inp_kv``; an iSWA model keeps one per
-  cache, both alive), plus Q/K/V and the residual stream;
-- **attention with flash attention**: F16 masks and Q/K/V only (no n_kv x n_head term);
+- **output**: the logits ``[n_vocab, n_ubatch]`` F32 with the final norm's input and output;
+- **attention without flash attention**: ``kq`` F32 ``[n_kv, n_ubatch, n_head]`` (softmax
+  in place), the masks, Q/K/V and the residual stream;
+- **attention with flash attention**: F16 masks and Q/K/V only;
 - **MoE**: the routed FFN intermediates ``[n_ff_exp, n_expert_used, n_ubatch]``.
-
-The per-token coefficients (3 x n_embd + 2 x q + 2 x kv for the attention block;
-one q fewer when K is quantized; one more q for Gemma's scaled query) were read
-off CPU dry runs of eight model shapes (``tests/sizing/test_memory_vs_llama.py``).
-What the allocator's layout adds on top (a live tensor below the logits) is covered
-by three terms read off the measurements (iSWA + swa_full + quantized cache; attention
-narrower than n_embd; MLA without FA) so that no case of the test matrix is
-under-predicted by more than 5%; see ``docs/memory.md``.
 
 CUDA-only terms, **unverifiable on a CPU build** and therefore separate
 functions, not part of ``compute_bytes``: the F16 copies of a quantized K/V
@@ -33,6 +28,11 @@ under partial offload, and pipeline parallelism's extra input copies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from . import graph_alloc as ga
 from .config import ContextConfig
 from .ggml import cache_type
 from .kv import kv_cells, kv_layers
@@ -174,8 +174,288 @@ def ffn_phase_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
     return F32 * cfg.n_ubatch_effective * (3 * _n_ff(spec) + 2 * spec.n_embd)
 
 
+# ---- the reserve graph, mirrored (src/models/*.cpp, src/llama-graph.cpp) ------------------------
+
+_DENSE_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma2", "gemma3"})
+"""Architectures whose reserve graph is mirrored (``src/models/{llama,qwen2,qwen3,gemma2,gemma3}.cpp``)."""
+
+KEEP_LAYERS = 3
+"""Layers simulated at each end of the stack. After the first layers the allocator's free list repeats
+layer after layer, so the first and last three (plus one of each attention kind) give the same peak as
+the whole stack: checked equal over the test matrix for every mirrored fixture."""
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """What the reserve graph's tensor shapes depend on in the model (hashable: the simulation cache key)."""
+
+    arch: str
+    n_embd: int
+    n_ff: int
+    n_vocab: int
+    layers: tuple[tuple[int, int, int, int, bool], ...]
+    """(n_head, n_head_kv, n_embd_head_k, n_embd_head_v, is_swa) of the simulated layers, in order."""
+    iswa: bool
+    v_max: int
+    """``n_embd_v_gqa_max``: the transposed V cache rows (and v_idxs) without flash attention."""
+    qk_norm: bool
+    qkv_bias: bool
+    attn_softcap: bool
+    final_softcap: bool
+
+
+def graph_shape(spec: ModelSpec) -> GraphShape | None:
+    """The simulated model shape, or None when the architecture's graph is not mirrored (MoE, MLA, recurrent)."""
+    if spec.architecture not in _DENSE_ARCHS or spec.mla is not None or spec.n_expert or spec.ssm is not None:
+        return None
+    layers = spec.layers[: spec.n_layer]
+    if not layers or any(not l.has_kv for l in layers):
+        return None
+    n = len(layers)
+    keep = set(range(min(KEEP_LAYERS, n))) | set(range(max(n - KEEP_LAYERS, 0), n))
+    for kind in (False, True):
+        # the last layer of each attention kind, so both masks and caches take part
+        last = [l.index for l in layers if l.is_swa == kind]
+        if last:
+            keep.add(last[-1] - layers[0].index)
+    sel = tuple(
+        (l.n_head, l.n_head_kv, l.n_embd_head_k, l.n_embd_head_v, l.is_swa) for i, l in enumerate(layers) if i in keep
+    )
+    names = spec.tensor_names
+    arch = spec.architecture
+    return GraphShape(
+        arch=arch,
+        n_embd=spec.n_embd,
+        n_ff=_n_ff(spec),
+        n_vocab=spec.n_vocab,
+        layers=sel,
+        iswa=spec.swa_layer_count > 0,
+        v_max=max(l.n_head_kv * l.n_embd_head_v for l in layers),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        attn_softcap=arch == "gemma2" and bool(spec.metadata.get("gemma2.attn_logit_softcapping")),
+        final_softcap=bool(spec.metadata.get(f"{arch}.final_logit_softcapping")),
+    )
+
+
+def _rot_size_k(head_dim: int) -> int:
+    """``llama_kv_cache::build_input_k_rot``: the largest power of two (from 64) that divides the head size."""
+    nrot = 64
+    while True:
+        nrot *= 2
+        if head_dim % nrot:
+            break
+    return nrot // 2
+
+
+class _Reserve:
+    """Builds the reserve graph of ``llama_context::graph_reserve`` for one model and configuration."""
+
+    def __init__(self, shape: GraphShape, cells_full: int, cells_swa: int, n_ubatch: int, n_stream: int,
+                 flash: bool, type_k: str, type_v: str) -> None:
+        self.shape, self.flash = shape, flash
+        self.g = ga.Graph()
+        self.n_stream = n_stream
+        # graph_reserve rounds n_tokens up to a multiple of n_seqs
+        self.n_tokens = (n_ubatch + n_stream - 1) // n_stream * n_stream
+        self.cells_full, self.cells_swa = cells_full, cells_swa
+        self.tk, self.tv = type_k, type_v
+
+    # inputs, in the order the builders create them
+    def inp_embd(self) -> ga.Tensor:
+        g, n = self.g, self.n_tokens
+        tokens = ga.new_input("i32", (n,))
+        cur = ga.get_rows(ga.weight("f16"), tokens)
+        embd = ga.new_input("f32", (self.shape.n_embd, n))
+        g.expand(cur)
+        g.expand(embd)  # ggml_build_forward_select adds the unused embeddings input too
+        return cur
+
+    def kv_inputs(self, n_kv: int, kv_layer_v: int, has_v: bool = True) -> dict[str, Any]:
+        n, ns = self.n_tokens, self.n_stream
+        d: dict[str, Any] = {}
+        d["k_idxs"] = ga.new_input("i64", (n,))
+        v_trans = not self.flash
+        d["v_idxs"] = ga.new_input("i64", (n * kv_layer_v,) if v_trans else (n,)) if has_v else None
+        d["mask"] = ga.new_input("f16" if self.flash else "f32", (n_kv, n // ns, 1, ns))
+        d["n_kv"] = n_kv
+        return d
+
+    def rot_inputs(self, head_k: int, head_v: int) -> tuple[ga.Tensor | None, ga.Tensor | None]:
+        k_rot = v_rot = None
+        if cache_type(self.tk).quantized and head_k % 64 == 0:
+            r = _rot_size_k(head_k)
+            k_rot = ga.new_input("f32", (r, r))
+        if cache_type(self.tv).quantized and head_v % 64 == 0:
+            v_rot = ga.new_input("f32", (64, 64))
+        return k_rot, v_rot
+
+    def norm(self, x: ga.Tensor) -> ga.Tensor:
+        return ga.unary_like("mul", ga.unary_like("rms_norm", x), ga.weight())
+
+    @staticmethod
+    def hadamard(cur: ga.Tensor, rot: ga.Tensor) -> ga.Tensor:
+        """``llama_mul_mat_hadamard`` (src/llama-impl.h)."""
+        n = rot.ne[0]
+        res = ga.reshape(cur, n, cur.n_elements // n) if cur.is_contiguous() else ga.cont(cur, n, cur.n_elements // n)
+        res = ga.mul_mat(rot, res)
+        return ga.reshape(res, *cur.ne)
+
+    def attn(self, inp: dict[str, Any], q: ga.Tensor, k: ga.Tensor, v: ga.Tensor, layer: tuple[int, int, int, int, bool],
+             n_kv_layers_v: int, iswa: bool, softcap: bool) -> ga.Tensor:
+        """``build_attn`` (kv / kv_iswa) + ``build_attn_mha`` + the output projection."""
+        g, flash, ns, n = self.g, self.flash, self.n_stream, self.n_tokens
+        k_rot, v_rot = inp["k_rot"], inp["v_rot"]
+        if k_rot is not None:
+            q = self.hadamard(q, k_rot)
+            k = self.hadamard(k, k_rot)
+        if v_rot is not None:
+            v = self.hadamard(v, v_rot)
+        if iswa:
+            g.expand(q); g.expand(k); g.expand(v)
+        else:
+            g.expand(q); g.expand(v); g.expand(k)
+        n_head, n_kv_h, hd_k, hd_v, _ = layer
+        n_kv = inp["n_kv"]
+        kv_size = n_kv
+        # cpy_k: view_2d of k_cur, set_rows into the cache (a view of the external cache tensor)
+        cache_k = ga.weight(self.tk)
+        kc = ga.view(k, (hd_k * n_kv_h, n), (k.nb[0], k.nb[2], k.nb[2] * n, k.nb[2] * n))
+        g.expand(ga.Tensor(self.tk, (1,), "set_rows", (cache_k, kc, inp["k_idxs"]), view_src=cache_k))
+        cache_v = ga.weight(self.tv)
+        if flash:
+            vc = ga.view(v, (hd_v * n_kv_h, n), (v.nb[0], v.nb[2], v.nb[2] * n, v.nb[2] * n))
+            g.expand(ga.Tensor(self.tv, (1,), "set_rows", (cache_v, vc, inp["v_idxs"]), view_src=cache_v))
+        else:
+            vc = ga.reshape(v, hd_v * n_kv_h, n)
+            vc = ga.reshape(vc, 1, vc.n_elements)
+            vv = ga.reshape(cache_v, 1, 1)
+            g.expand(ga.Tensor(self.tv, (1,), "set_rows", (vv, vc, inp["v_idxs"]), view_src=cache_v))
+        # get_k / get_v: views of the cache
+        kview = ga.view(cache_k, (hd_k, n_kv_h, n_kv, ns), (ga.TYPE_SIZES[self.tk][1], ga.row_bytes(self.tk, hd_k),
+                        ga.row_bytes(self.tk, hd_k * n_kv_h), ga.row_bytes(self.tk, hd_k * n_kv_h * kv_size)))
+        if flash:
+            vview = ga.view(cache_v, (hd_v, n_kv_h, n_kv, ns), (ga.TYPE_SIZES[self.tv][1], ga.row_bytes(self.tv, hd_v),
+                            ga.row_bytes(self.tv, hd_v * n_kv_h), ga.row_bytes(self.tv, hd_v * n_kv_h * kv_size)))
+        else:
+            vview = ga.view(cache_v, (n_kv, n_kv_h, hd_v, ns), (2, 2 * kv_size * hd_v, 2 * kv_size, 2 * kv_size * n_kv_layers_v))
+        # build_attn_mha
+        qv = ga.view(q, (q.ne[0], q.ne[1], q.ne[2] // ns, ns), (q.nb[0], q.nb[1], q.nb[2], q.nb[2] * (q.ne[2] // ns)))
+        qp = ga.permute(qv, (0, 2, 1, 3))
+        kp = ga.permute(kview, (0, 2, 1, 3))
+        vp = ga.permute(vview, (0, 2, 1, 3))
+        if flash:
+            fa = ga.Tensor("f32", (vp.ne[0], qp.ne[2], qp.ne[1], qp.ne[3]), "flash_attn_ext", (qp, kp, vp, inp["mask"]))
+            cur = ga.reshape(fa, fa.ne[0] * fa.ne[1], fa.ne[2] * fa.ne[3])
+        else:
+            kq = ga.mul_mat(kp, qp)
+            if softcap:
+                kq = ga.unary_like("scale", kq)
+                kq = ga.unary_like("unary", kq)
+                kq = ga.unary_like("scale", kq)
+            kq = ga.unary_like("soft_max", kq, inp["mask"])
+            kqv = ga.mul_mat(vp, kq)
+            cur = ga.permute(kqv, (0, 2, 1, 3))
+            cur = ga.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+        g.expand(cur)
+        if v_rot is not None:
+            cur = self.hadamard(cur, v_rot)
+        return ga.proj(self.shape.n_embd, cur)
+
+    def build_dense(self) -> ga.Graph:
+        """The llama / qwen2 / qwen3 / gemma2 / gemma3 graph builders (``src/models/*.cpp``)."""
+        s, g, n = self.shape, self.g, self.n_tokens
+        gemma = s.arch in ("gemma2", "gemma3")
+        layers = s.layers
+        inpL = self.inp_embd()
+        if gemma:
+            inpL = ga.unary_like("scale", inpL)
+        pos = ga.new_input("i32", (n,))
+        full = [l for l in layers if not l[4]]
+        swa = [l for l in layers if l[4]]
+        inp_full: dict[str, Any] = self.kv_inputs(self.cells_full, s.v_max) if (full or not s.iswa) else {}
+        inp_swa: dict[str, Any] = self.kv_inputs(self.cells_swa, s.v_max) if s.iswa else {}
+        ref = full[0] if full else layers[0]
+        inp_full["k_rot"], inp_full["v_rot"] = self.rot_inputs(ref[2], ref[3])
+        if s.iswa:
+            inp_swa["k_rot"], inp_swa["v_rot"] = self.rot_inputs(swa[0][2], swa[0][3])
+        out_ids = ga.new_input("i32", (n,))
+        for il, layer in enumerate(layers):
+            n_head, n_kv_h, hd, hd_v, is_swa = layer
+            inpSA = inpL
+            cur = self.norm(inpL)
+            q = ga.proj(n_head * hd, cur)
+            if s.qkv_bias:
+                q = ga.unary_like("add", q)
+            k = ga.proj(n_kv_h * hd, cur)
+            if s.qkv_bias:
+                k = ga.unary_like("add", k)
+            v = ga.proj(n_kv_h * hd_v, cur)
+            if s.qkv_bias:
+                v = ga.unary_like("add", v)
+            q = ga.reshape(q, hd, n_head, n)
+            k = ga.reshape(k, hd, n_kv_h, n)
+            v = ga.reshape(v, hd_v, n_kv_h, n)
+            if s.qk_norm:
+                q = self.norm(q)
+            q = ga.unary_like("rope", q, pos)
+            if s.qk_norm:
+                k = self.norm(k)
+            k = ga.unary_like("rope", k, pos)
+            if gemma:
+                q = ga.unary_like("scale", q)
+            inp = inp_swa if (s.iswa and is_swa) else inp_full
+            cur = self.attn(inp, q, k, v, layer, s.v_max, s.iswa, s.attn_softcap)
+            if il == len(layers) - 1:
+                cur = ga.get_rows(cur, out_ids)
+                inpSA = ga.get_rows(inpSA, out_ids)
+            if gemma:
+                cur = self.norm(cur)
+            ffn_inp = ga.unary_like("add", cur, inpSA)
+            cur = self.norm(ffn_inp)
+            # build_ffn, LLM_FFN_PAR: up, gate, then swiglu/geglu_split(gate, up) (GGML_OP_GLU: not in place)
+            up = ga.proj(s.n_ff, cur)
+            gate = ga.proj(s.n_ff, cur)
+            cur = ga.Tensor("f32", (s.n_ff, cur.ne[1]), "glu", (gate, up))
+            cur = ga.proj(s.n_embd, cur)
+            if gemma:
+                cur = self.norm(cur)
+            cur = ga.unary_like("add", cur, ffn_inp)
+            inpL = cur
+        cur = self.norm(inpL)
+        cur.flags |= ga.OUTPUT  # res->t_embd (llm_graph_result::set_outputs)
+        cur = ga.proj(s.n_vocab, cur)
+        if s.final_softcap:
+            cur = ga.unary_like("scale", cur)
+            cur = ga.unary_like("unary", cur)
+            cur = ga.unary_like("scale", cur)
+        cur.flags |= ga.OUTPUT  # res->t_logits
+        g.expand(cur)
+        return g
+
+
+@lru_cache(maxsize=4096)
+def _simulate(shape: GraphShape, cells_full: int, cells_swa: int, n_ubatch: int, n_stream: int,
+              flash: bool, type_k: str, type_v: str) -> int:
+    return ga.peak_bytes(_Reserve(shape, cells_full, cells_swa, n_ubatch, n_stream, flash, type_k, type_v).build_dense())
+
+
+def simulated_compute_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool) -> int | None:
+    """The peak of ``ggml_gallocr`` over the mirrored reserve graph, or None for an architecture not mirrored."""
+    shape = graph_shape(spec)
+    if shape is None:
+        return None
+    cells = kv_cells(spec, cfg)
+    n_stream = 1 if cfg.kv_unified else max(cfg.n_seq_max, 1)
+    return _simulate(shape, cells.full, cells.swa, cfg.n_ubatch_effective, n_stream, flash,
+                     cache_type(cfg.type_k).name, cache_type(cfg.type_v).name)
+
+
 def compute_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool) -> int:
     """Predicted compute buffer of the device that runs the whole graph (CPU: what ``sched_reserve`` logs)."""
+    sim = simulated_compute_bytes(spec, cfg, flash)
+    if sim is not None:
+        return sim
     return max(
         output_phase_bytes(spec, cfg, flash),
         attention_phase_bytes(spec, cfg, flash),

@@ -149,6 +149,11 @@ class ModelSpec:
         return head + norm
 
     @cached_property
+    def tensor_names(self) -> frozenset[str]:
+        """Names of every tensor of the file (``blk.0.attn_q_norm.weight`` ...), for presence tests."""
+        return frozenset(t.name for t in self.tensors)
+
+    @cached_property
     def swa_layer_count(self) -> int:
         """How many main blocks use a sliding window."""
         return sum(1 for layer in self.layers[: self.n_layer] if layer.is_swa)
