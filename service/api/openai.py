@@ -63,6 +63,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=128)
     response_format: ResponseFormat | None = None
     user: str | None = None
+    ignore_eos: bool = Field(False, description="llama.cpp server extension: generate past end-of-generation tokens.")
 
     @field_validator("stop")
     @classmethod
@@ -91,7 +92,7 @@ class _Common(BaseModel):
         return GenerationParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object,
+            logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object, ignore_eos=self.ignore_eos,
         )
 
 

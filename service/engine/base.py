@@ -57,6 +57,8 @@ class GenerationParams:
     json_schema: str | None = None
     """A JSON schema (JSON text) the output must satisfy; the engine turns it into a grammar."""
     json_object: bool = False
+    ignore_eos: bool = False
+    """Keep generating past end-of-generation tokens (llama.cpp server's ``ignore_eos``; benchmarks)."""
     """Constrain the output to a JSON object (OpenAI ``response_format: json_object``)."""
 
 

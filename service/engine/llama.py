@@ -373,7 +373,7 @@ class LlamaEngine:
                 if cancel.cancelled:
                     finish = "cancelled"
                     break
-                if llama_cpp.llama_vocab_is_eog(vocab, tok):
+                if not params.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, tok):
                     finish = "stop"
                     break
                 n_out += 1
