@@ -10,6 +10,7 @@
     ├── QueueFull                429 (Retry-After)
     ├── InsufficientMemory       503 insufficient_memory on /v1, 507 INSUFFICIENT_MEMORY on /api
     ├── NotReady                 503 model_not_ready
+    ├── Upstream                 502 upstream_error (the model hub or a remote GGUF failed)
     └── EngineFailure            500 engine_error
 
 Routes raise these; ``service.api.errors`` renders them in the OpenAI envelope
@@ -107,3 +108,9 @@ class EngineFailure(ServiceError):
     status = 500
     type = "server_error"
     code = "engine_error"
+
+
+class Upstream(ServiceError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"

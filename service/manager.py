@@ -21,7 +21,7 @@ from sizing.report import plan_json, plan_table
 from sizing.spec import ModelSpec
 
 from .engine.base import Engine, LoadReport
-from .errors import BadRequest, InsufficientMemory, ServiceError
+from .errors import BadRequest, InsufficientMemory, ModelNotFound, ServiceError, Upstream
 from .models import ModelEntry, Registry
 from .runner import Runner
 from .settings import Settings
@@ -171,6 +171,48 @@ class ModelManager:
             await self.runner.call(self.engine.unload)
             if self.current is not None:
                 self.current = replace(self.current, state="unloaded", report=None)
+
+    def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
+        """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.
+
+        Blocking (network): call from a thread. Headers only (``sizing.gguf.remote.probe_hf``:
+        range requests); a split model is probed and planned once, from its first shard.
+        """
+        import re as _re
+
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+        from sizing.errors import RemoteError
+        from sizing.gguf.remote import probe_hf
+
+        try:
+            info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        except RepositoryNotFoundError as exc:
+            raise ModelNotFound(f"no Hugging Face repo '{repo_id}'", param="repo_id") from exc
+        except (OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
+            raise Upstream(f"the Hugging Face hub did not answer for '{repo_id}': {exc}") from exc
+        except Exception as exc:  # huggingface_hub's transport errors (httpx2) are not ours: convert them here
+            raise Upstream(f"the Hugging Face hub could not be reached for '{repo_id}': {type(exc).__name__}: {exc}") from exc
+        groups: dict[str, list[tuple[str, int]]] = {}
+        for sib in info.siblings or []:
+            if not sib.rfilename.endswith(".gguf"):
+                continue
+            key = _re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", sib.rfilename)
+            groups.setdefault(key, []).append((sib.rfilename, int(sib.size or 0)))
+        gpus, host = self._devices()
+        req = plan_request(self.settings, LoadOptions())
+        files = []
+        for key, parts in sorted(groups.items()):
+            parts.sort()
+            entry: dict[str, Any] = {"file": parts[0][0], "shards": len(parts), "size_bytes": sum(n for _, n in parts)}
+            try:
+                spec = probe_hf(repo_id, parts[0][0], revision)
+                entry["plan"] = plan_json(make_plan(spec, gpus, host, req))
+            except (RemoteError, ProbeError, UnsupportedModelError, SizingError) as exc:
+                entry["error"] = str(exc)
+            files.append(entry)
+        return {"repo_id": repo_id, "revision": revision, "files": files}
 
     def describe(self, state: ModelState | None) -> dict[str, Any] | None:
         if state is None:

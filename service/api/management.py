@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -86,3 +87,16 @@ async def models(manager: ManagerDep) -> dict[str, Any]:
         else:
             out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin})
     return {"models": out}
+
+
+class HfFilesBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
+    revision: str | None = Field(None, max_length=200)
+
+
+@router.post("/hf/files")
+async def hf_files(body: HfFilesBody, manager: ManagerDep) -> dict[str, Any]:
+    """The GGUF files of a Hugging Face repo, each with its size and plan on these devices; downloads nothing."""
+    return await asyncio.to_thread(manager.hf_files, body.repo_id, body.revision)

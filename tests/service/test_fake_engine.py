@@ -225,3 +225,18 @@ def test_metrics_count_requests_tokens_and_latency(fake):  # type: ignore[no-unt
     assert _metric(text, "gguf_kv_cells_used") == 7
     assert 'gguf_device_bytes{device="CPU",kind="allocated"}' in text
     assert 'gguf_device_bytes{device="CPU",kind="predicted"}' in text
+
+
+def test_hf_listing_without_a_reachable_hub_is_502_and_bad_repo_ids_are_400(fake_factory, monkeypatch):  # type: ignore[no-untyped-def]
+    import huggingface_hub.constants
+
+    from tests.conftest import free_port
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    svc = fake_factory()
+    r = svc.client.post("/api/hf/files", json={"repo_id": "unsloth/gemma-3-270m-it-GGUF"})
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "upstream_error"
+    r = svc.client.post("/api/hf/files", json={"repo_id": "../../etc"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "repo_id"
