@@ -1,0 +1,262 @@
+"""Throughput under concurrency: 1, 2, 4, 8 streaming clients against three servers of one model.
+
+    (a) single   this service's single-sequence engine (``LlamaEngine``), requests one after another
+                 as the service's runner serialises them;
+    (b) batched  this service's ``BatchedEngine``: the clients' sequences decoded together;
+    (c) server   llama.cpp's ``llama-server`` built from the same vendored llama.cpp source, over HTTP.
+
+(a) and (b) run in-process through the Engine API (the service does not choose the batched engine yet);
+with ``--service-url`` they are driven over HTTP instead (the OpenAI streaming route), for a service
+started with ``GGUF_PARALLEL`` set. ``GGUF_PARALLEL`` also gives (b)'s slot count here (default: the
+largest client count). Prints aggregate completion tokens/s and per-request time to first token.
+
+    python bench/concurrency_bench.py [--llama-server PATH] [--clients 1,2,4,8] [--max-tokens 64]
+
+Without ``--llama-server`` it builds one (cmake, ``-DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON``) into
+``~/.cache/gguf-bench/llama-server`` from the llama.cpp source vendored in the llama-cpp-python sdist
+(``--llama-src``); that takes many minutes on few cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CACHE = Path.home() / ".cache" / "gguf-bench"
+DEFAULT_SRC = "/tmp/build/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"
+TOPICS = ("a lighthouse keeper", "a dragon who hates gold", "the first city on Mars", "a lost violin",
+          "a robot learning to cook", "two rival bakers", "a storm at sea", "an old library")
+
+
+@dataclass
+class Result:
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+
+
+def prompt_for(i: int) -> str:
+    return f"Write a long story about {TOPICS[i % len(TOPICS)]}. Once upon a time,"
+
+
+def build_llama_server(src: str, jobs: int) -> Path:
+    out = CACHE / "llama-server"
+    if out.exists():
+        return out
+    build = CACHE / "build"
+    subprocess.run(["cmake", "-S", src, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True)
+    shutil.copy2(build / "bin" / "llama-server", out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_clients(n: int, one: Callable[[int], Result]) -> tuple[float, list[Result]]:
+    results: list[Any] = [None] * n
+    barrier = threading.Barrier(n)
+
+    def go(i: int) -> None:
+        barrier.wait()
+        results[i] = one(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, results
+
+
+def engine_client(engine: Any, params: Any, lock: threading.Lock | None) -> Callable[[int], Result]:
+    from service.engine.base import Cancel
+
+    def one(i: int) -> Result:
+        t0 = time.perf_counter()
+        ttft = None
+        ctx = lock if lock is not None else _null()
+        with ctx:  # the single-sequence service runs one generation at a time (service/runner.py)
+            last = None
+            for c in engine.complete(prompt_for(i), params, Cancel()):
+                if ttft is None and c.text:
+                    ttft = time.perf_counter() - t0
+                last = c
+        total = time.perf_counter() - t0
+        return Result(last.completion_tokens if last else 0, ttft if ttft is not None else total, total)
+
+    return one
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+def http_client(url: str, max_tokens: int, model: str | None) -> Callable[[int], Result]:
+    import httpx
+
+    def one(i: int) -> Result:
+        body: dict[str, Any] = {"prompt": prompt_for(i), "max_tokens": max_tokens, "temperature": 0.0,
+                                "stream": True, "cache_prompt": False, "stream_options": {"include_usage": True}}
+        if model:
+            body["model"] = model
+        t0 = time.perf_counter()
+        ttft = None
+        pieces = 0
+        usage = None
+        with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    usage = ev["usage"].get("completion_tokens")
+                for ch in ev.get("choices") or ():
+                    if ch.get("text"):
+                        pieces += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        return Result(usage if usage is not None else pieces, ttft if ttft is not None else total, total)
+
+    return one
+
+
+def report(label: str, n: int, wall: float, res: list[Result]) -> dict[str, Any]:
+    toks = sum(r.completion_tokens for r in res)
+    row = {"mode": label, "clients": n, "tokens": toks, "wall_s": round(wall, 2),
+           "tokens_per_s": round(toks / wall, 1),
+           "ttft_mean_s": round(statistics.mean(r.ttft_s for r in res), 3),
+           "ttft_max_s": round(max(r.ttft_s for r in res), 3)}
+    print(f"{label:8s} clients={n}  {row['tokens_per_s']:7.1f} tok/s  ({toks} tokens in {wall:.2f} s)  "
+          f"TTFT mean {row['ttft_mean_s']:.3f} s max {row['ttft_max_s']:.3f} s", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF file (default: the embedded gemma-3-270m)")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="off")
+    ap.add_argument("--modes", default="single,batched,server")
+    ap.add_argument("--batch-invariant", action="store_true", help="(b) without repacked CPU weights")
+    ap.add_argument("--llama-server", help="a llama-server binary (else built into ~/.cache/gguf-bench)")
+    ap.add_argument("--llama-src", default=DEFAULT_SRC)
+    ap.add_argument("--service-url", help="drive (a)/(b) over HTTP: a running service (GGUF_PARALLEL decides which)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+
+    from service.engine.base import GenerationParams
+    from service.models import embedded_model_path
+    from sizing.devices import host_memory
+    from sizing.gguf import probe_path
+    from sizing.plan import PlanRequest, make_plan
+
+    path = args.model or embedded_model_path()
+    clients = [int(x) for x in args.clients.split(",")]
+    slots = int(os.environ.get("GGUF_PARALLEL", "0") or 0) or max(clients)
+    modes = args.modes.split(",")
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=0.0)
+    spec = probe_path(path)
+
+    def plan(n_seq: int) -> Any:
+        p = make_plan(spec, [], host_memory(), PlanRequest(n_ctx=args.ctx_per_slot * n_seq, n_seq_max=n_seq,
+                                                          cache_type="f16", min_ctx=256, flash_attn=args.flash_attn))
+        return replace(p, cfg=replace(p.cfg, flash_attn=args.flash_attn))
+
+    print(f"model {Path(path).name}; {args.max_tokens} tokens per request, greedy; threads {args.threads}; "
+          f"flash attention {args.flash_attn}; {slots} slots of {args.ctx_per_slot} tokens", flush=True)
+    rows = []
+    if args.service_url:
+        for mode in modes:
+            if mode == "server":
+                continue
+            for n in clients:
+                rows.append(report(f"svc-{os.environ.get('GGUF_PARALLEL', '1')}", n,
+                                   *run_clients(n, http_client(args.service_url, args.max_tokens, None))))
+        modes = [m for m in modes if m == "server"]
+    if "single" in modes:
+        from service.engine.llama import LlamaEngine
+
+        eng = LlamaEngine(n_threads=args.threads)
+        eng.load(path, plan(1))
+        lock = threading.Lock()
+        run_clients(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
+        for n in clients:
+            rows.append(report("single", n, *run_clients(n, engine_client(eng, params, lock))))
+        eng.unload()
+    if "batched" in modes:
+        from service.engine.batched import BatchedEngine
+
+        beng = BatchedEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
+        beng.load(path, plan(slots))
+        run_clients(1, engine_client(beng, replace(params, max_tokens=8), None))
+        for n in clients:
+            rows.append(report("batched", n, *run_clients(n, engine_client(beng, params, None))))
+        beng.unload()
+    if "server" in modes:
+        binary = Path(args.llama_server) if args.llama_server else build_llama_server(args.llama_src, args.threads)
+        port = free_port()
+        cmd = [str(binary), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx_per_slot * slots),
+               "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads), "-fa", args.flash_attn,
+               "-ngl", "0", "-b", "512", "-ub", "512", "--no-webui", "-ctxcp", "0", "-cram", "0", "--no-warmup"]
+        log = open(CACHE / "llama-server.log", "wb") if CACHE.exists() else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            import httpx
+
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None:
+                    raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+                time.sleep(0.2)
+            url = f"http://127.0.0.1:{port}"
+            run_clients(1, http_client(url, 8, None))
+            for n in clients:
+                rows.append(report("server", n, *run_clients(n, http_client(url, args.max_tokens, None))))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    by = {(r["mode"], r["clients"]): r["tokens_per_s"] for r in rows}
+    for n in clients:
+        if ("batched", n) in by and ("server", n) in by:
+            print(f"clients={n}: batched / llama-server = {by[('batched', n)] / by[('server', n)]:.2f}x; "
+                  f"batched / single = {by[('batched', n)] / by.get(('single', n), float('nan')):.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
