@@ -52,4 +52,18 @@ class Settings(BaseSettings):
     allow_offload: bool = Field(True, description="Let a model larger than the cards run with some layers in host memory.")
     n_threads: int | None = Field(None, ge=1, description="CPU threads for generation (default: llama.cpp's choice).")
     queue_size: int = Field(16, ge=0, description="Requests that may wait for the model; beyond it 429.")
+    parallel: int = Field(
+        1, ge=1, le=64,
+        description="Decode slots. 1: one generation at a time. >1: continuous batching (several requests decoded "
+        "in shared batches), each slot with n_ctx / parallel tokens unless kv_unified.",
+    )
+    kv_unified: bool = Field(False, description="With parallel > 1, one KV cache shared by all slots (llama.cpp kv_unified).")
+    confirm_loads: bool = Field(
+        True, description="Before a load, confirm the plan with llama.cpp's no_alloc dry run (a subprocess) and report both figures."
+    )
+    confirm_timeout_s: float = Field(60.0, gt=0, description="Time limit of the dry-run confirmation.")
+    host_bandwidth_gbps: float | None = Field(
+        None, gt=0, description="Host memory read bandwidth for the offload speed model, GB/s (default: measured at start)."
+    )
+    disk_bandwidth_gbps: float = Field(2.0, gt=0, description="Model file read bandwidth for weights beyond host memory, GB/s.")
     log_level: str = Field("info", description="Log level.")
