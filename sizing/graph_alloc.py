@@ -249,20 +249,37 @@ class _DynAlloc:
         blocks.insert(pos, [off, size])
 
 
-def peak_bytes(graph: Graph) -> int:
-    """``ggml_gallocr_reserve_n_size`` for one buffer: the allocator's high-water mark in bytes."""
-    alloc = _DynAlloc()
+ALLOC = 0
+FREE = 1
+REUSE = 2
+
+
+def trace(graph: Graph) -> tuple[list[Tensor], list[tuple[int, int, int]]]:
+    """The allocator's decisions over ``graph``: which tensor is allocated, reused in place or freed, in order.
+
+    ``ggml_gallocr_alloc_graph_impl``'s choices (leaves first, in-place reuse, frees after the last
+    consumer) depend on the graph's structure and layouts only, never on the allocator's offsets:
+    the trace can be replayed (``replay``) with other tensor sizes, e.g. another KV length.
+    Returns the allocated tensors (indexed by the trace) and the events ``(op, tensor, parent)``.
+    """
+    tensors: list[Tensor] = []
+    index: dict[int, int] = {}
+    events: list[tuple[int, int, int]] = []
     n_children: dict[int, int] = {}
     n_views: dict[int, int] = {}
     allocated: dict[int, bool] = {}
-    addr: dict[int, int] = {}
 
-    def is_own(t: Tensor) -> bool:
-        return allocated.get(id(t), False)
+    def tid(t: Tensor) -> int:
+        k = id(t)
+        i = index.get(k)
+        if i is None:
+            i = index[k] = len(tensors)
+            tensors.append(t)
+        return i
 
     def allocate(t: Tensor) -> None:
         k = id(t)
-        if t.external or allocated.get(k) or k in addr or t.view_src is not None:
+        if t.external or k in allocated or t.view_src is not None:
             return
         allocated[k] = True
         if t.op in _INPLACE:
@@ -279,28 +296,20 @@ def peak_bytes(graph: Graph) -> int:
                         vs = p.view_src
                         vk = id(vs)
                         if n_views.get(vk, 0) == 1 and n_children.get(vk, 0) == 0 and p.view_offs == 0:
-                            addr[k] = addr[vk]
                             allocated[pk] = False
                             allocated[vk] = False
-                            _free_extra(t, vs)
+                            events.append((REUSE, tid(t), tid(vs)))
                             return
                     else:
-                        addr[k] = addr[pk]
                         allocated[pk] = False
-                        _free_extra(t, p)
+                        events.append((REUSE, tid(t), tid(p)))
                         return
-        addr[k] = alloc.alloc(t.nbytes)
-
-    def _free_extra(t: Tensor, parent: Tensor) -> None:
-        ps = (parent.nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        ns = (t.nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-        if ps > ns:
-            alloc.free(addr[id(parent)] + ns, ps - ns)
+        events.append((ALLOC, tid(t), -1))
 
     def free(t: Tensor) -> None:
         if t.flags & OUTPUT:
             return
-        alloc.free(addr[id(t)], t.nbytes)
+        events.append((FREE, tid(t), -1))
         allocated[id(t)] = False
 
     for leaf in graph.leafs:
@@ -309,7 +318,6 @@ def peak_bytes(graph: Graph) -> int:
         if node.view_src is not None:
             vk = id(node.view_src)
             n_views[vk] = n_views.get(vk, 0) + 1
-            # a view of an own tensor shares its address (ggml_gallocr_init_tensor / view offsets)
         for s in node.src:
             n_children[id(s)] = n_children.get(id(s), 0) + 1
             if s.flags & INPUT:
@@ -330,4 +338,30 @@ def peak_bytes(graph: Graph) -> int:
                         free(vs)
                 elif allocated.get(pk, False):
                     free(p)
+    return tensors, events
+
+
+def replay(events: Sequence[tuple[int, int, int]], sizes: Sequence[int]) -> int:
+    """Run ``ggml_dyn_tallocr`` over a ``trace`` with these tensor sizes (bytes); the high-water mark."""
+    alloc = _DynAlloc()
+    addr = [0] * len(sizes)
+    a = ALIGNMENT - 1
+    for op, t, p in events:
+        if op == ALLOC:
+            addr[t] = alloc.alloc(sizes[t])
+        elif op == FREE:
+            alloc.free(addr[t], sizes[t])
+        else:
+            # in place: the parent's memory; a larger parent gives its tail back (ggml_gallocr_allocate_node)
+            addr[t] = addr[p]
+            ps = (sizes[p] + a) // ALIGNMENT * ALIGNMENT
+            ns = (sizes[t] + a) // ALIGNMENT * ALIGNMENT
+            if ps > ns:
+                alloc.free(addr[p] + ns, ps - ns)
     return alloc.max_size
+
+
+def peak_bytes(graph: Graph) -> int:
+    """``ggml_gallocr_reserve_n_size`` for one buffer: the allocator's high-water mark in bytes."""
+    tensors, events = trace(graph)
+    return replay(events, [t.nbytes for t in tensors])

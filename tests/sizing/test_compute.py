@@ -6,7 +6,8 @@ from typing import Callable
 
 import pytest
 
-from sizing.compute import compute_bytes, logits_bytes, output_phase_bytes
+import sizing.graph_alloc as ga
+from sizing.compute import _build, _simulate, compute_bytes, graph_shape, logits_bytes, output_phase_bytes
 from sizing.config import ContextConfig
 from sizing.errors import FlashAttentionRequiredError
 from sizing.memory import estimate, output_buffer_bytes, resolve_flash_attn
@@ -71,6 +72,36 @@ def test_simulation_is_exact_for_qwen3_14b(fixture_spec: Callable[..., ModelSpec
     spec = fixture_spec("Qwen3-14B")
     assert round(compute_bytes(spec, ContextConfig(n_ctx=16384, n_ubatch=2048, n_batch=2048), True) / MIB, 2) == 1267.01
     assert round(compute_bytes(spec, ContextConfig(n_ctx=4096, type_k="q8_0", flash_attn="off"), False) / MIB, 2) == 372.07
+
+
+@pytest.mark.parametrize(
+    ("model", "cfg", "flash", "mib"),
+    [
+        # sched_reserve's figures (llama.cpp dry run): MLA (absorbed) + MoE with shared experts and a dense lead layer
+        ("DeepSeek-V2-Lite", ContextConfig(n_ctx=4096), True, 240.26),
+        ("DeepSeek-V2-Lite", ContextConfig(n_ctx=1000), True, 212.00),
+        ("DeepSeek-V2-Lite", ContextConfig(n_ctx=4096, n_ubatch=2048, n_batch=2048, n_seq_max=4), True, 848.01),
+        ("DeepSeek-V2-Lite", ContextConfig(n_ctx=50000, n_seq_max=4, flash_attn="off"), False, 523.77),
+        # build_moe_ffn with normalised top-k weights
+        ("Qwen3-30B-A3B", ContextConfig(n_ctx=4096, flash_attn="off"), False, 304.75),
+        ("Qwen3-30B-A3B", ContextConfig(n_ctx=4096, n_ubatch=2048, n_batch=2048, type_k="q8_0"), True, 1219.01),
+    ],
+)
+def test_simulation_is_exact_for_moe_and_mla(
+    fixture_spec: Callable[..., ModelSpec], model: str, cfg: ContextConfig, flash: bool, mib: float
+) -> None:
+    assert round(compute_bytes(fixture_spec(model), cfg, flash) / MIB, 2) == mib
+
+
+@pytest.mark.parametrize("model", ["Qwen3-14B", "gemma-3-27b", "DeepSeek-V2-Lite", "Qwen3-30B-A3B"])
+def test_replayed_trace_equals_a_fresh_simulation(fixture_spec: Callable[..., ModelSpec], model: str) -> None:
+    # one allocator trace per graph structure, replayed with the sizes of each KV length
+    shape = graph_shape(fixture_spec(model))
+    assert shape is not None
+    for full, swa in ((256, 256), (1024, 768), (13056, 1280), (50176, 4352)):
+        for flash, tk in ((True, "f16"), (True, "q8_0"), (False, "f16")):
+            direct = ga.peak_bytes(_build(shape, full, swa, 512, 1, flash, tk, tk if flash else "f16"))
+            assert _simulate(shape, full, swa, 512, 1, flash, tk, tk if flash else "f16") == direct
 
 
 def test_quantized_cache_with_flash_attention_off_is_refused() -> None:
