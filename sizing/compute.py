@@ -5,14 +5,16 @@ llama.cpp never computes the compute buffer in closed form:
 worst-case graph (``n_tokens = min(n_ctx, n_ubatch)``, every token an output,
 the whole KV view) and ``ggml_gallocr`` (``ggml/src/ggml-alloc.c``) measures
 the peak of a best-fit allocator that frees each tensor after its last use.
-For the mirrored architectures (llama, qwen2, qwen3, gemma2, gemma3) this module
-rebuilds that graph's tensors in the builders' node order (``_Reserve``, after
-``src/models/*.cpp`` and ``llm_graph_context::build_attn`` / ``build_attn_mha`` /
-``build_ffn`` / ``build_norm`` in ``src/llama-graph.cpp``; the first and last
+For the mirrored architectures (llama, qwen2, qwen3, gemma2, gemma3, qwen3moe,
+deepseek2 with absorbed MLA) this module rebuilds that graph's tensors in the
+builders' node order (``_Reserve``, after ``src/models/*.cpp`` and
+``llm_graph_context::build_attn`` / ``build_attn_mha`` / ``build_ffn`` /
+``build_moe_ffn`` / ``build_norm`` in ``src/llama-graph.cpp``; the first and last
 layers only, see ``KEEP_LAYERS``) and replays ``ggml_gallocr`` over it
-(``sizing/graph_alloc.py``); the peak is the prediction, cached per model shape
-and configuration. Other architectures (MoE, MLA) keep the phase model below,
-the largest of:
+(``sizing/graph_alloc.py``): the allocator's decisions are traced once per graph
+structure and replayed with each KV length's tensor sizes (``_program``); the peak
+is the prediction, cached per model shape and configuration. Other architectures
+keep the phase model below, the largest of:
 
 - **output**: the logits ``[n_vocab, n_ubatch]`` F32 with the final norm's input and output;
 - **attention without flash attention**: ``kq`` F32 ``[n_kv, n_ubatch, n_head]`` (softmax
@@ -184,8 +186,9 @@ _MOE_ARCHS = frozenset({"qwen3moe", "deepseek2"})
 
 KEEP_LAYERS = 3
 """Layers simulated at each end of the stack. After the first layers the allocator's free list repeats
-layer after layer, so the first and last three (plus one of each attention kind) give the same peak as
-the whole stack: checked equal over the test matrix for every mirrored fixture."""
+layer after layer, or every other layer (DeepSeek-V2-Lite), so the first and last three (plus one of each
+attention kind, the first MoE layer, and one more to drop an even number) give the same peak as the whole
+stack: checked equal over the test matrix for every mirrored fixture."""
 
 
 @dataclass(frozen=True)

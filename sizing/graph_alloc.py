@@ -19,6 +19,10 @@ first, left to right, leaves apart), and ``peak_bytes`` runs
   alignment (32 bytes on the CPU, ``TENSOR_ALIGNMENT``); freed blocks merge
   with their neighbours (``ggml_dyn_tallocr_free_bytes``).
 
+``trace`` records those decisions (they depend on the graph's structure and layouts, not on
+the offsets) and ``replay`` runs the allocator over them with any tensor sizes, so one trace
+serves every KV length of a graph structure.
+
 Pure standard library; weights are not modelled (they live in their own buffers).
 """
 
