@@ -21,7 +21,7 @@ from sizing.report import plan_json, plan_table
 from sizing.spec import ModelSpec
 
 from .engine.base import Engine, LoadReport
-from .errors import BadRequest, InsufficientMemory, ModelNotFound, ServiceError, Upstream
+from .errors import BadRequest, InsufficientMemory, ModelNotFound, ServiceError, SplitNotHonoured, Upstream
 from .models import ModelEntry, Registry
 from .runner import Runner
 from .settings import Settings
@@ -39,6 +39,9 @@ class ModelState:
     report: LoadReport | None = None
     error: str | None = None
     since: float = field(default_factory=time.time)
+    path: str | None = None
+    confirmation: dict[str, Any] | None = None
+    """llama.cpp's dry-run figures for the plan, beside the predicted ones."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,11 @@ class LoadOptions:
     swa_full: bool | None = None
     gpus: Sequence[dict[str, Any]] | None = None
     """Hypothetical cards (dry-run only): [{name, free_mib, total_mib}]."""
+    confirm: bool | None = None
+    """Confirm the plan with llama.cpp's dry run before loading (None: the setting)."""
 
 
-def plan_request(settings: Settings, opts: LoadOptions) -> PlanRequest:
+def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None) -> PlanRequest:
     """The settings, overridden by a request's options, as a ``PlanRequest``."""
     split = opts.tensor_split
     if split is None and settings.tensor_split:
@@ -74,13 +79,49 @@ def plan_request(settings: Settings, opts: LoadOptions) -> PlanRequest:
         min_ctx=settings.min_context,
         n_ubatch=settings.n_ubatch,
         n_batch=settings.n_batch,
-        n_seq_max=opts.n_seq_max or 1,
+        n_seq_max=opts.n_seq_max or settings.parallel,
+        kv_unified=settings.kv_unified,
         swa_full=settings.swa_full if opts.swa_full is None else opts.swa_full,
         allowance_bytes=settings.gpu_allowance_mib * MIB,
         gpu=opts.gpu if opts.gpu is not None else "auto",
         tensor_split=split,
         allow_offload=settings.allow_offload,
+        host_bandwidth_bytes_per_s=(settings.host_bandwidth_gbps * 1e9 if settings.host_bandwidth_gbps
+                                    else host_bandwidth_bytes_per_s or 40e9),
+        disk_bandwidth_bytes_per_s=settings.disk_bandwidth_gbps * 1e9,
     )
+
+
+def default_engine(settings: Settings) -> Engine:
+    """llama.cpp through llama-cpp-python: one sequence at a time, or batched decoding with ``parallel`` slots."""
+    if settings.parallel > 1:
+        from .engine.batched import BatchedEngine
+
+        return BatchedEngine(n_threads=settings.n_threads)
+    from .engine.llama import LlamaEngine
+
+    return LlamaEngine(n_threads=settings.n_threads)
+
+
+def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | None") -> tuple[list[Device], Device]:
+    """Free memory as it will be once the loaded model is unloaded: its predicted bytes added back.
+
+    The per-card allowance (CUDA context) stays held by the process; host weights are
+    mmapped file pages and are not credited.
+    """
+    if current is None or current.state != "loaded" or current.plan is None or current.plan.estimate is None:
+        return list(gpus), host
+    est = current.plan.estimate
+    by_label = {d.device: d for d in est.gpus}
+    out = []
+    for g in gpus:
+        d = by_label.get(g.label)
+        if d is not None:
+            g = replace(g, free_bytes=min(g.total_bytes, g.free_bytes + d.total_bytes - d.allowance_bytes))
+        out.append(g)
+    h = est.host
+    host = replace(host, free_bytes=min(host.total_bytes, host.free_bytes + h.kv_bytes + h.compute_bytes + h.output_bytes))
+    return out, host
 
 
 class ModelManager:
@@ -96,6 +137,11 @@ class ModelManager:
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
         self._load_lock = asyncio.Lock()
+        self.host_bandwidth_bytes_per_s: float | None = None
+        if settings.host_bandwidth_gbps is None:
+            from sizing.devices import measure_host_bandwidth
+
+            self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
 
     def _live_devices(self) -> tuple[list[Device], Device]:
         gpus = inventory(declared_path=self.settings.gpus_file, declared_json=self.settings.gpus_json)
@@ -120,7 +166,12 @@ class ModelManager:
                 gpus, host = parse_declared(list(opts.gpus)), host_memory()
             else:
                 gpus, host = self._devices()
-            req = plan_request(self.settings, opts)
+                # Plan as if the current model were unloaded (live figures include it; a declared
+                # inventory does not); a refusal still leaves it serving.
+                credited, host = credit_current(gpus, host, self.current)
+                if not (self.settings.gpus_file or self.settings.gpus_json):
+                    gpus = credited
+            req = plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s)
             plan = make_plan(spec, gpus, host, req)
         except DeviceError as exc:
             raise BadRequest(str(exc), param="gpus") from exc
@@ -131,30 +182,46 @@ class ModelManager:
         return entry, plan
 
     async def load(self, name: str, opts: LoadOptions = LoadOptions()) -> ModelState:
-        """Plan, refuse with figures if it cannot fit, else load (replacing the current model)."""
+        """Plan, refuse with figures if it cannot fit, confirm with llama.cpp, then load (replacing the current model)."""
         async with self._load_lock:
             entry, plan = self.plan(name, opts)
-            if not plan.fits:
-                raise InsufficientMemory(_refusal_message(plan), plan=plan_json(plan))
+            raise_refusal(plan)
             previous = self.current
-            state = ModelState(name=entry.name, state="loading", plan=plan)
+            serving = previous is not None and previous.state == "loaded"
+            state = ModelState(name=entry.name, state="loading", plan=plan, path=entry.path)
+            if not serving:
+                self.current = state  # /ready: loading (a loaded model keeps serving until the swap itself)
+            if opts.confirm if opts.confirm is not None else self.settings.confirm_loads:
+                try:
+                    state.confirmation = await asyncio.to_thread(self._confirm, entry, plan)
+                except ServiceError as exc:
+                    state.state, state.error = "failed", exc.message
+                    self.last_failed = state
+                    if not serving:
+                        self.current = state
+                    raise
+            # With the plan counting on the current model's memory, it must go first.
+            must_unload_first = serving and previous is not None and not _fits_beside(plan, previous)
             self.current = state
             log.info("loading %s with plan:\n%s", entry.name, plan_table(plan))
 
             def do_load() -> LoadReport:
+                if must_unload_first:
+                    self.engine.unload()
                 return self.engine.load(entry.path, plan)
 
             try:
-                report = await self.runner.call(do_load)
-            except ServiceError as exc:
-                state.state, state.error = "failed", exc.message
-                self.last_failed = state
-                self.current = previous if previous is not None and previous.state == "loaded" and self.engine.n_ctx else state
-                raise
+                report = await self.runner.call(do_load, exclusive=True)
             except Exception as exc:
-                state.state, state.error = "failed", str(exc)
+                state.state = "failed"
+                state.error = exc.message if isinstance(exc, ServiceError) else str(exc)
                 self.last_failed = state
                 self.current = state
+                if serving and previous is not None:
+                    if must_unload_first:
+                        await self._restore(previous)
+                    else:
+                        self.current = previous
                 raise
             state.report = report
             state.state = "loaded"
@@ -166,9 +233,71 @@ class ModelManager:
             )
             return state
 
+    async def _restore(self, previous: ModelState) -> None:
+        """Reload the model a failed swap unloaded, so the service keeps what it served."""
+        if previous.path is None or previous.plan is None:
+            return
+        plan, path = previous.plan, previous.path
+        try:
+            report = await self.runner.call(lambda: self.engine.load(path, plan), exclusive=True)
+        except Exception as exc:  # nothing left to serve: /ready says so
+            log.error("could not reload %s after a failed load: %s", previous.name, exc)
+            return
+        self.current = replace(previous, report=report, since=time.time())
+
+    def _confirm(self, entry: ModelEntry, plan: Plan) -> dict[str, Any] | None:
+        """llama.cpp's own dry run of the plan (a subprocess, bounded time): refuse what it refuses or cannot hold."""
+        from .engine.dryrun import DryRunError, dry_run
+
+        est = plan.estimate
+        t0 = time.perf_counter()
+        try:
+            result = dry_run(entry.path, plan.cfg, n_gpu_layers=plan.placement.n_gpu_layers,
+                             timeout_s=self.settings.confirm_timeout_s)
+        except DryRunError as exc:
+            log.warning("dry-run confirmation of %s could not run: %s", entry.name, exc)
+            return {"status": "not_run", "error": str(exc)}
+        seconds = round(time.perf_counter() - t0, 3)
+        if result.failure is not None:
+            if result.failure.kind in ("refused", "load_failed"):
+                raise BadRequest(
+                    f"llama.cpp {'refuses this configuration' if result.failure.kind == 'refused' else 'cannot load this file'}"
+                    f" for '{entry.name}': {result.failure.message}", param="model",
+                    log_tail=list(result.failure.log_tail[-8:]),
+                )
+            log.warning("dry-run confirmation of %s did not finish (%s): %s", entry.name, result.failure.kind,
+                        result.failure.message)
+            return {"status": result.failure.kind, "error": result.failure.message, "seconds": seconds}
+        out: dict[str, Any] = {"status": "confirmed", "seconds": seconds}
+        if est is None:
+            return out
+        predicted_kv = est.kv_bytes / MIB
+        out["kv_mib"] = {"predicted": round(predicted_kv, 2), "llama_cpp": result.kv_mib}
+        compute = {}
+        for d in est.devices:
+            measured = result.compute_mib.get(d.device)
+            compute[d.device] = {"predicted": round(d.compute_bytes / MIB, 2), "llama_cpp": measured}
+        out["compute_mib"] = compute
+        # llama.cpp is the truth: if its figures push a device past its free memory, refuse now.
+        by_label = {g.label: g for g in plan.gpus}
+        extra_kv = max(result.kv_mib - predicted_kv - 0.01, 0.0) * MIB
+        for d in est.devices:
+            dev = plan.host if d.device == "CPU" else by_label.get(d.device)
+            measured = result.compute_mib.get(d.device)
+            if dev is None or measured is None:
+                continue
+            need = d.total_bytes + max(measured * MIB - d.compute_bytes, 0) + (extra_kv if d.kv_bytes else 0)
+            if need > dev.free_bytes and d.weights_bytes <= dev.free_bytes:
+                raise InsufficientMemory(
+                    f"llama.cpp's dry run needs {need / MIB:.0f} MiB on {d.device} ({measured:.2f} MiB compute, "
+                    f"{result.kv_mib:.2f} MiB KV), more than its {dev.free_bytes / MIB:.0f} MiB free",
+                    device=d.device, confirmation=out,
+                )
+        return out
+
     async def unload(self) -> None:
         async with self._load_lock:
-            await self.runner.call(self.engine.unload)
+            await self.runner.call(self.engine.unload, exclusive=True)
             if self.current is not None:
                 self.current = replace(self.current, state="unloaded", report=None)
 
@@ -220,6 +349,8 @@ class ModelManager:
         out: dict[str, Any] = {"name": state.name, "state": state.state, "error": state.error}
         if state.plan is not None:
             out["plan"] = plan_json(state.plan)
+        if state.confirmation is not None:
+            out["confirmation"] = state.confirmation
         if state.report is not None:
             predicted = {d.device: d for d in state.plan.estimate.devices} if state.plan and state.plan.estimate else {}
             out["n_ctx"] = state.report.n_ctx
@@ -258,3 +389,24 @@ def _refusal_message(plan: Plan) -> str:
                 + (f", missing {missing / MIB:.0f} MiB" if missing else "")
             )
     return "; ".join(parts)
+
+
+def _fits_beside(plan: Plan, current: ModelState) -> bool:
+    """Whether the new plan fits without the current model's memory being given back (CPU-only plans always do:
+    host weights are mmapped and the kernel evicts them as needed)."""
+    if plan.placement.cpu_only and (current.plan is None or current.plan.placement.cpu_only):
+        return True
+    return current.plan is None or current.plan.estimate is None or not current.plan.estimate.gpus
+
+
+def raise_refusal(plan: Plan) -> None:
+    """A plan that does not fit becomes the domain error its refusal names (one place decides the status)."""
+    if plan.fits:
+        return
+    reason = "; ".join(plan.reasons) or "the model does not fit"
+    if plan.refusal == "SPLIT_NOT_HONOURED":
+        raise SplitNotHonoured(reason, param="gpu", plan=plan_json(plan))
+    if plan.refusal == "INVALID_CONFIG":
+        param = "gpu" if "gpu" in reason or "tensor_split" in reason else "cache_type"
+        raise BadRequest(reason, param=param)
+    raise InsufficientMemory(_refusal_message(plan), plan=plan_json(plan))

@@ -1,7 +1,10 @@
-"""One generation at a time, in order: a bounded FIFO in front of a single worker thread.
+"""Generations in order: a bounded FIFO in front of the engine's worker threads.
 
-llama-cpp-python's ``Llama`` is not thread-safe, so one worker thread owns
-every call into the engine. Requests wait in a FIFO of bounded length
+llama-cpp-python's ``Llama`` is not thread-safe, so with one slot a single
+worker thread owns every call into the engine. With ``workers > 1`` (the
+batched engine, which batches concurrent calls itself) that many generations
+run at once; loads and unloads still run alone (an exclusive call waits for
+running generations and holds new ones back). Requests wait in a FIFO of bounded length
 (beyond it: ``QueueFull``, 429); a running generation is never interrupted
 by a new request. Chunks cross back to the event loop with
 ``call_soon_threadsafe``; a cancelled request (client gone) is skipped if
@@ -31,19 +34,28 @@ class Job:
     cancel: Cancel
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    exclusive: bool = False
 
 
 class Runner:
     """The single worker that runs engine calls in FIFO order."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, workers: int = 1) -> None:
         self._max_waiting = max_waiting
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
         self._running = 0
-        self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
-        self._thread.start()
+        self._workers = max(1, workers)
+        # Shared by generations, taken whole by exclusive calls (load, unload).
+        self._gate = threading.Condition()
+        self._active = 0
+        self._exclusive = False
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"engine-worker-{i}", daemon=True) for i in range(self._workers)
+        ]
+        for t in self._threads:
+            t.start()
 
     @property
     def waiting(self) -> int:
@@ -66,8 +78,8 @@ class Runner:
         self._jobs.put(job)
         return job
 
-    def call(self, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
-        """Run a short engine call (tokenize, load) on the worker, in order with generations."""
+    def call(self, fn: Callable[[], Any], *, exclusive: bool = False) -> "asyncio.Future[Any]":
+        """Run an engine call (tokenize; load and unload with ``exclusive``) on a worker, in order with generations."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
@@ -82,7 +94,7 @@ class Runner:
 
         with self._lock:
             self._waiting += 1
-        self._jobs.put(Job(work=work, cancel=Cancel(), loop=loop))
+        self._jobs.put(Job(work=work, cancel=Cancel(), loop=loop, exclusive=exclusive))
         return fut
 
     def _loop(self) -> None:
@@ -90,6 +102,7 @@ class Runner:
             job = self._jobs.get()
             if job is None:
                 return
+            self._enter(job.exclusive)
             with self._lock:
                 self._waiting -= 1
                 self._running += 1
@@ -98,6 +111,25 @@ class Runner:
             finally:
                 with self._lock:
                     self._running -= 1
+                self._leave(job.exclusive)
+
+    def _enter(self, exclusive: bool) -> None:
+        with self._gate:
+            if exclusive:
+                self._gate.wait_for(lambda: not self._exclusive)
+                self._exclusive = True
+                self._gate.wait_for(lambda: self._active == 0)
+            else:
+                self._gate.wait_for(lambda: not self._exclusive)
+                self._active += 1
+
+    def _leave(self, exclusive: bool) -> None:
+        with self._gate:
+            if exclusive:
+                self._exclusive = False
+            else:
+                self._active -= 1
+            self._gate.notify_all()
 
     def _run(self, job: Job) -> None:
         put = job.out.put_nowait
@@ -121,7 +153,8 @@ class Runner:
                 pass
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 def _set_result(fut: "asyncio.Future[Any]", value: Any) -> None:

@@ -49,6 +49,7 @@ class PlanRequest:
     n_ubatch: int = 512
     n_batch: int = 512
     n_seq_max: int = 1
+    kv_unified: bool = False
     swa_full: bool = False
     allowance_bytes: int = DEFAULT_GPU_ALLOWANCE_BYTES
     gpu: int | Literal["auto", "all"] = "auto"
@@ -142,6 +143,7 @@ def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
         n_ubatch=req.n_ubatch,
         n_batch=req.n_batch,
         n_seq_max=req.n_seq_max,
+        kv_unified=req.kv_unified,
         swa_full=req.swa_full,
     )
 

@@ -36,6 +36,8 @@ class PlanBody(BaseModel):
     tensor_split: list[float] | None = Field(None, max_length=64)
     n_seq_max: int | None = Field(None, ge=1, le=256)
     swa_full: bool | None = None
+    confirm: bool | None = Field(None, description="Confirm the plan with llama.cpp's dry run before loading "
+                                 "(default: GGUF_CONFIRM_LOADS, on).")
 
     def options(self, gpus: list[DeclaredGpu] | None = None) -> LoadOptions:
         return LoadOptions(
@@ -47,6 +49,7 @@ class PlanBody(BaseModel):
             n_seq_max=self.n_seq_max,
             swa_full=self.swa_full,
             gpus=[g.model_dump() for g in gpus] if gpus is not None else None,
+            confirm=self.confirm,
         )
 
 

@@ -16,6 +16,7 @@ import logging
 import random
 import re
 import threading
+import os
 import time
 from typing import Any, Iterator
 
@@ -27,6 +28,10 @@ from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, Token
 from .chat_template import BuiltinChatTemplate, ChatTemplate
 
 log = logging.getLogger(__name__)
+
+# NVML lists GPUs in PCI bus order; CUDA, by default, fastest first. The plan's card
+# indexes come from NVML, so llama.cpp must see the same order (set before CUDA starts).
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 _MIB = 1 << 20
 _RE_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
@@ -131,6 +136,107 @@ class _LogTap:
         return None
 
 
+def llama_placement_kwargs(plan: Plan) -> dict[str, Any]:
+    """n_gpu_layers, tensor_split and main_gpu as llama.cpp wants them for the plan's placement.
+
+    ``tensor_split`` covers every device llama.cpp sees, in its order (the plan's
+    device index, NVML order = CUDA order under CUDA_DEVICE_ORDER=PCI_BUS_ID), with
+    0 for the cards the plan does not use, so llama.cpp puts nothing there.
+    """
+    p = plan.placement
+    if p.cpu_only:
+        return {"n_gpu_layers": 0, "tensor_split": None, "main_gpu": 0}
+    indexes = [plan.gpus[i].index for i in p.gpus]
+    n_dev = max(max(indexes) + 1, len(plan.gpus))
+    split = [0.0] * n_dev
+    for idx, share in zip(indexes, p.tensor_split or (1.0,) * len(indexes)):
+        split[idx] = float(share)
+    return {"n_gpu_layers": p.n_gpu_layers, "tensor_split": split, "main_gpu": indexes[0]}
+
+
+def expert_overrides(plan: Plan) -> list[str]:
+    """Tensor-name patterns the plan keeps in host memory (MoE experts of the first blocks)."""
+    pattern = plan.placement.expert_override_pattern()
+    return [pattern] if pattern else []
+
+
+class _BuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; } (llama.h)
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+_override_lock = threading.Lock()
+
+
+def _cpu_buffer_type() -> int:
+    """ggml's CPU buffer type, from the libggml that llama-cpp-python ships."""
+    import pathlib
+
+    import llama_cpp
+
+    libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
+    candidates = [libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")]
+    path = next((c for c in candidates if c.exists()), None)
+    if path is None:
+        raise EngineFailure(f"cannot find libggml under {libdir} for tensor buffer overrides")
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    buft = lib.ggml_backend_dev_buffer_type(dev)
+    if not buft:
+        raise EngineFailure("ggml has no CPU buffer type")
+    return int(buft)
+
+
+class tensor_overrides:
+    """Load with ``tensor_buft_overrides`` pinning tensors that match ``patterns`` to host memory.
+
+    llama-cpp-python's ``Llama`` does not expose the field, so for the duration
+    of the constructor ``llama_model_default_params`` returns params that carry it.
+    """
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = patterns
+        self._keep: Any = None
+
+    def __enter__(self) -> "tensor_overrides":
+        if not self.patterns:
+            return self
+        import llama_cpp.llama as llama_mod
+
+        _override_lock.acquire()
+        buft = _cpu_buffer_type()
+        arr = (_BuftOverride * (len(self.patterns) + 1))()
+        encoded = [p.encode("utf-8") for p in self.patterns]
+        for i, pat in enumerate(encoded):
+            arr[i].pattern = pat
+            arr[i].buft = buft
+        arr[len(encoded)].pattern = None
+        arr[len(encoded)].buft = None
+        self._keep = (arr, encoded)
+        lib = llama_mod.llama_cpp
+        original = lib.llama_model_default_params
+        self._restore = (lib, original)
+
+        def params_with_overrides() -> Any:
+            params = original()
+            params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+            return params
+
+        lib.llama_model_default_params = params_with_overrides
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.patterns:
+            return
+        lib, original = self._restore
+        lib.llama_model_default_params = original
+        _override_lock.release()
+
+
 class LlamaEngine:
     """A llama-cpp-python ``Llama`` behind the ``Engine`` protocol."""
 
@@ -156,9 +262,6 @@ class LlamaEngine:
         _LogTap.install()
         cfg = plan.cfg
         p = plan.placement
-        split = None
-        if p.gpus and len(p.tensor_split) > 1:
-            split = list(p.tensor_split)
         kwargs: dict[str, Any] = dict(
             model_path=path,
             n_ctx=cfg.n_ctx,
@@ -169,11 +272,9 @@ class LlamaEngine:
             type_v=GGML_TYPE_IDS[cfg.type_v],
             flash_attn=cfg.flash_attn == "on",
             swa_full=cfg.swa_full,
-            n_gpu_layers=p.n_gpu_layers,
-            tensor_split=split,
-            main_gpu=p.gpus[0] if len(p.gpus) == 1 else 0,
             offload_kqv=cfg.offload_kqv,
             verbose=False,
+            **llama_placement_kwargs(plan),
         )
         if self._n_threads:
             kwargs["n_threads"] = self._n_threads
@@ -181,7 +282,9 @@ class LlamaEngine:
         lines = _LogTap.start()
         t0 = time.perf_counter()
         try:
-            llm = Llama(**kwargs)
+            with tensor_overrides(expert_overrides(plan)) as overrides:
+                llm = Llama(**kwargs)
+            self._overrides_keep = overrides._keep
         except ValueError as exc:
             text = "\n".join(lines[-20:])
             if "out of memory" in text.lower() or "failed to allocate" in text.lower():

@@ -36,6 +36,8 @@ def fake_factory(tmp_path: Path, embedded_model: str) -> Iterator[Callable[..., 
               **overrides: Any) -> FakeService:
         """``models``: GGUF files to hard-link into the models directory under their own names."""
         engine = engine or FakeEngine()
+        # The fake engine runs no llama.cpp: confirming its plans with llama.cpp's dry run only costs time.
+        overrides.setdefault("confirm_loads", False)
         port = free_port()
         models_dir = tmp_path / f"models-{port}"
         models_dir.mkdir()
