@@ -1,24 +1,69 @@
-"""``python -m service``: serve with uvicorn on the configured host and port."""
+"""``python -m service``: serve with uvicorn on the configured host and port.
+
+Refuses to start (exit 2, one clear line) with settings it must not serve with: a non-loopback
+address without API keys, an unreadable key file, a malformed CORS origin.
+
+SIGTERM (or SIGINT) drains: the listening socket closes, requests that arrive on open connections
+get 503, requests in flight run to their end for up to ``GGUF_DRAIN_TIMEOUT_S``, the model is
+released, and the process exits 0. A second signal exits at once (status 128 + signal).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from types import FrameType
 
 import uvicorn
 
 from .api.app import create_app
+from .api.security import ConfigurationError, DrainState, check_startup, load_api_keys
 from .settings import Settings
+
+log = logging.getLogger("service")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with a drain flag for the app and an immediate exit on the second signal."""
+
+    def __init__(self, config: uvicorn.Config, drain: DrainState) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            log.warning("second signal %d while draining: exiting now", sig)
+            os._exit(128 + sig)
+        log.info("signal %d: draining (up to %.0f s), new requests get 503", sig, self.config.timeout_graceful_shutdown or 0)
+        self.drain.draining = True
+        # Not recorded in _captured_signals: uvicorn would re-raise it after the drain, and the
+        # process would die of SIGTERM instead of exiting 0 once everything finished.
+        self.should_exit = True
 
 
 def main() -> int:
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValueError as exc:
+        sys.stderr.write(f"gguf-server: invalid settings: {exc}\n")
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    try:
+        check_startup(settings, load_api_keys(settings))
+        app = create_app(settings)
+    except ConfigurationError as exc:
+        sys.stderr.write(f"gguf-server: {exc}\n")
+        return 2
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # asyncio.wait_for takes a float
+    )
+    server = DrainingServer(config, app.state.drain)
+    server.run()  # uvicorn exits 1 itself when it cannot bind
     return 0
 
 

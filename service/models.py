@@ -69,8 +69,15 @@ class Registry:
         return entries
 
     def resolve(self, name: str) -> ModelEntry:
-        """The file behind a model name; the same 404 for every way a name can be wrong."""
-        not_found = ModelNotFound(f"The model '{name[:200]}' does not exist", param="model")
+        """The file behind a model name; the same 404 for every way a name can be wrong.
+
+        A name is letters, digits, ``.``, ``_`` and ``-`` (no separator, no ``..``, no NUL, no
+        percent sign: nothing a client can use to walk). Its file, after following symlinks, lies
+        inside the models directory, ends in ``.gguf``, is a regular file (checked on the opened
+        descriptor, so a FIFO or a swap between check and open cannot block or escape) and starts
+        with the GGUF magic.
+        """
+        not_found = ModelNotFound(f"The model '{str(name)[:200]}' does not exist", param="model")
         if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
             raise not_found
         base = self._dir.resolve()
@@ -78,18 +85,27 @@ class Registry:
         if os.path.lexists(candidate):
             try:
                 real = candidate.resolve(strict=True)
-                st = os.stat(real)
-            except OSError:
+            except (OSError, RuntimeError):  # a dangling link or a loop
                 raise not_found from None
-            if base not in real.parents or not stat.S_ISREG(st.st_mode):
+            if base not in real.parents or real.suffix != ".gguf" or not _is_gguf_file(real):
                 raise not_found
-            try:
-                with open(real, "rb") as f:
-                    if f.read(4) != b"GGUF":
-                        raise not_found
-            except OSError:
-                raise not_found from None
             return ModelEntry(name, str(real), "models_dir")
         if name == EMBEDDED_MODEL_NAME:
             return ModelEntry(name, embedded_model_path(self._embedded_dir), "embedded")
         raise not_found
+
+
+def _is_gguf_file(path: Path) -> bool:
+    """A regular file starting with ``GGUF``; opened without blocking (a FIFO) and without following a last link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        return os.pread(fd, 4, 0) == b"GGUF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

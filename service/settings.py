@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m"
@@ -67,3 +67,23 @@ class Settings(BaseSettings):
     )
     disk_bandwidth_gbps: float = Field(2.0, gt=0, description="Model file read bandwidth for weights beyond host memory, GB/s.")
     log_level: str = Field("info", description="Log level.")
+    api_keys: SecretStr | None = Field(
+        None,
+        description="API keys, comma-separated; a request needs one (Authorization: Bearer or X-Api-Key) on every route "
+        "but /health, /ready and the page. Unset with no key file: no authentication, allowed on a loopback host only.",
+    )
+    api_key_file: str | None = Field(
+        None, description="File of API keys, one per line (blank lines and # comments ignored); adds to api_keys."
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0,
+        description="On SIGTERM: how long in-flight requests may run before they are cut (new ones get 503); "
+        "a second signal exits at once.",
+    )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body, bytes (counted while it is read); beyond it 413."
+    )
+    cors_origins: str | None = Field(
+        None, description="Origins allowed by CORS, comma-separated (e.g. https://app.example.com). Unset: CORS off. "
+        "Never with credentials.",
+    )

@@ -15,13 +15,21 @@ from ..models import Registry
 from ..runner import Runner
 from ..settings import Settings
 from . import errors, management, metrics, openai, ops
-from . import page
+from . import page, security
 
 log = logging.getLogger(__name__)
 
 
+SHUTDOWN_UNLOAD_TIMEOUT_S = 30.0
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """Build the service. ``engine`` defaults to llama.cpp; tests may pass a fake."""
+    """Build the service. ``engine`` defaults to llama.cpp; tests may pass a fake.
+
+    Raises ``security.ConfigurationError`` for settings it must not serve with (an unreadable key file).
+    """
+    keys = security.load_api_keys(settings)
+    cors = security.cors_options(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -38,21 +46,30 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         finally:
             if task is not None and not task.done():
                 task.cancel()
-            runner.stop()
             try:
-                eng.unload()
+                # On the worker, after whatever still runs there: never free the model under a generation.
+                await asyncio.wait_for(manager.unload(), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
+                log.info("shutdown: model released")
             except Exception:  # shutting down: nothing left to serve
                 log.exception("unload at shutdown failed")
+            runner.stop()
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()
-    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
+    app.state.drain = security.DrainState()
     errors.install(app)
     app.include_router(ops.router)
     app.include_router(openai.router)
     app.include_router(management.router)
     app.include_router(metrics.router)
     page.install(app)
+    # Added innermost first: the last one added sees a request first (order in service/api/security.py).
+    app.add_middleware(security.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(security.ApiKeyMiddleware, keys=keys)
+    app.add_middleware(security.DrainMiddleware, state=app.state.drain)
+    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
+    if cors is not None:
+        app.add_middleware(security.CORSMiddleware, **cors)  # type: ignore[arg-type]
     return app
 
 

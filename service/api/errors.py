@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import QueueFull, ServiceError
+from .security import esc
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def install(app: FastAPI) -> None:
         status, body = service_error_body(exc, request.url.path)
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
         if status >= 500:
-            log.warning("%s %s -> %d %s", request.method, request.url.path, status, exc.message)
+            log.warning("%s %s -> %d %s", request.method, esc(request.url.path), status, esc(exc.message, 500))
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -71,7 +72,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.exception("unhandled error on %s %s", request.method, esc(request.url.path))
         return JSONResponse(envelope("internal server error", "server_error", "internal_error"), status_code=500)
 
 

@@ -1,0 +1,260 @@
+"""The service's gates, as pure ASGI middleware: API keys, body size, drain, CORS; and log escaping.
+
+Order, outermost first (``install``): CORS (a preflight needs no key) -> metrics (counts refusals
+too) -> drain (503 once SIGTERM arrived) -> API key (401) -> body limit (413) -> the routes.
+
+Keys: from ``GGUF_API_KEYS`` (comma-separated) and ``GGUF_API_KEY_FILE`` (one per line), compared
+in constant time against every key (``hmac.compare_digest``, no early exit), never logged. Every
+path needs a key except the explicit public list (liveness, readiness, the page and its two
+assets): a route added later is protected without anyone remembering to protect it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import NotReady, PayloadTooLarge, ServiceError, Unauthorized
+from ..settings import Settings
+from . import errors as api_errors  # the module, not its names: it imports esc from here
+
+log = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/", "/static/page.js", "/static/page.css"})
+"""Paths answered without a key. Everything else, including routes added later and unknown paths, needs one."""
+
+MAX_LOGGED_CHARS = 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class ConfigurationError(Exception):
+    """The service must not start with these settings (a clear message, a non-zero exit)."""
+
+
+def esc(value: object, limit: int = MAX_LOGGED_CHARS) -> str:
+    """A request-derived string made safe for one log line: control characters escaped, truncated."""
+    text = str(value)
+    cut = len(text) > limit
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                        text[:limit])
+    return text + ("...(truncated)" if cut else "")
+
+
+def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
+    """The configured keys (environment and file), as bytes; the file must be readable if it is named."""
+    keys: list[str] = []
+    if settings.api_keys is not None:
+        keys += [k.strip() for k in settings.api_keys.get_secret_value().split(",")]
+    if settings.api_key_file:
+        try:
+            with open(settings.api_key_file, encoding="utf-8") as fh:
+                lines = fh.read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(
+                f"GGUF_API_KEY_FILE {settings.api_key_file!r} cannot be read: {type(exc).__name__}"
+            ) from None  # the exception text could quote the file's content
+        keys += [ln.strip() for ln in lines if not ln.strip().startswith("#")]
+    out = tuple(dict.fromkeys(k.encode("utf-8") for k in keys if k))
+    if settings.api_key_file and not out:
+        raise ConfigurationError(f"GGUF_API_KEY_FILE {settings.api_key_file!r} holds no key")
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def check_startup(settings: Settings, keys: tuple[bytes, ...]) -> None:
+    """Refuse to serve beyond loopback without keys."""
+    if not keys and not is_loopback(settings.host):
+        raise ConfigurationError(
+            f"refusing to bind {settings.host}: a non-loopback address needs API keys. Set GGUF_API_KEYS "
+            "(comma-separated) or GGUF_API_KEY_FILE (one key per line), or bind 127.0.0.1."
+        )
+
+
+def key_matches(presented: bytes, keys: Iterable[bytes]) -> bool:
+    """Whether ``presented`` is one of ``keys``, comparing against all of them in constant time."""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(presented, key)
+    return ok
+
+
+def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The key of ``Authorization: Bearer <key>`` or ``X-Api-Key: <key>``."""
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+        elif name == b"x-api-key" and value.strip():
+            return value.strip()
+    return None
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for k, v in scope.get("headers", []):
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return ""
+
+
+async def send_error(send: Send, exc: ServiceError, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A domain error in the OpenAI envelope, from middleware (the same table as the routes)."""
+    status, body = api_errors.service_error_body(exc, path)
+    headers = headers or []
+    data = json.dumps(body).encode()
+    await send({
+        "type": "http.response.start", "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+    })
+    await send({"type": "http.response.body", "body": data})
+
+
+class ApiKeyMiddleware:
+    """401 ``invalid_api_key`` (with ``WWW-Authenticate: Bearer``) for any non-public path without a valid key."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[bytes, ...]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        key = presented_key(scope.get("headers", []))
+        if key is not None and key_matches(key, self.keys):
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client") or ("?", 0)
+        log.warning(
+            "401 %s %s from %s (%s key) user-agent %s", scope.get("method"), esc(scope["path"]), client[0],
+            "no" if key is None else "wrong", esc(_header(scope, b"user-agent")),
+        )
+        msg = "missing API key: send Authorization: Bearer <key> or X-Api-Key" if key is None else "invalid API key"
+        await send_error(send, Unauthorized(msg), scope["path"], [(b"www-authenticate", b"Bearer")])
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``max_bytes``: refused on its Content-Length, or counted while it is read (chunked)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = PayloadTooLarge(f"the request body is larger than {self.max_bytes} bytes", max_bytes=self.max_bytes)
+        declared = _header(scope, b"content-length")
+        if declared:
+            try:
+                n = int(declared)
+            except ValueError:
+                n = -1
+            if n > self.max_bytes:
+                await send_error(send, too_large, scope["path"], [(b"connection", b"close")])
+                return
+        seen = 0
+        exceeded = False
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    exceeded = True
+                    raise _TooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded:  # the app's answer to the aborted read (FastAPI makes it a 400) is replaced by the 413
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except _TooLarge:
+            pass
+        except Exception:
+            if not exceeded:
+                raise
+        if exceeded and not started:
+            await send_error(send, too_large, scope["path"], [(b"connection", b"close")])
+
+
+@dataclass
+class DrainState:
+    """Set when SIGTERM arrives: new requests are refused while the ones in flight finish."""
+
+    draining: bool = False
+
+
+DRAIN_EXEMPT = frozenset({"/health"})
+
+
+class DrainMiddleware:
+    """503 ``model_not_ready`` (state ``draining``) for new requests once the drain began; /health stays 200."""
+
+    def __init__(self, app: ASGIApp, state: DrainState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.state.draining and scope["path"] not in DRAIN_EXEMPT:
+            exc = NotReady("the server is shutting down", state="draining")
+            await send_error(send, exc, scope["path"], [(b"connection", b"close"), (b"retry-after", b"1")])
+            return
+        await self.app(scope, receive, send)
+
+
+def cors_origins(settings: Settings) -> list[str]:
+    origins = [o.strip() for o in (settings.cors_origins or "").split(",") if o.strip()]
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:\d{1,5})?", o):
+            raise ConfigurationError(f"GGUF_CORS_ORIGINS: {o!r} is not an origin (scheme://host[:port])")
+    return origins
+
+
+def cors_options(settings: Settings) -> dict[str, object] | None:
+    """The CORSMiddleware options for the configured origins, or None when CORS is off."""
+    origins = cors_origins(settings)
+    if not origins:
+        return None
+    return {
+        "allow_origins": origins,
+        "allow_credentials": False,  # keys travel in a header the page sets, never as cookies; so never "*" with credentials
+        "allow_methods": ["GET", "POST", "OPTIONS"],
+        "allow_headers": ["Authorization", "X-Api-Key", "Content-Type"],
+        "max_age": 600,
+    }
+
+
+__all__ = [
+    "ApiKeyMiddleware", "BodyLimitMiddleware", "CORSMiddleware", "ConfigurationError", "DrainMiddleware", "DrainState",
+    "PUBLIC_PATHS", "check_startup", "cors_options", "esc", "is_loopback", "key_matches", "load_api_keys",
+]
