@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 from .devices import MIB
 from .memory import MemoryEstimate
 from .placement import Placement, assign_slots
-from .speed import TokenBytes, Tiers, decode_tokens_per_s, gpu_bandwidth, prompt_tokens_per_s
+from .speed import TokenBytes, Tiers, gpu_bandwidth, prompt_tokens_per_s
 
 if TYPE_CHECKING:
     from .spec import ModelSpec
@@ -141,34 +141,33 @@ def token_bytes(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int) -> 
 
 
 def speed(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tiers) -> tuple[float, float, TokenBytes]:
-    """(decode tokens/s, prompt tokens/s, bytes per token) of a placement."""
+    """(decode tokens/s, prompt tokens/s, bytes per token) of a placement.
+
+    Decoding a token: each GPU streams its share at its bandwidth; the host streams its
+    share from RAM (and disk), or computes it, whichever is slower (a small model with a
+    large vocabulary is compute-bound on a CPU); plus a fixed per-token cost (graph
+    launch, sampling).
+    """
     tb, per_gpu = token_bytes(sz, pl, est, n_ctx)
     gpu_s = sum(b / gpu_bandwidth(sz.gpus[i].name, sz.gpus[i].bandwidth_bytes_per_s) for b, i in zip(per_gpu, pl.gpus))
-    seconds = gpu_s + tb.host / tiers.host + tb.disk / tiers.disk
-    decode = 1.0 / seconds if seconds > 0 else float("inf")
     spec = sz.spec
+    params_per_byte = spec.n_params / max(spec.weights_bytes, 1)
+    host_stream_s = tb.host / tiers.host + tb.disk / tiers.disk
+    host_compute_s = 2.0 * (tb.host + tb.disk) * params_per_byte / tiers.cpu_flops
+    seconds = gpu_s + max(host_stream_s, host_compute_s) + tiers.token_overhead_s
+    decode = 1.0 / seconds
     frac = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
-    active_bytes = sum(layer.weights_bytes - layer.expert_bytes * (1 - frac) for layer in spec.layers)
-    active_params = active_bytes * _param_count(spec) / max(spec.weights_bytes, 1)
+    head = spec.token_embd_bytes if spec.output_tied else spec.output_bytes
+    active_bytes = head + sum(layer.weights_bytes - layer.expert_bytes * (1 - frac) for layer in spec.layers)
+    active_params = active_bytes * params_per_byte
     gpu_w = sum(d.weights_bytes for d in est.gpus)
     gpu_share = gpu_w / max(gpu_w + est.host.weights_bytes - spec.token_embd_bytes, 1)
     host_w = max(est.host.weights_bytes - spec.token_embd_bytes, 0)
-    prompt = prompt_tokens_per_s(active_params, min(gpu_share, 1.0), host_w, sz.req.n_ubatch, tiers)
     if pl.cpu_only:
         prompt = prompt_tokens_per_s(active_params, 0.0, host_w, sz.req.n_ubatch, tiers, op_offload=False)
-        decode = decode_tokens_per_s(tb, tiers)
+    else:
+        prompt = prompt_tokens_per_s(active_params, min(gpu_share, 1.0), host_w, sz.req.n_ubatch, tiers)
     return decode, prompt, tb
-
-
-def _param_count(spec: "ModelSpec") -> int:
-    tensors = spec.tensors
-    n = 0
-    for t in tensors:
-        c = 1
-        for d in t.shape:
-            c *= d
-        n += c
-    return n
 
 
 def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTypeOption | None":

@@ -110,6 +110,9 @@ class Plan:
     refusal: RefusalCode | None = None
     candidates: tuple[Candidate, ...] = ()
     warnings: tuple[str, ...] = ()
+    predicted_decode_tokens_per_s: float | None = None
+    predicted_prompt_tokens_per_s: float | None = None
+    """The speed model's figures for the chosen placement (``sizing.speed``), checked against measured ones."""
 
     @property
     def fits(self) -> bool:
@@ -364,6 +367,14 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         else:
             why = "limited by free memory"
         reasons.append(f"context {chosen.n_ctx} of the model's {spec.n_ctx_train}: {why}")
+    decode = prompt = None
+    if chosen.estimate is not None and chosen.verdict != "refused":
+        from .offload import speed
+        from .speed import Tiers
+
+        tiers = Tiers(host=req.host_bandwidth_bytes_per_s, disk=req.disk_bandwidth_bytes_per_s)
+        sz = Sizer(spec, gpus, host, req, chosen.cache_type)
+        decode, prompt, _ = speed(sz, chosen.placement, chosen.estimate, chosen.n_ctx, tiers)
     if chosen.verdict == "one_card":
         reasons.append(f"one card holds the model: {gpus[chosen.placement.gpus[0]].label} {gpus[chosen.placement.gpus[0]].name}")
     elif chosen.verdict == "split":
@@ -385,4 +396,6 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         refusal=chosen.refusal,
         candidates=chosen.candidates,
         warnings=chosen.warnings,
+        predicted_decode_tokens_per_s=decode,
+        predicted_prompt_tokens_per_s=prompt,
     )

@@ -108,6 +108,10 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "n_cpu_moe": plan.placement.n_cpu_moe,
         },
         "candidates": [candidate_json(c, plan) for c in plan.candidates],
+        "predicted_speed": None if plan.predicted_decode_tokens_per_s is None else {
+            "decode_tokens_per_s": round(plan.predicted_decode_tokens_per_s, 2),
+            "prompt_tokens_per_s": round(plan.predicted_prompt_tokens_per_s or 0.0, 1),
+        },
         "estimate": None if plan.estimate is None else estimate_json(plan.estimate, plan),
         "cache_types": [
             {
@@ -175,6 +179,9 @@ def plan_table(plan: Plan) -> str:
         for c in plan.candidates[:8]:
             lines.append(f"  {c.description:<62} n_ctx {c.n_ctx:>7}  decode {c.decode_tokens_per_s:8.2f} tok/s  "
                          f"prompt {c.prompt_tokens_per_s:8.1f} tok/s")
+    if plan.predicted_decode_tokens_per_s is not None:
+        lines.append(f"predicted speed: decode {plan.predicted_decode_tokens_per_s:.1f} tok/s, "
+                     f"prompt {plan.predicted_prompt_tokens_per_s or 0:.0f} tok/s")
     lines.extend(f"note: {r}" for r in plan.reasons)
     lines.extend(f"warning: {w}" for w in plan.warnings)
     return "\n".join(lines)

@@ -127,6 +127,17 @@ class ModelSpec:
         return sum(t.n_bytes for t in self.tensors)
 
     @cached_property
+    def n_params(self) -> int:
+        """Parameters (elements) over every tensor."""
+        n = 0
+        for t in self.tensors:
+            c = 1
+            for d in t.shape:
+                c *= d
+            n += c
+        return n
+
+    @cached_property
     def token_embd_bytes(self) -> int:
         """Bytes of ``token_embd.weight`` (stays in host memory in llama.cpp)."""
         return sum(t.n_bytes for t in self.tensors if t.name.startswith("token_embd."))

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sizing.report import plan_json
 
 from ..manager import LoadOptions
-from .deps import ManagerDep
+from .deps import ManagerDep, MetricsDep
 
 router = APIRouter(prefix="/api")
 
@@ -79,12 +79,16 @@ async def unload(manager: ManagerDep) -> dict[str, Any]:
 
 
 @router.get("/models")
-async def models(manager: ManagerDep) -> dict[str, Any]:
+async def models(manager: ManagerDep, metrics: MetricsDep) -> dict[str, Any]:
     cur = manager.current
     out = []
     for entry in manager.registry.list():
         if cur is not None and cur.name == entry.name:
-            out.append(manager.describe(cur))
+            described = manager.describe(cur)
+            if described is not None and cur.state == "loaded":
+                predicted = (described.get("plan") or {}).get("predicted_speed")
+                described["speed"] = {"predicted": predicted, "measured": metrics.measured_speeds()}
+            out.append(described)
         elif manager.last_failed is not None and manager.last_failed.name == entry.name:
             out.append(manager.describe(manager.last_failed))
         else:

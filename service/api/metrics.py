@@ -55,6 +55,10 @@ class Metrics:
         self.tokens_out = 0
         self.generation_errors: dict[str, int] = {}
         self.ttft_s = Histogram(TTFT_BUCKETS_S)
+        self.prompt_tokens_timed = 0
+        self.prompt_seconds = 0.0
+        self.decode_tokens_timed = 0
+        self.decode_seconds = 0.0
         self.token_s = Histogram(TOKEN_BUCKETS_S)
 
     def request(self, method: str, route: str, status: int) -> None:
@@ -62,10 +66,25 @@ class Metrics:
             key = (method, route, status)
             self.requests[key] = self.requests.get(key, 0) + 1
 
-    def generation(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def generation(self, last: Any) -> None:
+        """A finished generation's usage and, when the engine measured them, its prompt and decode times."""
         with self._lock:
-            self.tokens_in += prompt_tokens
-            self.tokens_out += completion_tokens
+            self.tokens_in += last.prompt_tokens
+            self.tokens_out += last.completion_tokens
+            if last.prompt_seconds > 0:
+                self.prompt_tokens_timed += last.prompt_tokens
+                self.prompt_seconds += last.prompt_seconds
+            if last.decode_seconds > 0:
+                self.decode_tokens_timed += last.completion_tokens - 1
+                self.decode_seconds += last.decode_seconds
+
+    def measured_speeds(self) -> dict[str, float | None]:
+        """Tokens/s measured over every generation so far: prompt evaluation and decoding."""
+        with self._lock:
+            return {
+                "prompt_tokens_per_s": self.prompt_tokens_timed / self.prompt_seconds if self.prompt_seconds else None,
+                "decode_tokens_per_s": self.decode_tokens_timed / self.decode_seconds if self.decode_seconds else None,
+            }
 
     def error(self, code: str) -> None:
         with self._lock:
@@ -129,6 +148,19 @@ class Metrics:
             lines.append(f'gguf_device_bytes{{device="{dev}",kind="allocated"}} {int(m["allocated_mib"] * MIB)}')
             if m.get("predicted_mib") is not None:
                 lines.append(f'gguf_device_bytes{{device="{dev}",kind="predicted"}} {int(m["predicted_mib"] * MIB)}')
+        lines += [
+            "# HELP gguf_tokens_per_second Generation speed: measured over the generations so far, and the plan's prediction.",
+            "# TYPE gguf_tokens_per_second gauge",
+        ]
+        measured = self.measured_speeds()
+        predicted = (info or {}).get("plan", {}).get("predicted_speed") or {}
+        for phase in ("prompt", "decode"):
+            m = measured[f"{phase}_tokens_per_s"]
+            if m is not None:
+                lines.append(f'gguf_tokens_per_second{{phase="{phase}",kind="measured"}} {m:.3f}')
+            p = predicted.get(f"{phase}_tokens_per_s")
+            if p is not None:
+                lines.append(f'gguf_tokens_per_second{{phase="{phase}",kind="predicted"}} {p:.3f}')
         lines += [
             "# HELP gguf_model_loaded 1 while a model is loaded and serving.",
             "# TYPE gguf_model_loaded gauge",

@@ -289,7 +289,7 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, 
     text = "".join(c.text for c in got)
     lps = [t for c in got for t in c.logprobs]
     last = got[-1] if got else Chunk(finish_reason="stop")
-    metrics.generation(last.prompt_tokens, last.completion_tokens)
+    metrics.generation(last)
     if kind == "completion":
         choice: dict[str, Any] = {"text": text, "index": 0, "finish_reason": _finish(last),
                                   "logprobs": _completion_logprobs(lps) if want_lp else None}
@@ -336,7 +336,7 @@ async def _stream(
                 yield sse(event(c, None))
             if c.finish_reason is not None:
                 last = c
-        timer.metrics.generation(last.prompt_tokens, last.completion_tokens)
+        timer.metrics.generation(last)
         yield sse(event(None, _finish(last)))
         if include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)})

@@ -468,9 +468,15 @@ class LlamaEngine:
         stopped = False
         self._set_abort(cancel)
         aborting = True
+        # Measured speeds, for comparison with the plan's predictions: the prompt's evaluation
+        # (until the first token is sampled) and the decoding of every later token.
+        t_start = time.perf_counter()
+        t_first = t_last = 0.0
         try:
             for tok in gen:
+                t_last = time.perf_counter()
                 if aborting:
+                    t_first = t_last
                     self._set_abort(None)
                     aborting = False
                 if cancel.cancelled:
@@ -508,7 +514,9 @@ class LlamaEngine:
             pending += decoder.decode(b"", final=True)
             if pending or pending_lp:
                 yield Chunk(text=pending, logprobs=tuple(pending_lp))
-        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out)
+        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out,
+                    prompt_seconds=(t_first - t_start) if t_first else 0.0,
+                    decode_seconds=(t_last - t_first) if n_out > 1 else 0.0)
 
 
 def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:

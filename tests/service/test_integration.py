@@ -140,3 +140,20 @@ def test_parallel_slots_decode_concurrent_requests(service_factory: Any) -> None
         together = dict(ex.map(ask, prompts))
     assert together.keys() == alone.keys()
     assert all(n > 0 for n in together.values())
+
+
+@pytest.mark.slow
+def test_measured_speeds_stand_beside_the_predicted_ones(served: Any) -> None:
+    for _ in range(2):
+        r = served.client.post("/v1/completions", json={"prompt": "Count: one, two,", "max_tokens": 16,
+                                                        "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+    models = served.client.get("/api/models").json()["models"]
+    speed = next(m for m in models if m["name"] == EMBEDDED_NAME)["speed"]
+    assert speed["predicted"]["decode_tokens_per_s"] > 0
+    assert speed["predicted"]["prompt_tokens_per_s"] > 0
+    assert speed["measured"]["decode_tokens_per_s"] > 0
+    assert speed["measured"]["prompt_tokens_per_s"] > 0
+    text = served.client.get("/metrics").text
+    assert 'gguf_tokens_per_second{phase="decode",kind="measured"}' in text
+    assert 'gguf_tokens_per_second{phase="decode",kind="predicted"}' in text
