@@ -160,7 +160,26 @@ class ModelManager:
     def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
         """Plan a model on the live (or declared, or hypothetical) devices; nothing is loaded."""
         entry = self.registry.resolve(name)
-        spec = self.probe(entry)
+        return entry, self.plan_spec(self.probe(entry), opts)
+
+    def plan_remote(self, location: str, opts: LoadOptions) -> Plan:
+        """Plan a model that is not here: an http(s) URL or ``hf://owner/repo/file.gguf``, read by its header only.
+
+        Blocking (network): call from a thread.
+        """
+        from sizing.errors import RemoteError
+        from sizing.gguf.remote import probe_location
+
+        try:
+            spec = probe_location(location)
+        except RemoteError as exc:
+            raise Upstream(f"{location[:300]}: {exc}") from exc
+        except (ProbeError, UnsupportedModelError) as exc:
+            raise BadRequest(f"{location[:300]} cannot be read: {exc}", param="url") from exc
+        return self.plan_spec(spec, opts)
+
+    def plan_spec(self, spec: ModelSpec, opts: LoadOptions) -> Plan:
+        """The plan for a probed model."""
         try:
             if opts.gpus is not None:
                 gpus, host = parse_declared(list(opts.gpus)), host_memory()
@@ -179,7 +198,7 @@ class ModelManager:
             raise BadRequest(str(exc.args[0] if isinstance(exc, KeyError) else exc), param="cache_type") from exc
         except SizingError as exc:
             raise BadRequest(str(exc)) from exc
-        return entry, plan
+        return plan
 
     async def load(self, name: str, opts: LoadOptions = LoadOptions()) -> ModelState:
         """Plan, refuse with figures if it cannot fit, confirm with llama.cpp, then load (replacing the current model)."""

@@ -32,11 +32,11 @@ def _devices(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .gguf import probe_path
+    from .gguf import probe_location
     from .plan import PlanRequest, make_plan
     from .report import plan_json, plan_table
 
-    spec = probe_path(args.path)
+    spec = probe_location(args.path)
     gpus, host = _devices(args)
     req = PlanRequest(
         n_ctx=args.ctx,
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pr.set_defaults(fn=_probe)
 
     pl = sub.add_parser("plan", help="largest context per KV cache type on these devices")
-    pl.add_argument("path")
+    pl.add_argument("path", help="a local file, an http(s) URL or hf://owner/repo/file.gguf[@revision]")
     pl.add_argument("--gpus", help="JSON file: [{name, free_mib, total_mib}, ...] (default: NVML, else host memory)")
     pl.add_argument("--ctx", type=int, default=None, help="requested n_ctx (default: largest that fits)")
     pl.add_argument("--cache-type", default="q8_0", help="cache type to choose (default q8_0)")

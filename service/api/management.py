@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sizing.report import plan_json
 
+from ..errors import BadRequest
 from ..manager import LoadOptions
 from .deps import ManagerDep, MetricsDep
 
@@ -54,13 +55,35 @@ class PlanBody(BaseModel):
 
 
 class DryRunBody(PlanBody):
+    model: str | None = Field(None, max_length=200)  # type: ignore[assignment]
+    url: str | None = Field(None, max_length=2000, pattern=r"^https?://",
+                            description="A GGUF file elsewhere, read by HTTP range requests (header only).")
+    repo_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
+    filename: str | None = Field(None, max_length=500, pattern=r"^[^\x00]*\.gguf$")
+    revision: str | None = Field(None, max_length=200)
     gpus: list[DeclaredGpu] | None = Field(None, max_length=64, description="Hypothetical cards instead of the live ones.")
+
+    def location(self) -> str | None:
+        if self.url:
+            return self.url
+        if self.repo_id and self.filename:
+            return f"hf://{self.repo_id}/{self.filename}" + (f"@{self.revision}" if self.revision else "")
+        return None
 
 
 @router.post("/dry-run")
 async def dry_run(body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
-    """What a load would do, per cache type, without loading anything."""
-    _, plan = manager.plan(body.model, body.options(body.gpus))
+    """What a load would do, per cache type, without loading anything: a model by name, by URL or on Hugging Face."""
+    sources = [bool(body.model), bool(body.url), bool(body.repo_id or body.filename)]
+    if sum(sources) != 1 or (body.repo_id is None) != (body.filename is None):
+        raise BadRequest("give exactly one of: model, url, or repo_id with filename", param="model")
+    opts = body.options(body.gpus)
+    location = body.location()
+    if location is not None:
+        plan = await asyncio.to_thread(manager.plan_remote, location, opts)
+    else:
+        assert body.model is not None
+        _, plan = manager.plan(body.model, opts)
     return plan_json(plan)
 
 

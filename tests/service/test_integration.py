@@ -157,3 +157,30 @@ def test_measured_speeds_stand_beside_the_predicted_ones(served: Any) -> None:
     text = served.client.get("/metrics").text
     assert 'gguf_tokens_per_second{phase="decode",kind="measured"}' in text
     assert 'gguf_tokens_per_second{phase="decode",kind="predicted"}' in text
+
+
+from tests.gguf.conftest import RangeServer, link_into, range_server  # noqa: E402,F401  (a fixture, imported to use here)
+
+
+@pytest.mark.slow
+def test_dry_run_of_a_remote_file_reads_its_header_only(served: Any, range_server: RangeServer,  # noqa: F811
+                                                       embedded_model: str) -> None:
+    from pathlib import Path
+
+    link_into(range_server, Path(embedded_model))
+    range_server.reset()
+    url = range_server.url(Path(embedded_model).name)
+    r = served.client.post("/api/dry-run", json={"url": url, "gpus": [{"name": "RTX 3060", "free_mib": 11000, "total_mib": 12288}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"]["n_ctx_train"] == 32768 and body["model"]["n_layer"] == 18
+    assert body["verdict"] == "one_card"
+    local = served.client.post("/api/dry-run", json={"model": EMBEDDED_NAME, "gpus": [{"name": "RTX 3060", "free_mib": 11000, "total_mib": 12288}]}).json()
+    assert [o["n_ctx"] for o in body["cache_types"]] == [o["n_ctx"] for o in local["cache_types"]]
+    # Only the header travelled, not the 241 MiB of weights.
+    assert range_server.bytes_sent < 1.1 * 6_525_120
+    # One source at a time.
+    r = served.client.post("/api/dry-run", json={"model": EMBEDDED_NAME, "url": url})
+    assert r.status_code == 400
+    r = served.client.post("/api/dry-run", json={"url": "file:///etc/passwd"})
+    assert r.status_code == 400
