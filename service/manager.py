@@ -124,6 +124,58 @@ def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | 
     return out, host
 
 
+@dataclass
+class Download:
+    """A GGUF file being fetched from Hugging Face into the models directory."""
+
+    repo_id: str
+    filename: str
+    revision: str | None
+    state: Literal["downloading", "done", "failed"] = "downloading"
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    error: str | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        """The model name it is served under once downloaded."""
+        return self.filename.rsplit("/", 1)[-1].removesuffix(".gguf")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"repo_id": self.repo_id, "filename": self.filename, "revision": self.revision, "name": self.name,
+                "state": self.state, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "progress": round(self.bytes_done / self.bytes_total, 4) if self.bytes_total else None,
+                "error": self.error}
+
+
+def _progress_class(dl: Download) -> type:
+    """A tqdm class for huggingface_hub that records progress on ``dl`` and logs every 10%."""
+    from tqdm.std import tqdm
+
+    class Progress(tqdm):  # type: ignore[misc,type-arg]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            total = kwargs.get("total")
+            if isinstance(total, (int, float)) and total:
+                dl.bytes_total = int(total)
+            dl.bytes_done = int(kwargs.get("initial") or 0)
+            self._logged = -1
+
+        def update(self, n: float | None = 1) -> bool | None:
+            dl.bytes_done += int(n or 0)
+            if dl.bytes_total:
+                tenth = int(10 * dl.bytes_done / dl.bytes_total)
+                if tenth != self._logged:
+                    self._logged = tenth
+                    log.info("downloading %s/%s: %d%% of %.1f MiB", dl.repo_id, dl.filename, 10 * tenth,
+                             dl.bytes_total / MIB)
+            return None
+
+    return Progress
+
+
 class ModelManager:
     """Owns the engine, the current model's state and plan."""
 
@@ -137,6 +189,7 @@ class ModelManager:
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
         self._load_lock = asyncio.Lock()
+        self.downloads: dict[str, Download] = {}
         self.host_bandwidth_bytes_per_s: float | None = None
         if settings.host_bandwidth_gbps is None:
             from sizing.devices import measure_host_bandwidth
@@ -319,6 +372,49 @@ class ModelManager:
             await self.runner.call(self.engine.unload, exclusive=True)
             if self.current is not None:
                 self.current = replace(self.current, state="unloaded", report=None)
+
+    def pull(self, repo_id: str, filename: str, revision: str | None = None) -> Download:
+        """Start fetching a GGUF from Hugging Face into the models directory (a background thread).
+
+        ``huggingface_hub`` honours HF_ENDPOINT, HF_TOKEN and, with HF_HUB_OFFLINE=1, answers from
+        the files already there. Progress shows in the log and in ``GET /api/models``.
+        """
+        import os
+        import threading
+
+        if "/" in filename or "\\" in filename or not filename.endswith(".gguf") or filename.startswith("."):
+            raise BadRequest("filename must be a .gguf file at the top of the repo", param="filename")
+        key = f"{repo_id}/{filename}@{revision or 'main'}"
+        running = self.downloads.get(key)
+        if running is not None and running.state == "downloading":
+            return running
+        dl = Download(repo_id, filename, revision)
+        self.downloads[key] = dl
+        models_dir = self.settings.models_dir
+
+        def fetch() -> None:
+            from huggingface_hub import hf_hub_download
+
+            try:
+                os.makedirs(models_dir, exist_ok=True)
+                path = hf_hub_download(repo_id, filename, revision=revision, local_dir=models_dir,
+                                       endpoint=os.environ.get("HF_ENDPOINT") or None, tqdm_class=_progress_class(dl))
+                self.registry.resolve(dl.name)  # the file is a GGUF the registry will serve
+                dl.bytes_done = dl.bytes_total = os.path.getsize(str(path))
+                dl.state = "done"
+                log.info("downloaded %s/%s as model '%s'", repo_id, filename, dl.name)
+            except ServiceError as exc:
+                dl.state, dl.error = "failed", f"the downloaded file is not a servable GGUF: {exc.message}"
+                try:  # leave nothing behind that looks like a model
+                    os.remove(os.path.join(models_dir, filename))
+                except OSError:
+                    pass
+            except Exception as exc:  # the hub's and the network's errors end here, reported in the status
+                dl.state, dl.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.warning("download of %s/%s failed: %s", repo_id, filename, dl.error)
+
+        threading.Thread(target=fetch, name=f"download-{filename}", daemon=True).start()
+        return dl
 
     def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
         """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.

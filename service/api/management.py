@@ -116,7 +116,21 @@ async def models(manager: ManagerDep, metrics: MetricsDep) -> dict[str, Any]:
             out.append(manager.describe(manager.last_failed))
         else:
             out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin})
-    return {"models": out}
+    return {"models": out, "downloads": [d.to_json() for d in manager.downloads.values()]}
+
+
+class PullBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
+    filename: str = Field(max_length=300, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\.gguf$")
+    revision: str | None = Field(None, max_length=200, pattern=r"^[A-Za-z0-9._/-]+$")
+
+
+@router.post("/models/pull", status_code=202)
+async def pull(body: PullBody, manager: ManagerDep) -> dict[str, Any]:
+    """Download a GGUF from Hugging Face into the models directory; follow it in GET /api/models."""
+    return manager.pull(body.repo_id, body.filename, body.revision).to_json()
 
 
 class HfFilesBody(BaseModel):
