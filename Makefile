@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test setup browser bench clean
+.PHONY: run test setup browser bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ browser: setup
 
 test: setup browser
 	$(BIN)/python -m pytest
+
+# The long reliability runs (10-minute RSS soak, longer probe fuzzing); `make test` runs their short versions.
+soak: setup
+	GGUF_SOAK=1 $(BIN)/python -m pytest tests/reliability -m soak -s
+	$(BIN)/python bench/fuzz_probe.py --seconds 120
 
 clean:
 	rm -rf $(VENV)
