@@ -8,6 +8,7 @@ serving.
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -89,6 +90,7 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         host_bandwidth_bytes_per_s=(settings.host_bandwidth_gbps * 1e9 if settings.host_bandwidth_gbps
                                     else host_bandwidth_bytes_per_s or 40e9),
         disk_bandwidth_bytes_per_s=settings.disk_bandwidth_gbps * 1e9,
+        cpu_cores=settings.n_threads or os.cpu_count() or 1,
     )
 
 

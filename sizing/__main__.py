@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -50,6 +51,7 @@ def _plan(args: argparse.Namespace) -> int:
         n_seq_max=args.parallel,
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
+        cpu_cores=os.cpu_count() or 1,
     )
     plan = make_plan(spec, gpus, host, req)
     print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))

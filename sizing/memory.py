@@ -139,9 +139,12 @@ def estimate(
         kv_host = kv_bytes(spec, cfg, flash)
     cells = kv_cells(spec, cfg)
     graph = compute_bytes(spec, cfg, flash)
+    # MoE experts of blocks below n_cpu_moe stay in host memory (tensor_buft_overrides), wherever their block runs.
+    pinned = [il for il in range(min(placement.n_cpu_moe, n_all)) if slots[il] is not None]
+    host_w += sum(spec.layers[il].expert_bytes for il in pinned)
     gpus: list[DeviceMemory] = []
     for pos, layers in enumerate(per_gpu_layers):
-        w = layer_weights(layers)
+        w = layer_weights(layers) - sum(spec.layers[il].expert_bytes for il in layers if il < placement.n_cpu_moe)
         if out_dev == pos:
             w += spec.output_layer_bytes if spec.output_tied else spec.output_bytes + max(other, 0)
         gpus.append(

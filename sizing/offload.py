@@ -14,7 +14,6 @@ fastest that holds the minimum context and lists the others as the trade-off.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from .devices import MIB
@@ -26,80 +25,21 @@ if TYPE_CHECKING:
     from .spec import ModelSpec
     from .plan import Candidate, CacheTypeOption, Sizer
 
-def with_experts_on_host(sz: "Sizer", est: MemoryEstimate, placement: Placement) -> MemoryEstimate:
-    """Move the expert tensors of blocks below ``n_cpu_moe`` to the host in an estimate (the override's effect)."""
-    if not placement.experts_on_host:
-        return est
-    gpus = []
-    moved_total = 0
-    for d in est.gpus:
-        moved = sum(sz.spec.layers[il].expert_bytes for il in d.layers if il < placement.n_cpu_moe)
-        moved_total += moved
-        gpus.append(replace(d, weights_bytes=d.weights_bytes - moved))
-    host = replace(est.host, weights_bytes=est.host.weights_bytes + moved_total)
-    return replace(est, host=host, gpus=tuple(gpus))
-
-
-def _estimate(sz: "Sizer", pl: Placement, n_ctx: int) -> MemoryEstimate:
-    return with_experts_on_host(sz, sz.estimate(pl, n_ctx), pl)
-
-
-def _gpu_ok(sz: "Sizer", est: MemoryEstimate, pl: Placement) -> bool:
-    return all(need.total_bytes <= sz.gpus[i].free_bytes for need, i in zip(est.gpus, pl.gpus))
-
-
-def _host_ok(sz: "Sizer", est: MemoryEstimate) -> bool:
-    """Host memory must hold everything but weights; weights past MemAvailable come from the mmapped file."""
-    h = est.host
-    return h.total_bytes - h.weights_bytes <= sz.host.free_bytes
-
-
 def disk_bytes(sz: "Sizer", est: MemoryEstimate) -> int:
     """Weight bytes that do not fit in MemAvailable and are read from the file (page cache misses)."""
     return max(est.host.total_bytes - sz.host.free_bytes, 0)
 
 
 def fits(sz: "Sizer", pl: Placement, n_ctx: int) -> bool:
-    est = _estimate(sz, pl, n_ctx)
-    return _gpu_ok(sz, est, pl) and _host_ok(sz, est)
+    """The cards hold their share; the host holds everything but the weights that may spill to the file."""
+    return sz.fits(pl, n_ctx, weights_may_spill=True)
 
 
-def _placement(sz: "Sizer", idx: Sequence[int], ngl: int, n_cpu_moe: int) -> Placement:
+def _placed(sz: "Sizer", idx: Sequence[int], ngl: int, n_ctx: int, n_cpu_moe: int) -> Placement | None:
+    """``ngl`` slots over the cards ``idx`` (rebalanced when one is short), or all on the CPU for ``ngl == 0``."""
     if ngl <= 0 or not idx:
-        return Placement()
-    shares = tuple(float(max(sz.gpus[i].free_bytes - sz.req.allowance_bytes, 1)) for i in idx)
-    if len(idx) == 1:
-        shares = (1.0,)
-    return Placement(gpus=tuple(idx), n_gpu_layers=ngl, tensor_split=shares, n_cpu_moe=n_cpu_moe)
-
-
-def _balanced(sz: "Sizer", idx: Sequence[int], ngl: int, n_ctx: int, n_cpu_moe: int) -> Placement | None:
-    """The proportional split of ``ngl`` slots, rebalanced by whole slots when a card is short."""
-    pl = _placement(sz, idx, ngl, n_cpu_moe)
-    if pl.cpu_only or len(idx) == 1:
-        return pl if fits(sz, pl, n_ctx) else None
-    slots = assign_slots(sz.spec.n_layer_all, ngl, pl.tensor_split)
-    counts = [sum(1 for s in slots if s == p) for p in range(len(idx))]
-    best = None
-    for _ in range(ngl * len(idx) + 1):
-        cand = replace(pl, tensor_split=tuple(float(c) for c in counts))
-        est = _estimate(sz, cand, n_ctx)
-        if not _host_ok(sz, est):
-            return None
-        over = [need.total_bytes - sz.gpus[i].free_bytes for need, i in zip(est.gpus, cand.gpus)]
-        worst = max(over)
-        if worst <= 0:
-            return cand
-        if best is not None and worst >= best:
-            return None
-        best = worst
-        short = over.index(worst)
-        room = sorted((o, p) for p, o in enumerate(over) if p != short)
-        if counts[short] == 0 or not room or room[0][0] >= 0:
-            return None
-        counts[short] -= 1
-        counts[room[0][1]] += 1
-    return None
+        return Placement() if fits(sz, Placement(), n_ctx) else None
+    return sz.balanced_split(idx, n_ctx, n_gpu_layers=ngl, n_cpu_moe=n_cpu_moe, weights_may_spill=True)
 
 
 def token_bytes(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int) -> tuple[TokenBytes, list[int]]:
@@ -132,10 +72,9 @@ def token_bytes(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int) -> 
     else:
         per_gpu[out_dev] += head
     # Attention reads the KV cache, on average half full.
-    half = sz.estimate(pl, n_ctx)  # same layers, KV per device
-    for p, d in enumerate(half.gpus):
-        per_gpu[p] += d.kv_bytes // 2
-    host += half.host.kv_bytes // 2
+    for p, dev in enumerate(est.gpus):
+        per_gpu[p] += dev.kv_bytes // 2
+    host += est.host.kv_bytes // 2
     disk = min(disk_bytes(sz, est), host)
     return TokenBytes(gpu=sum(per_gpu), host=host - disk, disk=disk), per_gpu
 
@@ -176,22 +115,17 @@ def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTyp
     from .plan import CacheTypeOption, Candidate
 
     spec = sz.spec
-    tiers = Tiers(host=sz.req.host_bandwidth_bytes_per_s, disk=sz.req.disk_bandwidth_bytes_per_s)
+    tiers = Tiers.for_request(sz.req)
     full = spec.n_layer_all + 1
     candidates: list[Candidate] = []
 
     def add(ngl: int, n_cpu_moe: int) -> bool:
-        pl = _balanced(sz, idx, ngl, floor, n_cpu_moe) if ngl else Placement()
-        if pl is None or not fits(sz, pl, floor):
+        pl = _placed(sz, idx, ngl, floor, n_cpu_moe)
+        if pl is None:
             return False
-
-        def ok(c: int) -> bool:
-            p = _balanced(sz, idx, ngl, c, n_cpu_moe) if ngl else Placement()
-            return p is not None and fits(sz, p, c)
-
-        best_ctx = largest_fitting(ok, floor, cap)
-        pl = (_balanced(sz, idx, ngl, best_ctx, n_cpu_moe) if ngl else Placement()) or pl
-        est = _estimate(sz, pl, best_ctx)
+        best_ctx = largest_fitting(lambda c: _placed(sz, idx, ngl, c, n_cpu_moe) is not None, floor, cap)
+        pl = _placed(sz, idx, ngl, best_ctx, n_cpu_moe) or pl
+        est = sz.estimate(pl, best_ctx)
         dec, pro, _ = speed(sz, pl, est, best_ctx, tiers)
         if not ngl:
             what = "all layers on the CPU"
@@ -212,7 +146,7 @@ def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTyp
             candidates.pop()
             while lo < hi:
                 mid = (lo + hi) // 2
-                if fits(sz, _placement(sz, idx, full, mid), floor) or _balanced(sz, idx, full, floor, mid):
+                if _placed(sz, idx, full, floor, mid) is not None:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -231,7 +165,7 @@ def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTyp
         return None
     candidates.sort(key=lambda c: -c.decode_tokens_per_s)
     chosen = candidates[0]
-    est = _estimate(sz, chosen.placement, chosen.n_ctx)
+    est = sz.estimate(chosen.placement, chosen.n_ctx)
     warnings = []
     if chosen.disk_weights_bytes:
         warnings.append(

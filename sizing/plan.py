@@ -60,6 +60,8 @@ class PlanRequest:
     """Host memory read bandwidth for the speed model (measured at service start, overridable)."""
     disk_bandwidth_bytes_per_s: float = 2e9
     """Model file read bandwidth for weights past MemAvailable."""
+    cpu_cores: int = 8
+    """CPU cores for the host's share of the work (the service passes the machine's count)."""
 
 
 @dataclass(frozen=True)
@@ -172,23 +174,29 @@ class Sizer:
         """Bytes each used GPU is missing (negative: to spare)."""
         return [need.total_bytes - self.gpus[i].free_bytes for need, i in zip(est.gpus, placement.gpus)]
 
-    def host_fits(self, est: MemoryEstimate) -> bool:
-        return est.host.total_bytes <= self.host.free_bytes
+    def host_fits(self, est: MemoryEstimate, *, weights_may_spill: bool = False) -> bool:
+        """Host memory holds its share; with ``weights_may_spill`` (partial offload), weights past
+        MemAvailable are read from the mmapped file instead, so only the rest must fit."""
+        need = est.host.total_bytes - (est.host.weights_bytes if weights_may_spill else 0)
+        return need <= self.host.free_bytes
 
-    def fits(self, placement: Placement, n_ctx: int) -> bool:
+    def fits(self, placement: Placement, n_ctx: int, *, weights_may_spill: bool = False) -> bool:
         est = self.estimate(placement, n_ctx)
-        return self.host_fits(est) and all(s <= 0 for s in self.shortfalls(est, placement))
+        return self.host_fits(est, weights_may_spill=weights_may_spill) and all(s <= 0 for s in self.shortfalls(est, placement))
 
-    def balanced_split(self, idx: Sequence[int], n_ctx: int, *, keep_all: bool = False) -> Placement | None:
-        """A full-offload layer split over ``idx`` that fits at ``n_ctx``, or None.
+    def balanced_split(self, idx: Sequence[int], n_ctx: int, *, keep_all: bool = False, n_gpu_layers: int | None = None,
+                       n_cpu_moe: int = 0, weights_may_spill: bool = False) -> Placement | None:
+        """A layer split of ``n_gpu_layers`` slots (default: all) over ``idx`` that fits at ``n_ctx``, or None.
 
-        Starts from shares proportional to each card's free memory less its
-        allowance (llama.cpp's default split), then moves one layer at a time
-        off the card that is shortest onto the card with the most room, as long
-        as that reduces the worst shortfall.
+        Starts from shares proportional to each card's free memory less its allowance
+        (llama.cpp's default split), then moves one slot at a time off the card that is
+        shortest onto the card with the most room, as long as that reduces the worst
+        shortfall (the second source document's "moves layers off the short card").
         """
         n_all = self.spec.n_layer_all
-        slots_n = n_all + 1
+        slots_n = n_all + 1 if n_gpu_layers is None else n_gpu_layers
+        if not idx or slots_n <= 0:
+            return None
         shares = [max(self.gpus[i].free_bytes - self.req.allowance_bytes, 0) for i in idx]
         if sum(shares) <= 0:
             return None
@@ -198,11 +206,11 @@ class Sizer:
         for _ in range(slots_n * len(idx) + 1):
             if keep_all and min(counts) == 0:
                 return None
-            pl = _split_placement(idx, counts)
+            pl = replace(_split_placement(idx, counts), n_cpu_moe=n_cpu_moe)
             est = self.estimate(pl, n_ctx)
-            over = self.shortfalls(est, pl)
-            if not self.host_fits(est):
+            if not self.host_fits(est, weights_may_spill=weights_may_spill):
                 return None
+            over = self.shortfalls(est, pl)
             worst = max(over)
             if worst <= 0:
                 return pl
@@ -210,10 +218,8 @@ class Sizer:
                 return None
             best = worst
             short = over.index(worst)
-            if counts[short] == 0:
-                return None
             room = sorted((o, p) for p, o in enumerate(over) if p != short)
-            if not room or room[0][0] >= 0:
+            if counts[short] == 0 or not room or room[0][0] >= 0:
                 return None
             counts[short] -= 1
             counts[room[0][1]] += 1
@@ -372,7 +378,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         from .offload import speed
         from .speed import Tiers
 
-        tiers = Tiers(host=req.host_bandwidth_bytes_per_s, disk=req.disk_bandwidth_bytes_per_s)
+        tiers = Tiers.for_request(req)
         sz = Sizer(spec, gpus, host, req, chosen.cache_type)
         decode, prompt, _ = speed(sz, chosen.placement, chosen.estimate, chosen.n_ctx, tiers)
     if chosen.verdict == "one_card":

@@ -13,6 +13,18 @@ measured speeds beside them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class PlanRequestLike(Protocol):
+    @property
+    def host_bandwidth_bytes_per_s(self) -> float: ...
+
+    @property
+    def disk_bandwidth_bytes_per_s(self) -> float: ...
+
+    @property
+    def cpu_cores(self) -> int: ...
 
 GB = 1e9
 
@@ -31,6 +43,12 @@ DEFAULT_GPU_FLOPS = 40e12
 """Effective dense FLOP/s for prompt processing when the card is not known."""
 
 
+CPU_FLOPS_PER_CORE = 15e9
+"""Decode (matrix-vector) FLOP/s per core: ~25-30 GFLOP/s measured for gemma-3-270m Q4_K_M on 2 cores here."""
+CPU_GEMM_FLOPS_PER_CORE = 60e9
+"""Prompt (matrix-matrix) FLOP/s per core: ~130 GFLOP/s measured on the same 2 cores."""
+
+
 @dataclass(frozen=True)
 class Tiers:
     """Bandwidths of the memory tiers a token's weights are read from, bytes/s."""
@@ -40,13 +58,22 @@ class Tiers:
     disk: float = 2 * GB
     pcie: float = 25 * GB
     gpu_flops: float = DEFAULT_GPU_FLOPS
-    cpu_flops: float = 30e9
-    """Effective CPU FLOP/s decoding (quantized matrix-vector products); measured ~25-30 GFLOP/s for
-    gemma-3-270m Q4_K_M on this project's 2-core machine."""
-    cpu_gemm_flops: float = 120e9
-    """Effective CPU FLOP/s evaluating a prompt (matrix-matrix); measured ~130 GFLOP/s on the same machine."""
+    cpu_flops: float = 8 * CPU_FLOPS_PER_CORE
+    """Effective CPU FLOP/s decoding (quantized matrix-vector products)."""
+    cpu_gemm_flops: float = 8 * CPU_GEMM_FLOPS_PER_CORE
+    """Effective CPU FLOP/s evaluating a prompt (matrix-matrix)."""
     token_overhead_s: float = 0.002
     """Fixed cost per decoded token: graph build and launch, sampling over the vocabulary."""
+
+    @classmethod
+    def for_request(cls, req: "PlanRequestLike") -> "Tiers":
+        """The tiers a plan request describes (bandwidths measured or configured, the machine's cores)."""
+        return cls(
+            host=req.host_bandwidth_bytes_per_s,
+            disk=req.disk_bandwidth_bytes_per_s,
+            cpu_flops=req.cpu_cores * CPU_FLOPS_PER_CORE,
+            cpu_gemm_flops=req.cpu_cores * CPU_GEMM_FLOPS_PER_CORE,
+        )
 
 
 def gpu_bandwidth(name: str, declared: float | None = None) -> float:
