@@ -91,11 +91,21 @@
     b.dataset[attr] = String(Number(b.dataset[attr] || "0") + 1);
   }
 
+  // With API keys set (GGUF_API_KEYS), the API wants one: typed once, kept for this tab only.
+  function apiKey() {
+    try { return window.sessionStorage.getItem("gguf-api-key") || ""; } catch (_) { return ""; }
+  }
+
   async function api(path, body) {
-    const init = body === undefined ? {} : {
-      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
-    };
+    const headers = {};
+    if (body !== undefined) headers["content-type"] = "application/json";
+    const key = apiKey();
+    if (key) headers["authorization"] = "Bearer " + key;
+    const init = body === undefined ? { headers } : { method: "POST", headers, body: JSON.stringify(body) };
     const res = await fetch(path, init);
+    if (res.status === 401) {
+      throw new Error("This service needs an API key: enter it under \u201cAPI key\u201d above.");
+    }
     let data = null;
     try { data = await res.json(); } catch (_) { data = null; }
     if (!res.ok) {
@@ -104,6 +114,17 @@
     }
     return data;
   }
+
+  function wireApiKey() {
+    const input = $("api-key");
+    if (!input) return;
+    input.value = apiKey();
+    input.addEventListener("change", () => {
+      try { window.sessionStorage.setItem("gguf-api-key", input.value.trim()); } catch (_) { /* storage off */ }
+      window.location.reload();
+    });
+  }
+  wireApiKey();
 
   // ---------- the request ----------
 

@@ -336,3 +336,18 @@ def test_where_a_line_crosses_the_free_memory_is_the_largest_context(browser: An
         # The sampled line, read where the plan's largest context is, sits on the free line (within 3 px of 420).
         assert float(mark.get_attribute("cy")) == pytest.approx(y_free, abs=3.0), c
     screenshot(browser, shots / "05-crossing.png")
+
+
+def test_with_api_keys_the_page_asks_for_one_and_then_plans(browser: Any, service_factory: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    svc = service_factory(GGUF_API_KEYS="page-test-key", GGUF_DEFAULT_MODEL="")
+    browser.get(svc.url + "/")
+    wait_for(browser, lambda: "API key" in browser.find_element(By.ID, "error").text, "the key request")
+    assert not cache_rows(browser)
+    key = browser.find_element(By.ID, "api-key")
+    key.send_keys("page-test-key")
+    browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
+    wait_for(browser, lambda: len(cache_rows(browser)) == 3, "the cache-type table after the key")
+    assert browser.find_element(By.ID, "error").get_attribute("hidden") is not None
+    browser.execute_script("window.sessionStorage.removeItem('gguf-api-key')")
