@@ -73,9 +73,10 @@ class Chunk:
     logprobs: tuple["TokenLogprob", ...] = ()
     """One entry per token this chunk's text came from, when requested."""
     role: str | None = None
-    prompt_seconds: float = 0.0
-    """Final chunk: time to evaluate the prompt and sample the first token (0: not measured)."""
-    decode_seconds: float = 0.0
+    prompt_seconds: float = field(default=0.0, compare=False)
+    """Final chunk: time to evaluate the prompt and sample the first token (0: not measured).
+    Timings are not part of a chunk's identity: the same generation is equal however fast it ran."""
+    decode_seconds: float = field(default=0.0, compare=False)
     """Final chunk: time to decode the tokens after the first (completion_tokens - 1 of them)."""
 
 

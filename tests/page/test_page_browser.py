@@ -23,9 +23,14 @@ def fmt(x: float) -> str:
 
 
 def wait_for(driver: Any, cond: Callable[[], Any], what: str, timeout_s: float = 30) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got = cond()
+        try:
+            got = cond()
+        except StaleElementReferenceException:  # the page redrew under us: look again
+            got = None
         if got:
             return got
         time.sleep(0.05)
@@ -68,6 +73,22 @@ def screenshot(driver: Any, path: Path) -> None:
 
 
 def cache_rows(driver: Any) -> dict[str, dict[str, str]]:
+    return settled(lambda: _cache_rows(driver))
+
+
+def settled(read: Callable[[], Any]) -> Any:
+    """Read the page, again if a redraw replaced the elements mid-read."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(50):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    return read()
+
+
+def _cache_rows(driver: Any) -> dict[str, dict[str, str]]:
     from selenium.webdriver.common.by import By
 
     rows = {}
@@ -80,7 +101,7 @@ def cache_rows(driver: Any) -> dict[str, dict[str, str]]:
 def field(driver: Any, name: str) -> str:
     from selenium.webdriver.common.by import By
 
-    return str(driver.find_element(By.CSS_SELECTOR, f'#summary dd[data-field="{name}"]').text)
+    return str(settled(lambda: driver.find_element(By.CSS_SELECTOR, f'#summary dd[data-field="{name}"]').text))
 
 
 def dry_run(served: Any, **body: Any) -> dict[str, Any]:

@@ -67,8 +67,10 @@ def test_cancellation_storm(service_factory: Callable[..., ServiceProcess], caps
         assert gauges == ["gguf_queue_depth 0", "gguf_running 0"], gauges
         figures.append((storm_s, fresh_s, threads_of(pid), rss_kib(pid)))
     (s1, f1, threads1, rss1), (s2, f2, threads2, rss2) = figures
-    # The first storm grows the HTTP layer's worker pool (anyio: at most 40 threads, reused); a leak would grow again.
-    assert threads1 <= threads0 + 41 and threads2 <= threads1 + 2, (threads0, threads1, threads2)
+    # A storm may grow the HTTP layer's worker pool (anyio: at most 40 threads, reused), in the first storm or
+    # the second; a leak would grow past it.
+    pool = 40
+    assert threads1 <= threads0 + pool + 1 and threads2 <= max(threads1, threads0 + pool) + 2, (threads0, threads1, threads2)
     assert rss2 - rss1 < 32 * 1024 and rss2 - rss0 < 96 * 1024, (rss0, rss1, rss2)
     with capsys.disabled():
         print(f"\nFIGURE storm: 2 x 200 streams cancelled at 0.5 s, in {s1:.1f} s and {s2:.1f} s; fresh request "
