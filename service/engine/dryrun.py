@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -29,18 +28,7 @@ from sizing.ggml import GGML_TYPE_IDS
 MIB = 1 << 20
 LOG_TAIL_LINES = 40
 
-# Log lines of the llama.cpp vendored by llama-cpp-python 0.3.36 (src/llama-kv-cache.cpp, llama-context.cpp).
-_RE_KV = re.compile(
-    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
-    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
-)
-_RE_ISWA = re.compile(r"llama_kv_cache_iswa: creating\s+(non-SWA|SWA) KV cache, size = (\d+) cells")
-_RE_COMPUTE = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
-_RE_OUTPUT = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
-_RE_N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
-_RE_N_CTX_SEQ = re.compile(r"llama_context: n_ctx_seq\s+=\s+(\d+)")
-_RE_FA = re.compile(r"llama_context: flash_attn\s+=\s+(\w+)")
-_RE_FA_RESOLVED = re.compile(r"resolve_fused_ops: Flash Attention (enabled|not supported)", re.I)
+from . import loglines as L
 
 FailureKind = Literal["refused", "load_failed", "timeout", "crashed"]
 
@@ -133,23 +121,23 @@ def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -
     fa: bool | None = None
     next_is_swa = False
     for line in lines:
-        if m := _RE_ISWA.search(line):
+        if m := L.ISWA_CACHE.search(line):
             next_is_swa = m.group(1) == "SWA"
-        elif m := _RE_KV.search(line):
+        elif m := L.KV_CACHE.search(line):
             g = m.groups()
             kv.append(KvCacheReport(float(g[0]), int(g[1]), int(g[2]), int(g[3]), int(g[4]), g[5], float(g[6]), g[7], float(g[8]), next_is_swa))
             next_is_swa = False
-        elif m := _RE_COMPUTE.search(line):
+        elif m := L.COMPUTE_BUFFER.search(line):
             compute[m.group(1)] = compute.get(m.group(1), 0.0) + float(m.group(2))
-        elif m := _RE_OUTPUT.search(line):
+        elif m := L.OUTPUT_BUFFER.search(line):
             output += float(m.group(2))
-        elif m := _RE_N_CTX.search(line):
+        elif m := L.N_CTX.search(line):
             n_ctx = int(m.group(1))
-        elif m := _RE_N_CTX_SEQ.search(line):
+        elif m := L.N_CTX_SEQ.search(line):
             n_ctx_seq = int(m.group(1))
-        elif m := _RE_FA.search(line):
+        elif m := L.FLASH_ATTN.search(line):
             fa = {"enabled": True, "disabled": False}.get(m.group(1))
-        elif m := _RE_FA_RESOLVED.search(line):
+        elif m := L.FLASH_ATTN_RESOLVED.search(line):
             fa = m.group(1).lower() == "enabled"
     tail = tuple(lines[-LOG_TAIL_LINES:])
     failure = None

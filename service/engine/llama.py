@@ -25,6 +25,7 @@ from sizing.plan import Plan
 
 from ..errors import BadRequest, EngineFailure, InsufficientMemory, NotReady
 from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
+from . import loglines as L
 from .chat_template import BuiltinChatTemplate, ChatTemplate
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,7 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 _MIB = 1 << 20
-_RE_MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
-_RE_KV_BUF = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
-_RE_OUT_BUF = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
-_RE_COMPUTE = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
 _RE_DEVICE = re.compile(r"device (\d+)")
-_RE_OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
 
 
 def _device_of(buffer_name: str) -> str:
@@ -54,13 +50,13 @@ def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[i
     acc: dict[str, dict[str, float]] = {}
     offloaded = None
     for line in lines:
-        for rx, field in ((_RE_MODEL_BUF, "weights"), (_RE_KV_BUF, "kv"), (_RE_OUT_BUF, "output"), (_RE_COMPUTE, "compute")):
+        for rx, field in ((L.MODEL_BUFFER, "weights"), (L.KV_BUFFER, "kv"), (L.OUTPUT_BUFFER, "output"), (L.COMPUTE_BUFFER, "compute")):
             m = rx.search(line)
             if m:
                 dev = _device_of(m.group(1))
                 acc.setdefault(dev, {}).setdefault(field, 0.0)
                 acc[dev][field] += float(m.group(2))
-        m = _RE_OFFLOADED.search(line)
+        m = L.OFFLOADED.search(line)
         if m:
             offloaded = (int(m.group(1)), int(m.group(2)))
     allocs = tuple(

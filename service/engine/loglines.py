@@ -1,0 +1,26 @@
+"""The llama.cpp log lines the service reads figures from, in one place.
+
+Formats of the llama.cpp vendored by llama-cpp-python 0.3.36: ``src/llama-model.cpp``
+(load_tensors), ``src/llama-kv-cache.cpp``, ``src/llama-kv-cache-iswa.cpp`` and
+``src/llama-context.cpp`` (sched_reserve, output_reserve). Both the real load
+(``service.engine.llama``) and the no_alloc dry run (``service.engine.dryrun``) parse them.
+"""
+
+from __future__ import annotations
+
+import re
+
+MODEL_BUFFER = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
+KV_BUFFER = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
+OUTPUT_BUFFER = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
+COMPUTE_BUFFER = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
+OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
+KV_CACHE = re.compile(
+    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
+    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
+)
+ISWA_CACHE = re.compile(r"llama_kv_cache_iswa: creating\s+(non-SWA|SWA) KV cache, size = (\d+) cells")
+N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
+N_CTX_SEQ = re.compile(r"llama_context: n_ctx_seq\s+=\s+(\d+)")
+FLASH_ATTN = re.compile(r"llama_context: flash_attn\s+=\s+(\w+)")
+FLASH_ATTN_RESOLVED = re.compile(r"resolve_fused_ops: Flash Attention (enabled|not supported)", re.I)
