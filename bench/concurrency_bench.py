@@ -20,6 +20,7 @@ Without ``--llama-server`` it builds one (cmake, ``-DLLAMA_BUILD_SERVER=ON -DGGM
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -146,15 +147,45 @@ def http_client(url: str, max_tokens: int, model: str | None) -> Callable[[int],
     return one
 
 
-def report(label: str, n: int, wall: float, res: list[Result]) -> dict[str, Any]:
+def report(label: str, n: int, wall: float, res: list[Result], quiet: bool = False) -> dict[str, Any]:
     toks = sum(r.completion_tokens for r in res)
     row = {"mode": label, "clients": n, "tokens": toks, "wall_s": round(wall, 2),
            "tokens_per_s": round(toks / wall, 1),
            "ttft_mean_s": round(statistics.mean(r.ttft_s for r in res), 3),
-           "ttft_max_s": round(max(r.ttft_s for r in res), 3)}
+           "ttft_max_s": round(max(r.ttft_s for r in res), 3), "load_avg": round(os.getloadavg()[0], 2)}
+    print("  " if quiet else "", end="")
     print(f"{label:8s} clients={n}  {row['tokens_per_s']:7.1f} tok/s  ({toks} tokens in {wall:.2f} s)  "
-          f"TTFT mean {row['ttft_mean_s']:.3f} s max {row['ttft_max_s']:.3f} s", flush=True)
+          f"TTFT mean {row['ttft_mean_s']:.3f} s max {row['ttft_max_s']:.3f} s  load {row['load_avg']:.2f}", flush=True)
     return row
+
+
+@contextlib.contextmanager
+def llama_server(args: Any, path: str, slots: int) -> Iterator[str]:
+    """llama-server on a free port with the same model, slots, context per slot, threads and flash attention."""
+    import httpx
+
+    binary = Path(args.llama_server) if args.llama_server else build_llama_server(args.llama_src, args.threads)
+    port = free_port()
+    cmd = [str(binary), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx_per_slot * slots),
+           "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads), "-fa", args.flash_attn,
+           "-ngl", "0", "-b", "512", "-ub", "512", "--no-webui", "-ctxcp", "0", "-cram", "0", "--no-warmup"]
+    log = open(CACHE / "llama-server.log", "wb") if CACHE.exists() else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def main() -> None:
@@ -170,6 +201,7 @@ def main() -> None:
     ap.add_argument("--llama-server", help="a llama-server binary (else built into ~/.cache/gguf-bench)")
     ap.add_argument("--llama-src", default=DEFAULT_SRC)
     ap.add_argument("--service-url", help="drive (a)/(b) over HTTP: a running service (GGUF_PARALLEL decides which)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every mode per client count, interleaved")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 
@@ -192,63 +224,52 @@ def main() -> None:
         return replace(p, cfg=replace(p.cfg, flash_attn=args.flash_attn))
 
     print(f"model {Path(path).name}; {args.max_tokens} tokens per request, greedy; threads {args.threads}; "
-          f"flash attention {args.flash_attn}; {slots} slots of {args.ctx_per_slot} tokens", flush=True)
-    rows = []
-    if args.service_url:
-        for mode in modes:
-            if mode == "server":
-                continue
-            for n in clients:
-                rows.append(report(f"svc-{os.environ.get('GGUF_PARALLEL', '1')}", n,
-                                   *run_clients(n, http_client(args.service_url, args.max_tokens, None))))
-        modes = [m for m in modes if m == "server"]
-    if "single" in modes:
-        from service.engine.llama import LlamaEngine
+          f"flash attention {args.flash_attn}; {slots} slots of {args.ctx_per_slot} tokens; "
+          f"{args.rounds} interleaved round(s), median reported; load average {os.getloadavg()[0]:.2f}", flush=True)
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        runners: dict[str, Callable[[int], tuple[float, list[Result]]]] = {}
+        if args.service_url:
+            svc = f"svc-{os.environ.get('GGUF_PARALLEL', '1')}"
+            runners[svc] = lambda n: run_clients(n, http_client(args.service_url, args.max_tokens, None))
+            modes = [m for m in modes if m == "server"]
+        if "single" in modes:
+            from service.engine.llama import LlamaEngine
 
-        eng = LlamaEngine(n_threads=args.threads)
-        eng.load(path, plan(1))
-        lock = threading.Lock()
-        run_clients(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
-        for n in clients:
-            rows.append(report("single", n, *run_clients(n, engine_client(eng, params, lock))))
-        eng.unload()
-    if "batched" in modes:
-        from service.engine.batched import BatchedEngine
+            eng = LlamaEngine(n_threads=args.threads)
+            eng.load(path, plan(1))
+            stack.callback(eng.unload)
+            lock = threading.Lock()
+            run_clients(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
+            runners["single"] = lambda n: run_clients(n, engine_client(eng, params, lock))
+        if "batched" in modes:
+            from service.engine.batched import BatchedEngine
 
-        beng = BatchedEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
-        beng.load(path, plan(slots))
-        run_clients(1, engine_client(beng, replace(params, max_tokens=8), None))
-        for n in clients:
-            rows.append(report("batched", n, *run_clients(n, engine_client(beng, params, None))))
-        beng.unload()
-    if "server" in modes:
-        binary = Path(args.llama_server) if args.llama_server else build_llama_server(args.llama_src, args.threads)
-        port = free_port()
-        cmd = [str(binary), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx_per_slot * slots),
-               "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads), "-fa", args.flash_attn,
-               "-ngl", "0", "-b", "512", "-ub", "512", "--no-webui", "-ctxcp", "0", "-cram", "0", "--no-warmup"]
-        log = open(CACHE / "llama-server.log", "wb") if CACHE.exists() else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            import httpx
-
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None:
-                    raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
-                time.sleep(0.2)
-            url = f"http://127.0.0.1:{port}"
+            beng = BatchedEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
+            beng.load(path, plan(slots))
+            stack.callback(beng.unload)
+            run_clients(1, engine_client(beng, replace(params, max_tokens=8), None))
+            runners["batched"] = lambda n: run_clients(n, engine_client(beng, params, None))
+        if "server" in modes:
+            url = stack.enter_context(llama_server(args, path, slots))
             run_clients(1, http_client(url, 8, None))
-            for n in clients:
-                rows.append(report("server", n, *run_clients(n, http_client(url, args.max_tokens, None))))
-        finally:
-            proc.terminate()
-            proc.wait(30)
+            runners["server"] = lambda n: run_clients(n, http_client(url, args.max_tokens, None))
+        # Modes take turns within each round, so a change in the machine's load (other jobs on shared
+        # cores) falls on all of them alike instead of on whichever ran last.
+        for n in clients:
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in runners}
+            for rnd in range(args.rounds):
+                order = list(runners) if rnd % 2 == 0 else list(reversed(runners))
+                for mode in order:
+                    runs[mode].append(report(mode, n, *runners[mode](n), quiet=args.rounds > 1))
+            for mode, got in runs.items():
+                row = dict(sorted(got, key=lambda r: r["tokens_per_s"])[len(got) // 2])
+                row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in got]
+                rows.append(row)
+                if args.rounds > 1:
+                    print(f"{mode:8s} clients={n}  {row['tokens_per_s']:7.1f} tok/s median of "
+                          f"{row['rounds_tokens_per_s']}  TTFT mean {row['ttft_mean_s']:.3f} s  "
+                          f"load {row['load_avg']:.2f}", flush=True)
     by = {(r["mode"], r["clients"]): r["tokens_per_s"] for r in rows}
     for n in clients:
         if ("batched", n) in by and ("server", n) in by:

@@ -136,6 +136,12 @@ class BatchedEngine:
         self._cells_used = 0
         self._batch: Any = None
         self._keep: list[Any] = []
+        self._outbox: list[tuple[_Request, Any]] = []
+        """Chunks produced during a scheduler iteration, delivered together at its end (``_flush``)."""
+        self._piece: dict[int, bytes] = {}
+        """Token id -> its text bytes (``detokenize([tok])``), filled as tokens are seen: no ctypes call per token."""
+        self._eog: dict[int, bool] = {}
+        """Token id -> ``llama_vocab_is_eog``, filled as tokens are seen."""
 
     # -- Engine protocol -------------------------------------------------
 
@@ -220,6 +226,7 @@ class BatchedEngine:
             self._model, self._ctx = model, ctx
             self._vocab = model.vocab
             self._keep = keep
+            self._piece, self._eog = {}, {}
             self._n_vocab = int(model.n_vocab())
             self._n_ctx = int(llama_cpp.llama_n_ctx(ctx.ctx))
             self._n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(ctx.ctx))
@@ -349,11 +356,13 @@ class BatchedEngine:
                 if active:
                     self._step(active, free)
                 self._cells_used = sum(r.n_past for r in active)
+                self._flush()
         except BaseException as exc:  # a bug here must not leave clients waiting forever
             log.exception("batched scheduler failed")
             err = EngineFailure(f"the batch scheduler failed: {type(exc).__name__}: {exc}")
             for r in list(active):
                 self._fail(r, err, free, active)
+            self._flush()
             for r in waiting:
                 r.out.put(err)
                 r.out.put(_DONE)
@@ -361,6 +370,7 @@ class BatchedEngine:
         gone = NotReady("the model was unloaded")
         for r in list(active):
             self._fail(r, gone, free, active)
+        self._flush()
         for r in waiting:
             r.out.put(gone)
             r.out.put(_DONE)
@@ -373,10 +383,26 @@ class BatchedEngine:
                 it.out.put(gone)
                 it.out.put(_DONE)
 
+    def _send(self, r: _Request, item: Any) -> None:
+        self._outbox.append((r, item))
+
+    def _flush(self) -> None:
+        """Deliver the iteration's chunks, after all of its sampling and just before the next ``llama_decode``.
+
+        Each ``put`` wakes a consumer thread, which then wants the GIL. Woken in the middle of the step, they
+        took it whenever the scheduler released it for a ctypes call (every sample, detokenize, EOG test)
+        and the scheduler waited for each of them to give it back; on a loaded machine a consumer preempted
+        while holding the GIL stalled every sequence. Woken here, they run while ``llama_decode`` (which
+        releases the GIL) computes."""
+        out, self._outbox = self._outbox, []
+        for r, item in out:
+            r.out.put(item)
+
     def _admit(self, r: _Request, free: list[int], active: list[_Request]) -> None:
         import llama_cpp
 
-        r.seq = free.pop()
+        r.seq = min(free)  # the lowest free id: the batch's ids stay consecutive (see _step)
+        free.remove(r.seq)
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx.ctx), r.seq, -1, -1)
         seed = r.params.seed if r.params.seed is not None else random.randint(0, 2**31 - 1)
         r.sampler = _sampler_chain(self._model, self._n_vocab, r.params, r.grammar, seed)
@@ -401,14 +427,14 @@ class BatchedEngine:
         if not stopped:
             r.pending += r.decoder.decode(b"", final=True)
             if r.pending or r.pending_lp:
-                r.out.put(Chunk(text=r.pending, logprobs=tuple(r.pending_lp)))
-        r.out.put(Chunk(finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out))
-        r.out.put(_DONE)
+                self._send(r, Chunk(text=r.pending, logprobs=tuple(r.pending_lp)))
+        self._send(r, Chunk(finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out))
+        self._send(r, _DONE)
 
     def _fail(self, r: _Request, err: ServiceError, free: list[int], active: list[_Request]) -> None:
         self._release(r, free, active)
-        r.out.put(err)
-        r.out.put(_DONE)
+        self._send(r, err)
+        self._send(r, _DONE)
 
     def _step(self, active: list[_Request], free: list[int]) -> None:
         """One ``llama_decode``: a token for each generating sequence, then prompt chunks up to n_batch.
@@ -431,30 +457,44 @@ class BatchedEngine:
             batch.logits[n] = 1 if logits else 0
             n += 1
 
+        # Who takes part and how many tokens each: one for every generating sequence, then prompt tokens,
+        # oldest request first, up to n_batch.
         members: list[_Request] = []
+        room = self._n_batch
         for r in active:
             r.batch_take, r.batch_logits_idx = 0, -1
-            if r.next_token is not None and n < self._n_batch:
-                r.batch_logits_idx = n
+            if r.next_token is not None and room > 0:
                 r.batch_take = 1
-                add(r.next_token, r.n_past, r.seq, True)
+                room -= 1
                 members.append(r)
         for r in active:  # oldest first: admission order
-            if n >= self._n_batch:
+            if room <= 0:
                 break
             if r.next_token is None and r.prompting:
-                take = min(self._n_batch - n, len(r.tokens) - r.n_fed)
-                for j in range(take):
-                    i = r.n_fed + j
-                    last = i == len(r.tokens) - 1
-                    if last:
-                        r.batch_logits_idx = n
-                    add(r.tokens[i], i, r.seq, last)
-                r.batch_take = take
+                r.batch_take = min(room, len(r.tokens) - r.n_fed)
+                room -= r.batch_take
                 members.append(r)
                 if self._batch_invariant:
                     break  # one prompt per step: prompts never share a ubatch (see _step's docstring)
+        # Laid out in increasing sequence id. With a non-unified cache llama.cpp puts into one ubatch only a run
+        # of consecutive sequence ids in batch order (src/llama-batch.cpp ``split_equal``, ``sequential``): out
+        # of order, 4 generating sequences were decoded as up to 4 ubatches, each a full pass over the weights,
+        # and the graph was rebuilt every step (2x the step time measured with 8 slots). llama-server adds its
+        # slots in slot-id order (server-context.cpp ``update_slots``).
+        members.sort(key=lambda r: r.seq)
+        for r in members:
+            if r.next_token is not None:
+                r.batch_logits_idx = n
+                add(r.next_token, r.n_past, r.seq, True)
+                continue
+            for j in range(r.batch_take):
+                i = r.n_fed + j
+                last = i == len(r.tokens) - 1
+                if last:
+                    r.batch_logits_idx = n
+                add(r.tokens[i], i, r.seq, last)
         batch.n_tokens = n
+        self._flush()  # e.g. the chunks of requests cancelled this iteration: delivered while the batch computes
         ret = int(llama_cpp.llama_decode(self._ctx.ctx, batch))
         if ret != 0:
             self._decode_failed(ret, members, active, free)
@@ -474,16 +514,19 @@ class BatchedEngine:
 
         lp = self._logprob(ctx, idx, r.params.logprobs) if r.params.logprobs is not None else None
         tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
-        if llama_cpp.llama_vocab_is_eog(self._vocab, tok):
+        eog = self._eog.get(tok)
+        if eog is None:
+            eog = self._eog[tok] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, tok))
+        if eog:
             self._finish(r, "stop", free, active)
             return
         r.n_out += 1
         if lp is not None:
             r.pending_lp.append(lp(tok))
-        r.pending += r.decoder.decode(self._model.detokenize([tok]))
+        r.pending += r.decoder.decode(self._token_bytes(tok))
         emit, r.pending, stopped = _split_stop(r.pending, [s for s in r.params.stop if s])
         if emit:
-            r.out.put(Chunk(text=emit, logprobs=tuple(r.pending_lp)))
+            self._send(r, Chunk(text=emit, logprobs=tuple(r.pending_lp)))
             r.pending_lp = []
         if stopped:
             self._finish(r, "stop", free, active, stopped=True)
@@ -491,6 +534,13 @@ class BatchedEngine:
             self._finish(r, "length", free, active)
         else:
             r.next_token = tok
+
+    def _token_bytes(self, tok: int) -> bytes:
+        """``detokenize([tok])``: a function of the token id alone, so computed once per id."""
+        piece = self._piece.get(tok)
+        if piece is None:
+            piece = self._piece[tok] = bytes(self._model.detokenize([tok]))
+        return piece
 
     def _logprob(self, ctx: Any, idx: int, k: int) -> Any:
         """A function of the sampled token: its log-softmax over row ``idx``'s logits, and the top k."""
@@ -505,11 +555,11 @@ class BatchedEngine:
         if k > 0:
             ids = np.argpartition(-x, k)[:k]
             ids = ids[np.argsort(-x[ids])]
-            top = tuple((bytes(self._model.detokenize([int(i)])).decode("utf-8", "replace"), float(x[i] - lse))
+            top = tuple((self._token_bytes(int(i)).decode("utf-8", "replace"), float(x[i] - lse))
                         for i in ids)
 
         def of(tok: int) -> TokenLogprob:
-            piece = bytes(self._model.detokenize([tok]))
+            piece = self._token_bytes(tok)
             return TokenLogprob(piece.decode("utf-8", "replace"), float(x[tok] - lse), tuple(piece), top)
 
         return of
@@ -523,8 +573,9 @@ class BatchedEngine:
         if code in (1, -2) and members:
             # The request asking for new cells in bulk (a prompt chunk) is the one that does not fit;
             # among generating ones, the largest. Ties: the newest.
-            prompting = [r for r in members if r.next_token is None]
-            pool = prompting or members
+            ordered = [r for r in active if r in members]  # admission order (members are in sequence-id order)
+            prompting = [r for r in ordered if r.next_token is None]
+            pool = prompting or ordered
             victim = max(reversed(pool), key=lambda r: r.n_past + r.batch_take)
             device = _LogTap.failed_device() or self._device
             max_tokens = victim.params.max_tokens
