@@ -30,6 +30,9 @@ from .chat_template import BuiltinChatTemplate, ChatTemplate
 
 log = logging.getLogger(__name__)
 
+ABORT_MIN_PROMPT_TOKENS = 256
+"""Prompts at least this long are evaluated with llama.cpp's abort callback set (see ``_generate``)."""
+
 # NVML lists GPUs in PCI bus order; CUDA, by default, fastest first. The plan's card
 # indexes come from NVML, so llama.cpp must see the same order (set before CUDA starts).
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -462,8 +465,13 @@ class LlamaEngine:
             grammar=grammar,
         )
         stopped = False
-        self._set_abort(cancel)
-        aborting = True
+        # The abort callback lets a client that leaves stop a long prompt's evaluation, but it is a
+        # Python call per graph node: for a short prompt (evaluated in tens of ms) it would cost more
+        # time to first token than it could save.
+        aborting = len(tokens) >= ABORT_MIN_PROMPT_TOKENS
+        if aborting:
+            self._set_abort(cancel)
+        first = True
         # Measured speeds, for comparison with the plan's predictions: the prompt's evaluation
         # (until the first token is sampled) and the decoding of every later token.
         t_start = time.perf_counter()
@@ -471,8 +479,10 @@ class LlamaEngine:
         try:
             for tok in gen:
                 t_last = time.perf_counter()
-                if aborting:
+                if first:
                     t_first = t_last
+                    first = False
+                if aborting:
                     self._set_abort(None)
                     aborting = False
                 if cancel.cancelled:

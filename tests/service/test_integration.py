@@ -184,3 +184,37 @@ def test_dry_run_of_a_remote_file_reads_its_header_only(served: Any, range_serve
     assert r.status_code == 400
     r = served.client.post("/api/dry-run", json={"url": "file:///etc/passwd"})
     assert r.status_code == 400
+
+
+@pytest.mark.slow
+def test_a_long_prompt_is_abandoned_mid_evaluation_when_its_client_leaves(embedded_model: str) -> None:
+    """Prompts of ABORT_MIN_PROMPT_TOKENS or more run with llama.cpp's abort callback: a cancel stops the
+    evaluation itself (llama_decode returns 2), not only the tokens after it."""
+    import time
+
+    from service.engine.base import Cancel, GenerationParams
+    from service.engine.llama import ABORT_MIN_PROMPT_TOKENS
+
+    spec = probe_path(embedded_model)
+    plan = make_plan(spec, [], Device(0, "host", 20 * GIB_, 24 * GIB_, "host"), PlanRequest(n_ctx=4096))
+    engine = LlamaEngine(n_threads=2)
+    engine.load(embedded_model, plan)
+    try:
+        prompt = "the quick brown fox jumps over the lazy dog " * 200
+        assert engine.count_tokens(prompt) >= 4 * ABORT_MIN_PROMPT_TOKENS
+        params = GenerationParams(max_tokens=1, temperature=0.0)
+        t = time.perf_counter()
+        full = list(engine.complete(prompt, params, Cancel()))
+        full_s = time.perf_counter() - t
+        assert full[-1].completion_tokens == 1
+        gone = Cancel()
+        gone.set()
+        t = time.perf_counter()
+        aborted = list(engine.complete(prompt, params, gone))
+        aborted_s = time.perf_counter() - t
+        assert aborted[-1].finish_reason == "cancelled" and aborted[-1].completion_tokens == 0
+        assert aborted_s < 0.5 * full_s, (aborted_s, full_s)
+        # The engine serves on afterwards.
+        assert list(engine.complete("Hello", GenerationParams(max_tokens=2, temperature=0.0), Cancel()))[-1].completion_tokens > 0
+    finally:
+        engine.unload()
