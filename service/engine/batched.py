@@ -45,6 +45,7 @@ from sizing.plan import Plan
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from .base import Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from .chat_template import BuiltinChatTemplate, ChatTemplate
+from .prompting import Prompting
 from .llama import _LogTap, _split_stop, parse_allocations
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class _Request:
         return self.abandoned or self.cancel.cancelled
 
 
-class BatchedEngine:
+class BatchedEngine(Prompting):
     """Several requests decoded in shared ``llama_decode`` batches, behind the ``Engine`` protocol."""
 
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False) -> None:
@@ -276,25 +277,8 @@ class BatchedEngine:
     def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self._require().tokenize(text.encode("utf-8"), add_bos, True))
 
-    def count_tokens(self, text: str) -> int:
-        return len(self._tokenize(text, add_bos=True))
-
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, bool]:
-        self._require()
-        if self._template is None:
-            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
-        return self._template.render(messages)
-
-    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
-        prompt, add_bos = self._chat_prompt(messages)
-        return len(self._tokenize(prompt, add_bos=add_bos))
-
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self.generate(self._tokenize(prompt, add_bos=True), params, cancel)
-
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        prompt, add_bos = self._chat_prompt(messages)
-        return self.generate(self._tokenize(prompt, add_bos=add_bos), params, cancel)
+    def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self.generate(tokens, params, cancel)
 
     def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         """The chunks of one generation; safe to call (and iterate) from many threads at once."""

@@ -27,6 +27,7 @@ from ..errors import BadRequest, EngineFailure, InsufficientMemory, NotReady
 from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from . import loglines as L
 from .chat_template import BuiltinChatTemplate, ChatTemplate
+from .prompting import Prompting
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class tensor_overrides:
         _override_lock.release()
 
 
-class LlamaEngine:
+class LlamaEngine(Prompting):
     """A llama-cpp-python ``Llama`` behind the ``Engine`` protocol."""
 
     def __init__(self, *, n_threads: int | None = None) -> None:
@@ -310,29 +311,12 @@ class LlamaEngine:
         if llm is not None:
             llm.close()
 
-    def _tokenize_prompt(self, text: str, *, add_bos: bool) -> list[int]:
+    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         llm = self._require()
         return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
 
-    def count_tokens(self, text: str) -> int:
-        return len(self._tokenize_prompt(text, add_bos=True))
-
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, bool]:
-        self._require()
-        if self._template is None:
-            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
-        return self._template.render(messages)
-
-    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
-        prompt, add_bos = self._chat_prompt(messages)
-        return len(self._tokenize_prompt(prompt, add_bos=add_bos))
-
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._generate(self._tokenize_prompt(prompt, add_bos=True), params, cancel)
-
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        prompt, add_bos = self._chat_prompt(messages)
-        return self._generate(self._tokenize_prompt(prompt, add_bos=add_bos), params, cancel)
+    def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._generate(tokens, params, cancel)
 
     def check(self, params: GenerationParams) -> None:
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
