@@ -1,9 +1,9 @@
-"""The fixture writer: real shapes, sparse files, fast."""
+"""The fixture writer: real shapes, sparse files. (How fast it writes is bench/probe_bench.py's
+business, not a timed assertion here.)"""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +13,7 @@ from sizing.gguf.fixtures import FIXTURES, write_fixture
 
 
 def test_qwen3_14b_shape_and_sparseness(tmp_path: Path) -> None:
-    t0 = time.perf_counter()
     path = write_fixture("Qwen3-14B", tmp_path)
-    assert time.perf_counter() - t0 < 10
     spec = probe_path(path)
     assert (spec.n_layer, spec.n_embd, spec.n_vocab, spec.n_ctx_train) == (40, 5120, 151936, 40960)
     assert {(l.n_head, l.n_head_kv, l.n_embd_head_k) for l in spec.layers} == {(40, 8, 128)}
