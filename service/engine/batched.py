@@ -42,10 +42,10 @@ from typing import Any, Iterator
 from sizing.ggml import GGML_TYPE_IDS
 from sizing.plan import Plan
 
-from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
+from ..errors import ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from .base import Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .prompting import Prompting
+from .prompting import Prompting, compile_grammar
 from .llama import _LogTap, _split_stop, parse_allocations
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class BatchedEngine(Prompting):
 
     def check(self, params: GenerationParams) -> None:
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
-        _grammar(params)
+        compile_grammar(params)
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         import llama_cpp
@@ -298,7 +298,7 @@ class BatchedEngine(Prompting):
             yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
             return
         req = _Request(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
-                       grammar=_grammar(params))
+                       grammar=compile_grammar(params))
         self._inbox.put(req)
         try:
             while True:
@@ -581,25 +581,6 @@ class BatchedEngine(Prompting):
         for r in members:
             if r not in failed and r.seq >= 0:
                 llama_cpp.llama_memory_seq_rm(mem, r.seq, r.n_past, -1)
-
-
-def _grammar(params: GenerationParams) -> Any:
-    """The request's grammar, compiled (as ``LlamaEngine._grammar``); ``BadRequest`` when it cannot be."""
-    from llama_cpp import llama_grammar
-
-    try:
-        if params.json_schema is not None:
-            text = llama_grammar.json_schema_to_gbnf(params.json_schema)
-        elif params.json_object:
-            text = llama_grammar.JSON_GBNF
-        elif params.grammar:
-            text = params.grammar
-        else:
-            return None
-        return llama_grammar.LlamaGrammar.from_string(text, verbose=False)
-    except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
-        raise BadRequest(f"response_format: the JSON schema cannot be turned into a grammar: {exc}",
-                         param="response_format") from exc
 
 
 def _sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: Any, seed: int) -> Any:

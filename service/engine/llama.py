@@ -23,11 +23,11 @@ from typing import Any, Iterator
 from sizing.ggml import GGML_TYPE_IDS
 from sizing.plan import Plan
 
-from ..errors import BadRequest, EngineFailure, InsufficientMemory, NotReady
+from ..errors import EngineFailure, InsufficientMemory, NotReady
 from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from . import loglines as L
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .prompting import Prompting
+from .prompting import Prompting, compile_grammar
 
 log = logging.getLogger(__name__)
 
@@ -320,24 +320,7 @@ class LlamaEngine(Prompting):
 
     def check(self, params: GenerationParams) -> None:
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
-        self._grammar(params)
-
-    def _grammar(self, params: GenerationParams) -> Any:
-        from llama_cpp import llama_grammar
-
-        try:
-            if params.json_schema is not None:
-                text = llama_grammar.json_schema_to_gbnf(params.json_schema)
-            elif params.json_object:
-                text = llama_grammar.JSON_GBNF
-            elif params.grammar:
-                text = params.grammar
-            else:
-                return None
-            return llama_grammar.LlamaGrammar.from_string(text, verbose=False)
-        except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
-            raise BadRequest(f"response_format: the JSON schema cannot be turned into a grammar: {exc}",
-                             param="response_format") from exc
+        compile_grammar(params)
 
     @property
     def kv_cells_used(self) -> int:
@@ -425,7 +408,7 @@ class LlamaEngine(Prompting):
         if max_new <= 0:
             yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
             return
-        grammar = self._grammar(params)
+        grammar = compile_grammar(params)
         # Start from an empty cache every request: identical inputs give identical outputs.
         llm.reset()
         llm.set_seed(params.seed if params.seed is not None else random.randint(0, 2**31 - 1))
