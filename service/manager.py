@@ -322,12 +322,13 @@ class ModelManager:
     def _confirm(self, entry: ModelEntry, plan: Plan) -> dict[str, Any] | None:
         """llama.cpp's own dry run of the plan (a subprocess, bounded time): refuse what it refuses or cannot hold."""
         from .engine.dryrun import DryRunError, dry_run
+        from .engine.params import plan_params
 
         est = plan.estimate
         t0 = time.perf_counter()
         try:
-            result = dry_run(entry.path, plan.cfg, n_gpu_layers=plan.placement.n_gpu_layers,
-                             timeout_s=self.settings.confirm_timeout_s)
+            # The placement as the engine will apply it (n_gpu_layers, tensor_split over every device, overrides).
+            result = dry_run(entry.path, plan.cfg, model=plan_params(plan)[0], timeout_s=self.settings.confirm_timeout_s)
         except DryRunError as exc:
             log.warning("dry-run confirmation of %s could not run: %s", entry.name, exc)
             return {"status": "not_run", "error": str(exc)}

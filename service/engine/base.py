@@ -115,6 +115,16 @@ class Engine(Protocol):
         """KV cache cells holding tokens now (the last request's prompt and output)."""
         ...
 
+    @property
+    def kv_cells_allocated(self) -> int:
+        """KV cache cells the context holds in all (every sequence's stream; 0 when nothing is loaded)."""
+        ...
+
+    @property
+    def running_sequences(self) -> int:
+        """Sequences being decoded (or their prompts evaluated) now."""
+        ...
+
     def check(self, params: GenerationParams) -> None:
         """Raise ``BadRequest`` for parameters this engine cannot honour (before any byte is sent)."""
         ...

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import codecs
 import collections
-import ctypes
 import logging
-import os
 import queue
 import random
 import threading
@@ -39,14 +37,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from sizing.ggml import GGML_TYPE_IDS
 from sizing.plan import Plan
 
 from ..errors import ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from .base import Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .prompting import Prompting, compile_grammar
+from .grammar import compile_grammar, grammar_sampler
+from .prompting import Prompting
 from .llama import _LogTap, _split_stop, parse_allocations
+from .params import apply_context_params, apply_model_params, plan_params
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +134,7 @@ class BatchedEngine(Prompting):
         self._inbox: "queue.Queue[Any]" = queue.Queue()
         self._thread: threading.Thread | None = None
         self._cells_used = 0
+        self._running = 0
         self._batch: Any = None
         self._keep: list[Any] = []
         self._outbox: list[tuple[_Request, Any]] = []
@@ -165,6 +165,14 @@ class BatchedEngine(Prompting):
     def kv_cells_used(self) -> int:
         return self._cells_used
 
+    @property
+    def kv_cells_allocated(self) -> int:
+        return self._n_ctx
+
+    @property
+    def running_sequences(self) -> int:
+        return self._running
+
     def check(self, params: GenerationParams) -> None:
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
         compile_grammar(params)
@@ -174,38 +182,13 @@ class BatchedEngine(Prompting):
         from llama_cpp import _internals
 
         _LogTap.install()
-        cfg = plan.cfg
         p = plan.placement
-        slots = max(1, cfg.n_seq_max)
+        mparams, cparams = plan_params(plan, use_extra_bufts=not self._batch_invariant)
         mp = llama_cpp.llama_model_default_params()
-        mp.n_gpu_layers = p.n_gpu_layers
-        mp.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
-        mp.main_gpu = p.gpus[0] if len(p.gpus) == 1 else 0
-        keep: list[Any] = []
-        if p.gpus and len(p.tensor_split) > 1:
-            split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*p.tensor_split)
-            keep.append(split)  # llama.cpp reads it during the load only, but keep it alive with the model
-            mp.tensor_split = split
+        keep = apply_model_params(mp, mparams)
         mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
-        mp.use_extra_bufts = not self._batch_invariant
-        # Llama(n_batch=...) clamps n_batch to n_ctx and n_ubatch to n_batch: do the same.
-        n_batch = max(min(cfg.n_batch, cfg.n_ctx), slots)
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = cfg.n_ctx
-        cp.n_batch = n_batch
-        cp.n_ubatch = min(cfg.n_ubatch, n_batch)
-        cp.n_seq_max = slots
-        cp.kv_unified = cfg.kv_unified
-        cp.type_k = GGML_TYPE_IDS[cfg.type_k]
-        cp.type_v = GGML_TYPE_IDS[cfg.type_v]
-        # The single-sequence engine passes Llama(flash_attn=cfg.flash_attn == "on"): same choice, same outputs.
-        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn == "on"
-                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cp.swa_full = cfg.swa_full
-        cp.offload_kqv = cfg.offload_kqv
-        n_cpu = os.cpu_count() or 1
-        cp.n_threads = self._n_threads or max(n_cpu // 2, 1)  # Llama's defaults
-        cp.n_threads_batch = self._n_threads or n_cpu
+        apply_context_params(cp, cparams, n_threads=self._n_threads)
         lines = _LogTap.start()
         t0 = time.perf_counter()
         model = ctx = None
@@ -261,7 +244,7 @@ class BatchedEngine(Prompting):
             self._ctx = self._model = self._vocab = None
             self._template = None
             self._n_ctx = self._n_ctx_seq = self._slots = 0
-            self._cells_used = 0
+            self._cells_used = self._running = 0
             if ctx is not None:
                 ctx.close()
             if model is not None:
@@ -340,6 +323,7 @@ class BatchedEngine(Prompting):
                 if active:
                     self._step(active, free)
                 self._cells_used = sum(r.n_past for r in active)
+                self._running = len(active)
                 self._flush()
         except BaseException as exc:  # a bug here must not leave clients waiting forever
             log.exception("batched scheduler failed")
@@ -596,8 +580,7 @@ def _sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: 
     add(llama_cpp.llama_sampler_init_penalties(n_vocab, _PENALTY_LAST_N_TOKENS, 1.0,
                                                params.frequency_penalty, params.presence_penalty))
     if grammar is not None:
-        add(llama_cpp.llama_sampler_init_grammar(model.vocab, grammar._grammar.encode("utf-8"),
-                                                 grammar._root.encode("utf-8")))
+        add(grammar_sampler(model.vocab, grammar))
     temp = params.temperature
     if temp < 0.0:
         add(llama_cpp.llama_sampler_init_dist(seed))

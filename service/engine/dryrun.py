@@ -19,16 +19,16 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from sizing.config import ContextConfig
-from sizing.ggml import GGML_TYPE_IDS
+
+from . import loglines as L
+from .params import ContextParams, ModelParams, context_params
 
 MIB = 1 << 20
 LOG_TAIL_LINES = 40
-
-from . import loglines as L
 
 FailureKind = Literal["refused", "load_failed", "timeout", "crashed"]
 
@@ -96,22 +96,6 @@ class DryRunError(Exception):
     """The dry run could not be run at all (bad arguments, no Python, unreadable file)."""
 
 
-def _cfg_json(cfg: ContextConfig) -> dict[str, Any]:
-    fa = {"off": 0, "on": 1, "auto": -1}[cfg.flash_attn]
-    return {
-        "n_ctx": cfg.n_ctx,
-        "type_k": GGML_TYPE_IDS[cfg.type_k],
-        "type_v": GGML_TYPE_IDS[cfg.type_v],
-        "flash_attn_type": fa,
-        "n_ubatch": cfg.n_ubatch,
-        "n_batch": cfg.n_batch,
-        "n_seq_max": cfg.n_seq_max,
-        "swa_full": cfg.swa_full,
-        "kv_unified": cfg.kv_unified,
-        "offload_kqv": cfg.offload_kqv,
-    }
-
-
 def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -> DryRunResult:
     """The figures of one context creation's log lines (pure; exposed for tests)."""
     kv: list[KvCacheReport] = []
@@ -152,12 +136,15 @@ def _worker_command() -> list[str]:
 
 
 def dry_run_many(
-    path: str, cfgs: Sequence[ContextConfig], n_gpu_layers: int = 0, timeout_s: float = 60
+    path: str, cfgs: Sequence[ContextConfig], model: ModelParams = ModelParams(), timeout_s: float = 60
 ) -> list[DryRunResult]:
-    """Load ``path`` once without allocating and create one context per configuration."""
+    """Load ``path`` once without allocating (with ``model``'s placement) and create one context per configuration.
+
+    The parameters are the engine's (``service.engine.params``): what is measured is what would be loaded."""
     if not os.path.exists(path):
         raise DryRunError(f"no such model file: {path}")
-    request = json.dumps({"path": path, "n_gpu_layers": n_gpu_layers, "contexts": [_cfg_json(c) for c in cfgs]})
+    request = json.dumps({"path": path, "model": model.to_json(),
+                          "contexts": [context_params(c).to_json() for c in cfgs]})
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -196,16 +183,9 @@ def dry_run_many(
     return out
 
 
-def dry_run(path: str, cfg: ContextConfig, n_gpu_layers: int = 0, timeout_s: float = 60) -> DryRunResult:
+def dry_run(path: str, cfg: ContextConfig, model: ModelParams = ModelParams(), timeout_s: float = 60) -> DryRunResult:
     """What llama.cpp would allocate for ``cfg`` (a failure, typed, when it refuses)."""
-    return dry_run_many(path, [cfg], n_gpu_layers=n_gpu_layers, timeout_s=timeout_s)[0]
-
-
-def result_json(result: DryRunResult) -> dict[str, Any]:
-    """A JSON-ready view of a result."""
-    d = asdict(result)
-    d["cfg"] = asdict(result.cfg)
-    return d
+    return dry_run_many(path, [cfg], model=model, timeout_s=timeout_s)[0]
 
 
 # ---- the child process -----------------------------------------------------------------------
@@ -215,6 +195,8 @@ def _worker() -> int:  # pragma: no cover - runs in the child
     import ctypes
 
     import llama_cpp
+
+    from .params import apply_context_params, apply_model_params
 
     req = json.loads(sys.stdin.read())
     buf: list[str] = []
@@ -234,9 +216,9 @@ def _worker() -> int:  # pragma: no cover - runs in the child
         sys.stdout.flush()
 
     mp = llama_cpp.llama_model_default_params()
+    keep = apply_model_params(mp, ModelParams.from_json(req["model"]))
     mp.no_alloc = True
     mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: with mmap, no_alloc aborts
-    mp.n_gpu_layers = int(req["n_gpu_layers"])
     model = llama_cpp.llama_model_load_from_file(req["path"].encode(), mp)
     if not model:
         emit({"event": "load_failed", "log": buf + [partial[0]]})
@@ -244,23 +226,13 @@ def _worker() -> int:  # pragma: no cover - runs in the child
     for i, c in enumerate(req["contexts"]):
         buf.clear()
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = c["n_ctx"]
-        cp.n_batch = c["n_batch"]
-        cp.n_ubatch = c["n_ubatch"]
-        cp.n_seq_max = c["n_seq_max"]
-        cp.type_k = c["type_k"]
-        cp.type_v = c["type_v"]
-        cp.flash_attn_type = c["flash_attn_type"]
-        cp.swa_full = c["swa_full"]
-        cp.kv_unified = c["kv_unified"]
-        cp.offload_kqv = c["offload_kqv"]
-        cp.n_threads = 1
-        cp.n_threads_batch = 1
+        apply_context_params(cp, ContextParams.from_json(c), n_threads=1)
         ctx = llama_cpp.llama_init_from_model(model, cp)
         emit({"event": "context", "index": i, "created": bool(ctx), "log": buf + ([partial[0]] if partial[0] else [])})
         if ctx:
             llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
+    del keep
     return 0
 
 

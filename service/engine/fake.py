@@ -47,6 +47,14 @@ class FakeEngine:
     def kv_cells_used(self) -> int:
         return self._cells
 
+    @property
+    def kv_cells_allocated(self) -> int:
+        return self._n_ctx
+
+    @property
+    def running_sequences(self) -> int:
+        return 1 if self.running.is_set() else 0
+
     def load(self, path: str, plan: Plan) -> LoadReport:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)

@@ -27,7 +27,10 @@ from ..errors import EngineFailure, InsufficientMemory, NotReady
 from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from . import loglines as L
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .prompting import Prompting, compile_grammar
+from .grammar import compile_grammar
+from .prompting import Prompting
+from . import params as _params
+from .params import plan_params
 
 log = logging.getLogger(__name__)
 
@@ -137,58 +140,18 @@ class _LogTap:
 
 
 def llama_placement_kwargs(plan: Plan) -> dict[str, Any]:
-    """n_gpu_layers, tensor_split and main_gpu as llama.cpp wants them for the plan's placement.
-
-    ``tensor_split`` covers every device llama.cpp sees, in its order (the plan's
-    device index, NVML order = CUDA order under CUDA_DEVICE_ORDER=PCI_BUS_ID), with
-    0 for the cards the plan does not use, so llama.cpp puts nothing there.
-    """
-    p = plan.placement
-    if p.cpu_only:
-        return {"n_gpu_layers": 0, "tensor_split": None, "main_gpu": 0}
-    indexes = [plan.gpus[i].index for i in p.gpus]
-    n_dev = max(max(indexes) + 1, len(plan.gpus))
-    split = [0.0] * n_dev
-    for idx, share in zip(indexes, p.tensor_split or (1.0,) * len(indexes)):
-        split[idx] = float(share)
-    return {"n_gpu_layers": p.n_gpu_layers, "tensor_split": split, "main_gpu": indexes[0]}
+    """n_gpu_layers, tensor_split and main_gpu as ``Llama`` takes them, from the one translation
+    (``service.engine.params``): tensor_split covers every device, 0 for the cards the plan does not use."""
+    mp, _ = plan_params(plan)
+    return {"n_gpu_layers": mp.n_gpu_layers, "tensor_split": list(mp.tensor_split) or None, "main_gpu": mp.main_gpu}
 
 
 def expert_overrides(plan: Plan) -> list[str]:
     """Tensor-name patterns the plan keeps in host memory (MoE experts of the first blocks)."""
-    pattern = plan.placement.expert_override_pattern()
-    return [pattern] if pattern else []
-
-
-class _BuftOverride(ctypes.Structure):
-    # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; } (llama.h)
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+    return list(plan_params(plan)[0].cpu_overrides)
 
 
 _override_lock = threading.Lock()
-
-
-def _cpu_buffer_type() -> int:
-    """ggml's CPU buffer type, from the libggml that llama-cpp-python ships."""
-    import pathlib
-
-    import llama_cpp
-
-    libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
-    candidates = [libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")]
-    path = next((c for c in candidates if c.exists()), None)
-    if path is None:
-        raise EngineFailure(f"cannot find libggml under {libdir} for tensor buffer overrides")
-    lib = ctypes.CDLL(str(path))
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
-    dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-    buft = lib.ggml_backend_dev_buffer_type(dev)
-    if not buft:
-        raise EngineFailure("ggml has no CPU buffer type")
-    return int(buft)
 
 
 class tensor_overrides:
@@ -208,8 +171,8 @@ class tensor_overrides:
         import llama_cpp.llama as llama_mod
 
         _override_lock.acquire()
-        buft = _cpu_buffer_type()
-        arr = (_BuftOverride * (len(self.patterns) + 1))()
+        buft = _params._cpu_buffer_type()
+        arr = (_params._BuftOverride * (len(self.patterns) + 1))()
         encoded = [p.encode("utf-8") for p in self.patterns]
         for i, pat in enumerate(encoded):
             arr[i].pattern = pat
@@ -246,6 +209,7 @@ class LlamaEngine(Prompting):
         self._template: ChatTemplate | BuiltinChatTemplate | None = None
         self._abort_cb: Any = None
         self._device = "CPU"
+        self._running = 0
 
     @property
     def n_ctx(self) -> int:
@@ -325,6 +289,15 @@ class LlamaEngine(Prompting):
     @property
     def kv_cells_used(self) -> int:
         return int(self._llm.n_tokens) if self._llm is not None else 0
+
+    @property
+    def kv_cells_allocated(self) -> int:
+        return self.n_ctx
+
+    @property
+    def running_sequences(self) -> int:
+        return self._running
+
 
     def _set_abort(self, cancel: Cancel | None) -> None:
         """llama.cpp's abort callback: polled per graph node, so a long prompt evaluation stops when the client leaves.
@@ -443,6 +416,7 @@ class LlamaEngine(Prompting):
         # (until the first token is sampled) and the decoding of every later token.
         t_start = time.perf_counter()
         t_first = t_last = 0.0
+        self._running = 1
         try:
             for tok in gen:
                 t_last = time.perf_counter()
@@ -480,6 +454,7 @@ class LlamaEngine(Prompting):
             else:
                 raise err from exc
         finally:
+            self._running = 0
             if aborting:
                 self._set_abort(None)
             gen.close()

@@ -46,25 +46,3 @@ class Prompting:
     def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         prompt, add_bos = self._chat_prompt(messages)
         return self._generate_tokens(self._tokenize(prompt, add_bos=add_bos), params, cancel)
-
-
-def compile_grammar(params: GenerationParams) -> Any:
-    """The request's grammar (json_schema, json_object or GBNF), compiled; None without one.
-
-    ``BadRequest`` when it cannot be, so a bad schema is a 400 before any byte is streamed.
-    """
-    from llama_cpp import llama_grammar
-
-    try:
-        if params.json_schema is not None:
-            text = llama_grammar.json_schema_to_gbnf(params.json_schema)
-        elif params.json_object:
-            text = llama_grammar.JSON_GBNF
-        elif params.grammar:
-            text = params.grammar
-        else:
-            return None
-        return llama_grammar.LlamaGrammar.from_string(text, verbose=False)
-    except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
-        raise BadRequest(f"response_format: the JSON schema cannot be turned into a grammar: {exc}",
-                         param="response_format") from exc
