@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     api_key_file: str | None = Field(
         None, description="File of API keys, one per line (blank lines and # comments ignored); adds to api_keys."
     )
+    metrics_public: bool = Field(
+        False,
+        description="Answer GET /metrics without an API key, for scrapers that send none (Prometheus, the Kubernetes "
+        "Inference Gateway's endpoint picker); every other route still needs one.",
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0,
         description="On SIGTERM: how long in-flight requests may run before they are cut (new ones get 503); "

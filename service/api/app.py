@@ -38,6 +38,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         manager = ModelManager(settings, Registry(settings), eng, runner)
         app.state.settings = settings
         app.state.manager = manager
+        app.state.metrics.attach(manager)
         task = None
         if settings.default_model:
             task = asyncio.create_task(_load_default(manager, settings.default_model))
@@ -65,7 +66,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     page.install(app)
     # Added innermost first: the last one added sees a request first (order in service/api/security.py).
     app.add_middleware(security.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(security.ApiKeyMiddleware, keys=keys)
+    public = security.PUBLIC_PATHS | ({"/metrics"} if settings.metrics_public else set())
+    app.add_middleware(security.ApiKeyMiddleware, keys=keys, public=public)
     app.add_middleware(security.DrainMiddleware, state=app.state.drain)
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
     if cors is not None:

@@ -1,18 +1,37 @@
-"""``GET /metrics`` in the Prometheus text format (0.0.4), written by hand: a few counters and histograms.
+"""``GET /metrics``: Prometheus exposition through ``prometheus-client``, one registry per app.
 
-One ``Metrics`` object per app (built in ``create_app``, kept on ``app.state``);
-an ASGI middleware counts responses by route and status, the OpenAI routes
-record tokens and latencies, and the gauges (queue depth, KV cells, predicted
-vs allocated bytes per device) are read from the manager when scraped.
+One ``Metrics`` object per app (built in ``create_app``, kept on ``app.state``) owns a
+``CollectorRegistry`` (never the library's process-global one: tests build many apps in one
+process). Three kinds of series:
+
+- counters and histograms updated as requests run: responses by method, route and status (the
+  ``MetricsMiddleware``), generation errors by code, prompt and completion tokens, time to first
+  token and between tokens (the OpenAI routes);
+- gauges read from the manager, the runner and the engine when scraped (``_ServerState``, a custom
+  collector): queue depth, running generations, KV cells, predicted vs allocated bytes per device,
+  measured vs predicted speeds. A scrape sees the state of that moment, and a series exists only
+  while what it measures does (no model: no per-device bytes);
+- the Model Server Protocol gauges of the Kubernetes Gateway API Inference Extension (pinned
+  v1.0.0, ``docs/proposals/003-model-server-protocol``), per served model (``model_name``):
+  TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization, under this server's names and
+  under vLLM's (the endpoint picker's defaults), from the runner's queue and the ``Engine``
+  protocol (``running_sequences``, ``kv_cells_used`` / ``kv_cells_allocated``).
+
+Labels are bounded: an HTTP method outside ``HTTP_METHODS`` is counted as ``other`` and a path no
+route matches as ``unmatched``, so made-up methods and paths cannot add series.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sizing.devices import MIB
@@ -22,155 +41,160 @@ router = APIRouter()
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods counted under their own name; any other is ``other`` (one series however many are invented)."""
+OTHER_METHOD = "other"
+UNMATCHED_ROUTE = "unmatched"
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
+# The Model Server Protocol gauges: (this server's name, vLLM's name, help). The endpoint picker
+# reads the names its flags give (--total-queued-requests-metric, --kv-cache-usage-percentage-metric;
+# --total-running-requests-metric from later releases), vLLM's by default; deploy/k8s/epp.yaml names
+# this server's.
+QUEUED_REQUESTS = ("gguf_requests_waiting", "vllm:num_requests_waiting",
+                   "Requests waiting for a decode slot (TotalQueuedRequests of the Model Server Protocol).")
+RUNNING_REQUESTS = ("gguf_requests_running", "vllm:num_requests_running",
+                    "Sequences being decoded or having their prompt evaluated (TotalRunningRequests).")
+KV_CACHE_USAGE = ("gguf_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc",
+                  "KV cache cells holding tokens over the cells allocated, 0 to 1 (KVCacheUtilization).")
+MSP_GAUGES = (QUEUED_REQUESTS, RUNNING_REQUESTS, KV_CACHE_USAGE)
 
-    def observe(self, value: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
 
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {self.sum}")
-        out.append(f"{name}_count {self.count}")
-        return out
+def method_label(method: str) -> str:
+    """The method as a label value: known methods by name, anything else folded into one value."""
+    return method if method in HTTP_METHODS else OTHER_METHOD
 
 
 class Metrics:
-    """The service's counters; safe to update from the event loop and the engine thread."""
+    """The service's counters and histograms; safe to update from the event loop and the engine threads."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry()
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str, int], int] = {}
-        self.tokens_in = 0
-        self.tokens_out = 0
-        self.generation_errors: dict[str, int] = {}
-        self.ttft_s = Histogram(TTFT_BUCKETS_S)
-        self.prompt_tokens_timed = 0
-        self.prompt_seconds = 0.0
-        self.decode_tokens_timed = 0
-        self.decode_seconds = 0.0
-        self.token_s = Histogram(TOKEN_BUCKETS_S)
+        self._requests = Counter("gguf_requests", "HTTP responses by method, route and status.",
+                                 ["method", "route", "status"], registry=self.registry)
+        self._errors = Counter("gguf_generation_errors", "Generations that failed, by error code (streamed ones included).",
+                               ["code"], registry=self.registry)
+        self._prompt_tokens = Counter("gguf_prompt_tokens", "Prompt tokens evaluated.", registry=self.registry)
+        self._completion_tokens = Counter("gguf_completion_tokens", "Tokens generated.", registry=self.registry)
+        self._ttft = Histogram("gguf_time_to_first_token_seconds", "From the request's arrival to its first generated token.",
+                               buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self._token = Histogram("gguf_token_latency_seconds", "Time between consecutive generated tokens.",
+                                buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        # Measured speeds: sums over every generation that the engine timed (GET /api/models shows them too).
+        self._prompt_tokens_timed = 0
+        self._prompt_seconds = 0.0
+        self._decode_tokens_timed = 0
+        self._decode_seconds = 0.0
+
+    def attach(self, manager: Any) -> None:
+        """Read the manager's state at every scrape (called once, when the lifespan built the manager)."""
+        self.registry.register(_ServerState(self, manager))
 
     def request(self, method: str, route: str, status: int) -> None:
-        with self._lock:
-            key = (method, route, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
+        self._requests.labels(method_label(method), route, str(status)).inc()
 
     def generation(self, last: Any) -> None:
         """A finished generation's usage and, when the engine measured them, its prompt and decode times."""
+        self._prompt_tokens.inc(last.prompt_tokens)
+        self._completion_tokens.inc(last.completion_tokens)
         with self._lock:
-            self.tokens_in += last.prompt_tokens
-            self.tokens_out += last.completion_tokens
             if last.prompt_seconds > 0:
-                self.prompt_tokens_timed += last.prompt_tokens
-                self.prompt_seconds += last.prompt_seconds
+                self._prompt_tokens_timed += last.prompt_tokens
+                self._prompt_seconds += last.prompt_seconds
             if last.decode_seconds > 0:
-                self.decode_tokens_timed += last.completion_tokens - 1
-                self.decode_seconds += last.decode_seconds
+                self._decode_tokens_timed += last.completion_tokens - 1
+                self._decode_seconds += last.decode_seconds
 
     def measured_speeds(self) -> dict[str, float | None]:
         """Tokens/s measured over every generation so far: prompt evaluation and decoding."""
         with self._lock:
             return {
-                "prompt_tokens_per_s": self.prompt_tokens_timed / self.prompt_seconds if self.prompt_seconds else None,
-                "decode_tokens_per_s": self.decode_tokens_timed / self.decode_seconds if self.decode_seconds else None,
+                "prompt_tokens_per_s": self._prompt_tokens_timed / self._prompt_seconds if self._prompt_seconds else None,
+                "decode_tokens_per_s": self._decode_tokens_timed / self._decode_seconds if self._decode_seconds else None,
             }
 
     def error(self, code: str) -> None:
-        with self._lock:
-            self.generation_errors[code] = self.generation_errors.get(code, 0) + 1
+        self._errors.labels(code).inc()
 
     def first_token(self, seconds: float) -> None:
-        with self._lock:
-            self.ttft_s.observe(seconds)
+        self._ttft.observe(seconds)
 
     def token(self, seconds: float) -> None:
-        with self._lock:
-            self.token_s.observe(seconds)
+        self._token.observe(seconds)
 
-    def render(self, manager: Any) -> str:
-        with self._lock:
-            lines = [
-                "# HELP gguf_requests_total HTTP responses by method, route and status.",
-                "# TYPE gguf_requests_total counter",
-            ]
-            for (method, route, status), n in sorted(self.requests.items()):
-                lines.append(f'gguf_requests_total{{method="{method}",route="{_esc(route)}",status="{status}"}} {n}')
-            lines += [
-                "# HELP gguf_generation_errors_total Generations that failed, by error code (streamed ones included).",
-                "# TYPE gguf_generation_errors_total counter",
-            ]
-            lines += [f'gguf_generation_errors_total{{code="{_esc(c)}"}} {n}' for c, n in sorted(self.generation_errors.items())]
-            lines += [
-                "# HELP gguf_prompt_tokens_total Prompt tokens evaluated.",
-                "# TYPE gguf_prompt_tokens_total counter",
-                f"gguf_prompt_tokens_total {self.tokens_in}",
-                "# HELP gguf_completion_tokens_total Tokens generated.",
-                "# TYPE gguf_completion_tokens_total counter",
-                f"gguf_completion_tokens_total {self.tokens_out}",
-                "# HELP gguf_time_to_first_token_seconds From the request's arrival to its first generated token.",
-                "# TYPE gguf_time_to_first_token_seconds histogram",
-                *self.ttft_s.lines("gguf_time_to_first_token_seconds"),
-                "# HELP gguf_token_latency_seconds Time between consecutive generated tokens.",
-                "# TYPE gguf_token_latency_seconds histogram",
-                *self.token_s.lines("gguf_token_latency_seconds"),
-            ]
-        runner = manager.runner
-        lines += [
-            "# HELP gguf_queue_depth Requests waiting for the model.",
-            "# TYPE gguf_queue_depth gauge",
-            f"gguf_queue_depth {runner.waiting}",
-            "# HELP gguf_running Generations running (0 or 1).",
-            "# TYPE gguf_running gauge",
-            f"gguf_running {runner.running}",
-            "# HELP gguf_kv_cells_used KV cache cells holding tokens.",
-            "# TYPE gguf_kv_cells_used gauge",
-            f"gguf_kv_cells_used {manager.engine.kv_cells_used if manager.ready else 0}",
-            "# HELP gguf_n_ctx Context of the loaded model, tokens.",
-            "# TYPE gguf_n_ctx gauge",
-            f"gguf_n_ctx {manager.engine.n_ctx if manager.ready else 0}",
-            "# HELP gguf_device_bytes Memory per device for the loaded model: the plan's prediction and what llama.cpp allocated.",
-            "# TYPE gguf_device_bytes gauge",
-        ]
-        info = manager.describe(manager.current) if manager.ready else None
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class _ServerState(Collector):
+    """Gauges read from the manager, runner and engine at scrape time."""
+
+    def __init__(self, metrics: Metrics, manager: Any) -> None:
+        self._metrics = metrics
+        self._manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        manager = self._manager
+        runner, engine = manager.runner, manager.engine
+        ready = manager.ready
+        waiting = runner.waiting
+        yield _gauge("gguf_queue_depth", "Requests waiting for the model.", waiting)
+        yield _gauge("gguf_running", "Engine calls running on the worker threads (at most GGUF_PARALLEL generations).",
+                     runner.running)
+        cells_used = engine.kv_cells_used if ready else 0
+        cells_allocated = engine.kv_cells_allocated if ready else 0
+        yield _gauge("gguf_kv_cells_used", "KV cache cells holding tokens.", cells_used)
+        yield _gauge("gguf_n_ctx", "Context one request may use, tokens (per sequence with GGUF_PARALLEL > 1).",
+                     engine.n_ctx if ready else 0)
+        yield from self._msp(manager.current.name if ready else None, waiting,
+                             engine.running_sequences if ready else 0, cells_used, cells_allocated)
+
+        info = manager.describe(manager.current) if ready else None
+        device = GaugeMetricFamily("gguf_device_bytes", "Memory per device for the loaded model: the plan's prediction "
+                                   "and what llama.cpp allocated.", labels=["device", "kind"])
         for m in (info or {}).get("memory", []):
-            dev = _esc(m["device"])
-            lines.append(f'gguf_device_bytes{{device="{dev}",kind="allocated"}} {int(m["allocated_mib"] * MIB)}')
+            device.add_metric([m["device"], "allocated"], int(m["allocated_mib"] * MIB))
             if m.get("predicted_mib") is not None:
-                lines.append(f'gguf_device_bytes{{device="{dev}",kind="predicted"}} {int(m["predicted_mib"] * MIB)}')
-        lines += [
-            "# HELP gguf_tokens_per_second Generation speed: measured over the generations so far, and the plan's prediction.",
-            "# TYPE gguf_tokens_per_second gauge",
-        ]
-        measured = self.measured_speeds()
+                device.add_metric([m["device"], "predicted"], int(m["predicted_mib"] * MIB))
+        yield device
+        speed = GaugeMetricFamily("gguf_tokens_per_second", "Generation speed: measured over the generations so far, "
+                                  "and the plan's prediction.", labels=["phase", "kind"])
+        measured = self._metrics.measured_speeds()
         predicted = (info or {}).get("plan", {}).get("predicted_speed") or {}
         for phase in ("prompt", "decode"):
-            m = measured[f"{phase}_tokens_per_s"]
-            if m is not None:
-                lines.append(f'gguf_tokens_per_second{{phase="{phase}",kind="measured"}} {m:.3f}')
-            p = predicted.get(f"{phase}_tokens_per_s")
-            if p is not None:
-                lines.append(f'gguf_tokens_per_second{{phase="{phase}",kind="predicted"}} {p:.3f}')
-        lines += [
-            "# HELP gguf_model_loaded 1 while a model is loaded and serving.",
-            "# TYPE gguf_model_loaded gauge",
-            f"gguf_model_loaded {1 if manager.ready else 0}",
-        ]
-        return "\n".join(lines) + "\n"
+            got = measured[f"{phase}_tokens_per_s"]
+            if got is not None:
+                speed.add_metric([phase, "measured"], got)
+            want = predicted.get(f"{phase}_tokens_per_s")
+            if want is not None:
+                speed.add_metric([phase, "predicted"], want)
+        yield speed
+        yield _gauge("gguf_model_loaded", "1 while a model is loaded and serving.", 1 if ready else 0)
 
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def _msp(self, model: str | None, waiting: int, running: int, used: int, allocated: int) -> Iterator[Metric]:
+        """The Model Server Protocol gauges for the served model, each under both names; none without a model."""
+        values = {
+            QUEUED_REQUESTS: waiting,
+            RUNNING_REQUESTS: running,
+            KV_CACHE_USAGE: used / allocated if allocated else 0.0,
+        }
+        for spec in MSP_GAUGES:
+            own, vllm, doc = spec
+            for name in (own, vllm):
+                family = GaugeMetricFamily(name, doc if name == own else f"Alias of {own} (vLLM's name).",
+                                           labels=["model_name"])
+                if model is not None:
+                    family.add_metric([model], values[spec])
+                yield family
+        capacity = GaugeMetricFamily("gguf_kv_cells_allocated", "KV cache cells allocated in all (every sequence's "
+                                     "stream): the denominator of gguf_kv_cache_usage_ratio.", labels=["model_name"])
+        if model is not None:
+            capacity.add_metric([model], allocated)
+        yield capacity
 
 
 class MetricsMiddleware:
@@ -195,12 +219,13 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, _send)
         finally:
+            # The route's template (bounded by the app's routes), never the raw path.
             route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.request(scope.get("method", ""), path, status)
+            path = getattr(route, "path", None) or UNMATCHED_ROUTE
+            self.metrics.request(str(scope.get("method", "")), path, status)
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(request: Request) -> PlainTextResponse:
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
     m: Metrics = request.app.state.metrics
-    return PlainTextResponse(m.render(request.app.state.manager), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(m.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)

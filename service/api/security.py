@@ -129,12 +129,14 @@ async def send_error(send: Send, exc: ServiceError, path: str, headers: list[tup
 class ApiKeyMiddleware:
     """401 ``invalid_api_key`` (with ``WWW-Authenticate: Bearer``) for any non-public path without a valid key."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[bytes, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[bytes, ...], public: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.keys = keys
+        self.public = public
+        """``PUBLIC_PATHS``, plus ``/metrics`` with ``GGUF_METRICS_PUBLIC`` (scrapers that send no key)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.public:
             await self.app(scope, receive, send)
             return
         key = presented_key(scope.get("headers", []))

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServiceProcess
+from tests.prom import value
 
 from .conftest import rss_kib, threads_of
 
@@ -60,11 +61,11 @@ def test_cancellation_storm(service_factory: Callable[..., ServiceProcess], caps
         assert fresh.status_code == 200 and fresh_s < 5.0, (fresh.status_code, fresh_s)
         for _ in range(50):  # the worker lowers its gauge just after it hands over the last chunk
             metrics = svc.client.get("/metrics").text
-            gauges = [ln for ln in metrics.splitlines() if ln.startswith(("gguf_queue_depth ", "gguf_running "))]
-            if gauges == ["gguf_queue_depth 0", "gguf_running 0"]:
+            gauges = [value(metrics, "gguf_queue_depth"), value(metrics, "gguf_running")]
+            if gauges == [0, 0]:
                 break
             time.sleep(0.1)
-        assert gauges == ["gguf_queue_depth 0", "gguf_running 0"], gauges
+        assert gauges == [0, 0], gauges
         figures.append((storm_s, fresh_s, threads_of(pid), rss_kib(pid)))
     (s1, f1, threads1, rss1), (s2, f2, threads2, rss2) = figures
     # A storm may grow the HTTP layer's worker pool (anyio: at most 40 threads, reused), in the first storm or

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import EMBEDDED_NAME
+from tests.prom import value
 
 pytestmark = pytest.mark.slow
 
@@ -197,4 +198,4 @@ def test_fifty_clients_leave_mid_generation_and_the_next_is_served_within_5s(sma
     elapsed = asyncio.run(scenario())
     assert elapsed < 5
     text = small.client.get("/metrics").text
-    assert "gguf_queue_depth 0" in text
+    assert value(text, "gguf_queue_depth") == 0
