@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test setup browser bench soak clean
+.PHONY: run test setup browser router bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ run: setup
 browser: setup
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || bash tests/page/install_browser.sh
 
-test: setup browser
+# The router tests run Debian's HAProxy (installed with apt-get when missing).
+router:
+	@command -v haproxy >/dev/null || bash tests/deploy/install_haproxy.sh
+
+test: setup browser router
 	$(BIN)/python -m pytest
 
 # The long reliability runs (10-minute RSS soak, longer probe fuzzing); `make test` runs their short versions.

@@ -64,3 +64,17 @@ def ready_server() -> Iterator[_ReadyServer]:
     finally:
         server.httpd.shutdown()
         server.httpd.server_close()
+
+
+INSTALL_HAPROXY = "bash tests/deploy/install_haproxy.sh"
+
+
+@pytest.fixture(scope="session")
+def haproxy_bin() -> str:
+    """Debian's HAProxy; without it the router tests fail with the command that installs it (not skipped)."""
+    import shutil
+
+    found = shutil.which("haproxy")
+    if found is None:
+        pytest.fail(f"the router tests need HAProxy (Debian's haproxy package); run: {INSTALL_HAPROXY}", pytrace=False)
+    return found

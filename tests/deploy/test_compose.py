@@ -205,7 +205,7 @@ def test_no_unknown_settings_in_the_environment(compose: dict[str, Any], replica
     known = {f"GGUF_{n.upper()}" for n in _settings_defaults()}
     for data in (compose, replicas):
         for name, service in data["services"].items():
-            if name == "nginx":
+            if name == "router":
                 continue
             unknown = {k for k in service.get("environment", {}) if k.startswith("GGUF_")} - known
             assert not unknown, f"{name}: {unknown} are not settings (service/settings.py)"
@@ -243,7 +243,7 @@ def _drain_s() -> float:
 @pytest.mark.parametrize("path", [COMPOSE, REPLICAS], ids=["docker-compose", "replicas"])
 def test_lifecycle(path: Path, ready_server) -> None:  # type: ignore[no-untyped-def]
     data = interpolate(load(path), SAMPLE_ENV)
-    servers = {n: s for n, s in data["services"].items() if n != "nginx"}
+    servers = {n: s for n, s in data["services"].items() if n != "router"}
     assert servers
     for name, service in servers.items():
         assert service["restart"] == "unless-stopped", name
@@ -261,14 +261,14 @@ def test_lifecycle(path: Path, ready_server) -> None:  # type: ignore[no-untyped
 
 def test_replicas_share_models_and_reserve_gpus(replicas: dict[str, Any]) -> None:
     data = interpolate(replicas, SAMPLE_ENV)
-    servers = {n: s for n, s in data["services"].items() if n != "nginx"}
+    servers = {n: s for n, s in data["services"].items() if n != "router"}
     by_model: dict[str, list[str]] = {}
     for name, service in servers.items():
         by_model.setdefault(service["environment"]["GGUF_DEFAULT_MODEL"], []).append(name)
         (device,) = _gpu_devices(service)
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
         assert any(v["target"] == "/models" and v.get("read_only") for v in service["volumes"])
-        assert "ports" not in service, "replicas are reached through nginx only"
+        assert "ports" not in service, "replicas are reached through the router only"
     assert max(len(v) for v in by_model.values()) >= 2, "several replicas of one model"
     assert len(by_model) >= 2, "at least two models to route between"
     embedded_dirs = [s["environment"]["GGUF_EMBEDDED_MODEL_DIR"] for s in servers.values()]
@@ -276,12 +276,13 @@ def test_replicas_share_models_and_reserve_gpus(replicas: dict[str, Any]) -> Non
     with pytest.raises(InterpolationError):
         interpolate(replicas, {})  # GGUF_MODEL_B is required: no silent duplicate route
 
-    nginx = data["services"]["nginx"]
-    assert set(nginx["depends_on"]) == set(servers)
-    (mount,) = nginx["volumes"]
-    assert (REPLICAS.parent / mount["source"]).resolve() == ROOT / "deploy" / "nginx.conf"
-    assert mount["target"].startswith("/etc/nginx/templates/") and mount["target"].endswith(".conf.template")
-    assert nginx["ports"][0].startswith("127.0.0.1:")
+    router = data["services"]["router"]
+    assert set(router["depends_on"]) == set(servers)
+    (mount,) = router["volumes"]
+    assert (REPLICAS.parent / mount["source"]).resolve() == ROOT / "deploy" / "haproxy.cfg"
+    assert mount["target"] == "/usr/local/etc/haproxy/haproxy.cfg", "where the haproxy image reads its configuration"
+    assert mount["read_only"] is True
+    assert router["ports"][0].startswith("127.0.0.1:")
 
 
 def test_the_service_accepts_the_compose_environment(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,7 +37,7 @@ def test_architecture_covers_each_step_and_module() -> None:
 
 def test_deployment_doc_covers_each_way_and_rpc() -> None:
     text = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
-    for heading in ("Docker Compose on NVIDIA GPUs", "`cpu` profile", "Replicas behind nginx", "Kubernetes", "RPC"):
+    for heading in ("Docker Compose on NVIDIA GPUs", "`cpu` profile", "Replicas behind HAProxy", "Inference Gateway", "Kubernetes", "RPC"):
         assert re.search(rf"^## .*{re.escape(heading)}", text, re.MULTILINE), heading
     assert "unauthenticated" in text
     assert "--profile cpu" in text
