@@ -48,8 +48,8 @@ UNMATCHED_ROUTE = "unmatched"
 
 # The Model Server Protocol gauges: (this server's name, vLLM's name, help). The endpoint picker
 # reads the names its flags give (--total-queued-requests-metric, --kv-cache-usage-percentage-metric;
-# --total-running-requests-metric from later releases), vLLM's by default; deploy/k8s/epp.yaml names
-# this server's.
+# --total-running-requests-metric from later releases), vLLM's by default;
+# deploy/k8s/inference-gateway/epp.yaml names this server's.
 QUEUED_REQUESTS = ("gguf_requests_waiting", "vllm:num_requests_waiting",
                    "Requests waiting for a decode slot (TotalQueuedRequests of the Model Server Protocol).")
 RUNNING_REQUESTS = ("gguf_requests_running", "vllm:num_requests_running",
@@ -85,10 +85,14 @@ class Metrics:
         self._prompt_seconds = 0.0
         self._decode_tokens_timed = 0
         self._decode_seconds = 0.0
+        self._state: _ServerState | None = None
 
     def attach(self, manager: Any) -> None:
-        """Read the manager's state at every scrape (called once, when the lifespan built the manager)."""
-        self.registry.register(_ServerState(self, manager))
+        """Read this manager's state at every scrape (the lifespan calls it once it built the manager)."""
+        if self._state is not None:  # a second lifespan of the same app: one set of gauges, the new manager's
+            self.registry.unregister(self._state)
+        self._state = _ServerState(self, manager)
+        self.registry.register(self._state)
 
     def request(self, method: str, route: str, status: int) -> None:
         self._requests.labels(method_label(method), route, str(status)).inc()

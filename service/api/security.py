@@ -132,8 +132,7 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, keys: tuple[bytes, ...], public: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.keys = keys
-        self.public = public
-        """``PUBLIC_PATHS``, plus ``/metrics`` with ``GGUF_METRICS_PUBLIC`` (scrapers that send no key)."""
+        self.public = public  # PUBLIC_PATHS, plus /metrics with GGUF_METRICS_PUBLIC (scrapers that send no key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys or scope["path"] in self.public:

@@ -253,3 +253,4 @@ def test_the_picker_flags_name_gauges_the_server_exports(service_factory: Callab
     for default in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         assert types.get(default) == "gauge", default
     assert httpx.get(svc.url + "/v1/models", timeout=30).status_code == 401, "the rest still needs the key"
+    svc.stop()

@@ -94,6 +94,8 @@ def cluster(service_factory: Callable[..., Any], embedded_model: str, haproxy_bi
             proc.kill()
             proc.wait()
         log.close()
+        for svc in replicas.values():  # not kept for the rest of the session
+            svc.stop()
 
 
 def _ask(client: openai.OpenAI, model: str) -> str:

@@ -261,3 +261,19 @@ def test_metrics_module_has_no_process_global_state(tmp_path: Path) -> None:
     a.state.metrics.request("GET", "/health", 200)
     assert "gguf_requests_total{" in a.state.metrics.render().decode()
     assert "gguf_requests_total{" not in b.state.metrics.render().decode()
+
+
+def test_a_second_lifespan_replaces_the_gauges_of_the_first() -> None:
+    from types import SimpleNamespace
+
+    from service.api.metrics import Metrics
+
+    def manager(waiting: int) -> SimpleNamespace:
+        return SimpleNamespace(runner=SimpleNamespace(waiting=waiting, running=0), engine=FakeEngine(), ready=False,
+                               current=None, describe=lambda state: None)
+
+    m = Metrics()
+    m.attach(manager(3))
+    m.attach(manager(5))
+    text = m.render().decode()
+    assert series(text, "gguf_queue_depth") == [{}] and value(text, "gguf_queue_depth") == 5
