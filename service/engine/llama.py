@@ -27,7 +27,7 @@ from ..errors import EngineFailure, InsufficientMemory, NotReady
 from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from . import loglines as L
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .grammar import compile_grammar
+from .grammar import compile_grammar, grammar_logits_processor
 from .prompting import Prompting
 from . import params as _params
 from .params import plan_params
@@ -402,7 +402,7 @@ class LlamaEngine(Prompting):
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
             reset=True,
-            grammar=grammar,
+            logits_processor=[grammar_logits_processor(llm._model.vocab, grammar)] if grammar is not None else None,
         )
         stopped = False
         # The abort callback lets a client that leaves stop a long prompt's evaluation, but it is a
