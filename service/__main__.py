@@ -4,8 +4,9 @@ Refuses to start (exit 2, one clear line) with settings it must not serve with: 
 address without API keys, an unreadable key file, a malformed CORS origin.
 
 SIGTERM (or SIGINT) drains: the listening socket closes, requests that arrive on open connections
-get 503, requests in flight run to their end for up to ``GGUF_DRAIN_TIMEOUT_S``, the model is
-released, and the process exits 0. A second signal exits at once (status 128 + signal).
+get 503, requests in flight run to their end for up to ``GGUF_DRAIN_TIMEOUT_S``; past it, queued
+requests get 503 with Retry-After and running streams end with an error event and ``[DONE]``; the
+model is released, and the process exits 0. A second signal exits at once (status 128 + signal).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from types import FrameType
 import uvicorn
 
 from .api.app import create_app
-from .api.security import ConfigurationError, DrainState, check_startup, load_api_keys
+from .api.security import DRAIN_GRACE_S, ConfigurationError, DrainState, check_startup, load_api_keys
 from .settings import Settings
 
 log = logging.getLogger("service")
@@ -27,16 +28,17 @@ log = logging.getLogger("service")
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with a drain flag for the app and an immediate exit on the second signal."""
 
-    def __init__(self, config: uvicorn.Config, drain: DrainState) -> None:
+    def __init__(self, config: uvicorn.Config, drain: DrainState, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.drain = drain
+        self.drain_timeout_s = drain_timeout_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
             log.warning("second signal %d while draining: exiting now", sig)
             os._exit(128 + sig)
-        log.info("signal %d: draining (up to %.0f s), new requests get 503", sig, self.config.timeout_graceful_shutdown or 0)
-        self.drain.draining = True
+        log.info("signal %d: draining (up to %.0f s), new requests get 503", sig, self.drain_timeout_s)
+        self.drain.begin(self.drain_timeout_s)
         # Not recorded in _captured_signals: uvicorn would re-raise it after the drain, and the
         # process would die of SIGTERM instead of exiting 0 once everything finished.
         self.should_exit = True
@@ -60,9 +62,10 @@ def main() -> int:
         return 2
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]  # asyncio.wait_for takes a float
+        # Past the drain timeout the app ends what still runs (DrainState); uvicorn waits a little longer for it.
+        timeout_graceful_shutdown=settings.drain_timeout_s + DRAIN_GRACE_S,  # type: ignore[arg-type]  # a float works
     )
-    server = DrainingServer(config, app.state.drain)
+    server = DrainingServer(config, app.state.drain, settings.drain_timeout_s)
     server.run()  # uvicorn exits 1 itself when it cannot bind
     return 0
 

@@ -6,15 +6,17 @@
     ├── Unauthorized             401
     ├── ModelNotFound            404 model_not_found
     ├── SplitNotHonoured         409 SPLIT_NOT_HONOURED
+    ├── Busy                     409 model_busy (a load or unload waited its limit for running generations)
     ├── PayloadTooLarge          413
     ├── QueueFull                429 (Retry-After)
     ├── InsufficientMemory       503 insufficient_memory on /v1, 507 INSUFFICIENT_MEMORY on /api
-    ├── NotReady                 503 model_not_ready
+    ├── NotReady                 503 model_not_ready (Retry-After when it passes: draining, queued at shutdown)
     ├── Upstream                 502 upstream_error (the model hub or a remote GGUF failed)
     └── EngineFailure            500 engine_error
 
 Routes raise these; ``service.api.errors`` renders them in the OpenAI envelope
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``, with ``Retry-After`` when an error carries
+``retry_after_s``. Every ``code`` is a string.
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ class ServiceError(Exception):
     type = "server_error"
     code = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, **details: Any) -> None:
+    retry_after_s: int | None = None
+    """Seconds a client should wait before retrying (the ``Retry-After`` header); None: no header."""
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after_s: int | None = None,
+                 **details: Any) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.details = details
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     def status_for(self, path: str) -> int:
         return self.status
@@ -74,14 +82,18 @@ class PayloadTooLarge(ServiceError):
     code = "payload_too_large"
 
 
+class Busy(ServiceError):
+    status = 409
+    type = "invalid_request_error"
+    code = "model_busy"
+    retry_after_s = 5
+
+
 class QueueFull(ServiceError):
     status = 429
     type = "rate_limit_error"
     code = "queue_full"
-
-    def __init__(self, message: str, *, retry_after_s: int = 1, **details: Any) -> None:
-        super().__init__(message, **details)
-        self.retry_after_s = retry_after_s
+    retry_after_s = 1
 
 
 class InsufficientMemory(ServiceError):

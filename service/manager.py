@@ -94,6 +94,15 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
     )
 
 
+def remote_limits(settings: Settings) -> Any:
+    """What a remote probe for a client may do (``sizing.gguf.remote.ProbeLimits``): public addresses only,
+    unless ``remote_allow_hosts`` names them; one deadline and byte budget."""
+    from sizing.gguf.remote import ProbeLimits, parse_allow_hosts
+
+    return ProbeLimits(deadline_s=settings.remote_timeout_s, max_bytes=settings.remote_max_bytes, public_only=True,
+                       allow_hosts=parse_allow_hosts(settings.remote_allow_hosts))
+
+
 def default_engine(settings: Settings) -> Engine:
     """llama.cpp through llama-cpp-python: one sequence at a time, or batched decoding with ``parallel`` slots."""
     if settings.parallel > 1:
@@ -226,9 +235,9 @@ class ModelManager:
         from sizing.gguf.remote import probe_location
 
         try:
-            spec = probe_location(location)
+            spec = probe_location(location, remote_limits(self.settings))
         except RemoteError as exc:
-            raise Upstream(f"{location[:300]}: {exc}") from exc
+            raise Upstream(f"{location[:300]}: {exc.reason}") from exc
         except (ProbeError, UnsupportedModelError) as exc:
             raise BadRequest(f"{location[:300]} cannot be read: {exc}", param="url") from exc
         return self.plan_spec(spec, opts)
@@ -255,8 +264,11 @@ class ModelManager:
             raise BadRequest(str(exc)) from exc
         return plan
 
-    async def load(self, name: str, opts: LoadOptions = LoadOptions()) -> ModelState:
-        """Plan, refuse with figures if it cannot fit, confirm with llama.cpp, then load (replacing the current model)."""
+    async def load(self, name: str, opts: LoadOptions = LoadOptions(), *, force: bool = False) -> ModelState:
+        """Plan, refuse with figures if it cannot fit, confirm with llama.cpp, then load (replacing the current model).
+
+        The load waits up to ``load_wait_s`` for running generations (then ``Busy``, 409, and the current
+        model keeps serving); ``force`` ends them instead."""
         async with self._load_lock:
             entry, plan = self.plan(name, opts)
             raise_refusal(plan)
@@ -285,7 +297,7 @@ class ModelManager:
                 return self.engine.load(entry.path, plan)
 
             try:
-                report = await self.runner.call(do_load, exclusive=True)
+                report = await self.runner.exclusive(do_load, wait_s=self.settings.load_wait_s, force=force)
             except Exception as exc:
                 state.state = "failed"
                 state.error = exc.message if isinstance(exc, ServiceError) else str(exc)
@@ -370,9 +382,12 @@ class ModelManager:
                 )
         return out
 
-    async def unload(self) -> None:
+    async def unload(self, *, force: bool = False, limited: bool = True) -> None:
+        """Unload, after the running generations (up to ``load_wait_s``, then ``Busy``; ``force`` ends them).
+        ``limited=False``: wait as long as they run (shutdown, which has its own limit)."""
         async with self._load_lock:
-            await self.runner.call(self.engine.unload, exclusive=True)
+            wait_s = self.settings.load_wait_s if limited else None
+            await self.runner.exclusive(self.engine.unload, wait_s=wait_s, force=force)
             if self.current is not None:
                 self.current = replace(self.current, state="unloaded", report=None)
 
@@ -454,7 +469,7 @@ class ModelManager:
             parts.sort()
             entry: dict[str, Any] = {"file": parts[0][0], "shards": len(parts), "size_bytes": sum(n for _, n in parts)}
             try:
-                spec = probe_hf(repo_id, parts[0][0], revision)
+                spec = probe_hf(repo_id, parts[0][0], revision, limits=remote_limits(self.settings))
                 entry["plan"] = plan_json(make_plan(spec, gpus, host, req))
             except (RemoteError, ProbeError, UnsupportedModelError, SizingError) as exc:
                 entry["error"] = str(exc)

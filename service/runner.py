@@ -9,6 +9,12 @@ running generations and holds new ones back). Requests wait in a FIFO of bounded
 by a new request. Chunks cross back to the event loop with
 ``call_soon_threadsafe``; a cancelled request (client gone) is skipped if
 still queued and stopped within one token if running.
+
+``interrupt(err)`` ends every generation at once, queued or running: each is
+cancelled and its consumer receives ``err`` (the drain's deadline, a forced
+load or unload). An exclusive call whose caller stopped waiting (its future
+cancelled: a load's wait limit) is withdrawn, even while it waits for running
+generations.
 """
 
 from __future__ import annotations
@@ -21,20 +27,25 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .engine.base import Cancel, Chunk
-from .errors import EngineFailure, QueueFull, ServiceError
+from .errors import Busy, EngineFailure, NotReady, QueueFull, ServiceError
+
+_GATE_POLL_S = 0.1
+"""How often an exclusive call waiting for running generations checks whether it was withdrawn."""
 
 log = logging.getLogger(__name__)
 
 _DONE = object()
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     work: Callable[[], Iterator[Chunk]]
     cancel: Cancel
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     exclusive: bool = False
+    started: bool = False
+    """Set by the worker, under the runner's lock, when the job's work begins: from then on it cannot be withdrawn."""
 
 
 class Runner:
@@ -51,6 +62,8 @@ class Runner:
         self._gate = threading.Condition()
         self._active = 0
         self._exclusive = False
+        self._live: set[Job] = set()
+        """Generations submitted and not yet finished (for ``interrupt``)."""
         self._threads = [
             threading.Thread(target=self._loop, name=f"engine-worker-{i}", daemon=True) for i in range(self._workers)
         ]
@@ -75,11 +88,57 @@ class Runner:
                 )
             self._waiting += 1
         job = Job(work=work, cancel=cancel, loop=asyncio.get_running_loop())
+        with self._lock:
+            self._live.add(job)
         self._jobs.put(job)
         return job
 
+    def interrupt(self, err: ServiceError) -> int:
+        """End every queued and running generation with ``err`` (delivered before anything it still yields);
+        returns how many there were."""
+        with self._lock:
+            jobs = list(self._live)
+        for job in jobs:
+            job.cancel.set()
+            try:
+                job.loop.call_soon_threadsafe(job.out.put_nowait, err)
+            except RuntimeError:  # the loop is closed (shutdown)
+                pass
+        return len(jobs)
+
     def call(self, fn: Callable[[], Any], *, exclusive: bool = False) -> "asyncio.Future[Any]":
         """Run an engine call (tokenize; load and unload with ``exclusive``) on a worker, in order with generations."""
+        return self._call(fn, exclusive)[0]
+
+    async def exclusive(self, fn: Callable[[], Any], *, wait_s: float | None = None, force: bool = False) -> Any:
+        """Run ``fn`` alone on the engine (a load, an unload) and return its result.
+
+        It waits for the generations ahead of it; after ``wait_s`` of waiting it is withdrawn and ``Busy``
+        (409) is raised, unless it started meanwhile (then it runs to its end). ``force``: every queued and
+        running generation is ended first (``interrupt``), so it starts at once.
+        """
+        if force:
+            n = self.interrupt(NotReady("the model is being replaced or unloaded (a forced load or unload)", retry_after_s=5))
+            if n:
+                log.warning("forced exclusive call: ended %d generations", n)
+        fut, job = self._call(fn, True)
+        if wait_s is None:
+            return await fut
+        done, _ = await asyncio.wait({fut}, timeout=wait_s)
+        if not done:
+            with self._lock:
+                withdrawn = not job.started
+                if withdrawn:
+                    job.cancel.set()
+            if withdrawn:
+                fut.cancel()
+                raise Busy(
+                    f"{self._running} generation(s) running and {self._waiting} waiting after {wait_s:g} s; retry, "
+                    "or send force: true to end them"
+                )
+        return await fut
+
+    def _call(self, fn: Callable[[], Any], exclusive: bool) -> "tuple[asyncio.Future[Any], Job]":
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
@@ -92,36 +151,50 @@ class Runner:
                 loop.call_soon_threadsafe(_set_result, fut, result)
             return iter(())
 
+        job = Job(work=work, cancel=Cancel(), loop=loop, exclusive=exclusive)
+        # A caller that stops waiting (wait_for's timeout cancels the future) withdraws the call.
+        fut.add_done_callback(lambda f: job.cancel.set() if f.cancelled() else None)
         with self._lock:
             self._waiting += 1
-        self._jobs.put(Job(work=work, cancel=Cancel(), loop=loop, exclusive=exclusive))
-        return fut
+        self._jobs.put(job)
+        return fut, job
 
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            self._enter(job.exclusive)
+            entered = self._enter(job)
             with self._lock:
                 self._waiting -= 1
                 self._running += 1
+                job.started = not job.cancel.cancelled  # a withdrawn job is skipped by _run
             try:
                 self._run(job)
             finally:
                 with self._lock:
                     self._running -= 1
-                self._leave(job.exclusive)
+                    self._live.discard(job)
+                if entered:
+                    self._leave(job.exclusive)
 
-    def _enter(self, exclusive: bool) -> None:
+    def _enter(self, job: Job) -> bool:
+        """Take the gate for ``job``; False (gate not taken) when the job was withdrawn while it waited."""
         with self._gate:
-            if exclusive:
+            if job.exclusive:
                 self._gate.wait_for(lambda: not self._exclusive)
+                if job.cancel.cancelled:
+                    return False
                 self._exclusive = True
-                self._gate.wait_for(lambda: self._active == 0)
+                while not self._gate.wait_for(lambda: self._active == 0, timeout=_GATE_POLL_S):
+                    if job.cancel.cancelled:  # withdrawn while generations ran: let them and others go on
+                        self._exclusive = False
+                        self._gate.notify_all()
+                        return False
             else:
                 self._gate.wait_for(lambda: not self._exclusive)
                 self._active += 1
+            return True
 
     def _leave(self, exclusive: bool) -> None:
         with self._gate:
@@ -134,7 +207,10 @@ class Runner:
     def _run(self, job: Job) -> None:
         put = job.out.put_nowait
         if job.cancel.cancelled:
-            job.loop.call_soon_threadsafe(put, _DONE)
+            try:
+                job.loop.call_soon_threadsafe(put, _DONE)
+            except RuntimeError:  # the loop is closed (shutdown)
+                pass
             return
         try:
             for chunk in job.work():

@@ -92,3 +92,36 @@ class Settings(BaseSettings):
         None, description="Origins allowed by CORS, comma-separated (e.g. https://app.example.com). Unset: CORS off. "
         "Never with credentials.",
     )
+    max_tokens_default: int = Field(
+        2048, ge=1,
+        description="Chat completions without max_tokens (or max_completion_tokens) stop after this many tokens "
+        "(finish_reason length), so no request holds a slot until the context ends. Completions without max_tokens "
+        "get OpenAI's default, 16.",
+    )
+    grammar_timeout_s: float = Field(
+        5.0, gt=0,
+        description="Time limit for turning a request's response_format into a grammar (off the engine thread); "
+        "beyond it 400. Schemas are also bounded in size, depth and count keywords (docs/reliability.md).",
+    )
+    load_wait_s: float = Field(
+        30.0, ge=0,
+        description="How long a load or unload waits for running generations before answering 409 model_busy; "
+        "with force: true it ends them instead (their streams get an error event).",
+    )
+    remote_timeout_s: float = Field(
+        20.0, gt=0, description="Total time limit of one remote probe (dry-run by URL or Hugging Face), all requests included."
+    )
+    remote_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=64 * 1024,
+        description="Most bytes one remote probe may read, over all its requests and shards.",
+    )
+    remote_allow_hosts: str | None = Field(
+        None,
+        description="Hosts, addresses or networks (CIDR) a remote probe may reach although they are loopback, private, "
+        "link-local or otherwise not public, comma-separated (e.g. 127.0.0.1,10.0.0.0/8,models.internal). "
+        "Unset: only public addresses.",
+    )
+    remote_probes: int = Field(
+        2, ge=1, le=32,
+        description="Remote probes that may run at once (their own threads, apart from loads); beyond it 429.",
+    )

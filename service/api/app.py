@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from ..engine.base import Engine
+from ..errors import NotReady
 from ..manager import ModelManager, default_engine
 from ..models import Registry
 from ..runner import Runner
@@ -39,6 +40,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.manager = manager
         app.state.metrics.attach(manager)
+        app.state.drain.on_expire(asyncio.get_running_loop(), lambda: runner.interrupt(NotReady(
+            "the server is shutting down: the drain timeout passed", state="draining", retry_after_s=1)))
         task = None
         if settings.default_model:
             task = asyncio.create_task(_load_default(manager, settings.default_model))
@@ -49,7 +52,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                 task.cancel()
             try:
                 # On the worker, after whatever still runs there: never free the model under a generation.
-                await asyncio.wait_for(manager.unload(), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
+                await asyncio.wait_for(manager.unload(limited=False), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
                 log.info("shutdown: model released")
             except Exception:  # shutting down: nothing left to serve
                 log.exception("unload at shutdown failed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,13 +12,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import QueueFull, ServiceError
+from ..errors import ServiceError
 from .security import esc
 
 log = logging.getLogger(__name__)
 
 
-def envelope(message: str, type_: str, code: str | int | None, param: str | None = None, **extra: Any) -> dict[str, Any]:
+def envelope(message: str, type_: str, code: str | None, param: str | None = None, **extra: Any) -> dict[str, Any]:
     err: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
     err.update({k: v for k, v in extra.items() if v is not None})
     return {"error": err}
@@ -26,6 +27,18 @@ def envelope(message: str, type_: str, code: str | int | None, param: str | None
 def service_error_body(exc: ServiceError, path: str) -> tuple[int, dict[str, Any]]:
     """Status and envelope for a domain error; the same for plain responses and stream events."""
     return exc.status_for(path), envelope(exc.message, exc.type, exc.code_for(path), exc.param, **exc.details)
+
+
+def status_code_name(status: int) -> str:
+    """A string ``code`` for a bare HTTP status (``405`` -> ``method_not_allowed``): codes are never integers."""
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return f"http_{status}"
+
+
+def retry_headers(exc: ServiceError) -> dict[str, str] | None:
+    return {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "json-or-python"})
@@ -45,10 +58,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
         status, body = service_error_body(exc, request.url.path)
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
-        if status >= 500:
+        if status >= 500 and status not in (503, 507):  # a server fault: logged with its cause
+            cause = exc.__cause__
+            log.error("%s %s -> %d %s%s", request.method, esc(request.url.path), status, esc(exc.message, 500),
+                      f" (cause: {type(cause).__name__}: {esc(cause, 300)})" if cause is not None else "")
+        elif status >= 500:
             log.warning("%s %s -> %d %s", request.method, esc(request.url.path), status, esc(exc.message, 500))
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(body, status_code=status, headers=retry_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -64,7 +80,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, exc.status_code)
+        code = status_code_name(exc.status_code)
         return JSONResponse(
             envelope(str(exc.detail), "invalid_request_error", code), status_code=exc.status_code,
             headers=getattr(exc, "headers", None),

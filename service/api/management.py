@@ -1,29 +1,48 @@
-"""Management API: dry-run, load, unload, model states."""
+"""Management API: dry-run, load, unload, model states.
+
+Every field is checked before anything is planned or fetched: numbers are finite (no ``1e999``,
+``Infinity`` or ``NaN``), KV cache types are llama.cpp's, a ``gpu`` index or a ``tensor_split``
+names only cards this machine (or the request's declared inventory) has, URLs and revisions hold
+no whitespace or control characters. Remote probes (dry-run by URL or Hugging Face) run on their
+own few threads (``GGUF_REMOTE_PROBES``; beyond them 429), so slow remote servers cannot hold up loads.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import math
+import threading
 from typing import Any, Literal
 
-from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sizing.ggml import CACHE_TYPES
 from sizing.report import plan_json
 
-from ..errors import BadRequest
+from ..errors import BadRequest, QueueFull
 from ..manager import LoadOptions
 from .deps import ManagerDep, MetricsDep
+from .validation import reject_surrogates
 
 router = APIRouter(prefix="/api")
+
+_NO_CONTROL = r"^[^\x00-\x20\x7f]+$"
+"""No whitespace or control characters (a CR/LF in a URL or a revision would reach the HTTP request)."""
+
+
+def _finite(default: Any = ..., **bounds: float) -> Any:
+    return Field(default, allow_inf_nan=False, **bounds)  # type: ignore[arg-type]
 
 
 class DeclaredGpu(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field("GPU", max_length=200)
-    free_mib: float = Field(ge=0)
-    total_mib: float | None = Field(None, ge=0)
-    bandwidth_gbps: float | None = Field(None, gt=0)
+    free_mib: float = _finite(ge=0, le=1 << 40)
+    total_mib: float | None = _finite(None, ge=0, le=1 << 40)
+    bandwidth_gbps: float | None = _finite(None, gt=0, le=1e6)
 
 
 class PlanBody(BaseModel):
@@ -31,14 +50,43 @@ class PlanBody(BaseModel):
 
     model: str = Field(max_length=200)
     n_ctx: int | None = Field(None, ge=1, le=1 << 24)
-    cache_type: str | None = Field(None, max_length=16)
+    cache_type: str | None = Field(None, max_length=16, description=f"One of {', '.join(CACHE_TYPES)} (any case).")
     flash_attn: Literal["on", "off", "auto"] | None = None
-    gpu: int | Literal["auto", "all"] | None = None
-    tensor_split: list[float] | None = Field(None, max_length=64)
+    gpu: int | Literal["auto", "all"] | None = Field(None, description="A card index this machine has, auto or all.")
+    tensor_split: list[float] | None = Field(None, max_length=64, description="One proportion (>= 0) per card.")
     n_seq_max: int | None = Field(None, ge=1, le=256)
     swa_full: bool | None = None
     confirm: bool | None = Field(None, description="Confirm the plan with llama.cpp's dry run before loading "
                                  "(default: GGUF_CONFIRM_LOADS, on).")
+    force: bool = Field(False, description="Load even while generations run: they end with an error "
+                        "(a stream's error event) instead of the load waiting for them (GGUF_LOAD_WAIT_S, then 409).")
+
+    @field_validator("cache_type")
+    @classmethod
+    def _cache_type(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.lower() not in CACHE_TYPES:
+            raise ValueError(f"unknown KV cache type; one of {', '.join(CACHE_TYPES)}")
+        return v.lower()
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and not 0 <= v < 64:
+            raise ValueError("a card index is 0..63")
+        return v
+
+    @field_validator("tensor_split")
+    @classmethod
+    def _split(cls, v: list[float] | None) -> list[float] | None:
+        if v is None:
+            return v
+        if not all(math.isfinite(x) and 0 <= x <= 1e6 for x in v):
+            raise ValueError("proportions are finite numbers from 0 to 1e6")
+        if not any(x > 0 for x in v):
+            raise ValueError("at least one proportion must be above 0")
+        return v
 
     def options(self, gpus: list[DeclaredGpu] | None = None) -> LoadOptions:
         return LoadOptions(
@@ -56,12 +104,14 @@ class PlanBody(BaseModel):
 
 class DryRunBody(PlanBody):
     model: str | None = Field(None, max_length=200)  # type: ignore[assignment]
-    url: str | None = Field(None, max_length=2000, pattern=r"^https?://",
-                            description="A GGUF file elsewhere, read by HTTP range requests (header only).")
+    url: str | None = Field(None, max_length=2000, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^\x00-\x20\x7f]+$",
+                            description="A GGUF file elsewhere, read by HTTP range requests (header only). Public "
+                            "addresses only, unless GGUF_REMOTE_ALLOW_HOSTS names the host.")
     repo_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
-    filename: str | None = Field(None, max_length=500, pattern=r"^[^\x00]*\.gguf$")
-    revision: str | None = Field(None, max_length=200)
+    filename: str | None = Field(None, max_length=500, pattern=r"^[^\x00-\x1f\x7f]*\.gguf$")
+    revision: str | None = Field(None, max_length=200, pattern=_NO_CONTROL)
     gpus: list[DeclaredGpu] | None = Field(None, max_length=64, description="Hypothetical cards instead of the live ones.")
+    force: bool = Field(False, description="Ignored by a dry run (nothing is loaded).")
 
     def location(self) -> str | None:
         if self.url:
@@ -71,16 +121,65 @@ class DryRunBody(PlanBody):
         return None
 
 
+def _check_cards(body: PlanBody, manager: Any, declared: list[DeclaredGpu] | None = None) -> None:
+    """400 for a ``gpu`` index or a ``tensor_split`` beyond the cards there are (declared, or this machine's)."""
+    if not isinstance(body.gpu, int) and body.tensor_split is None:
+        return
+    if declared is not None:
+        n = len(declared)
+    else:
+        try:
+            n = len(manager._devices()[0])  # the planner's own inventory (live, or GGUF_GPUS_*)
+        except Exception as exc:  # the inventory itself is unreadable: a plan would say the same
+            raise BadRequest(f"the GPU inventory cannot be read: {exc}", param="gpu") from exc
+    if isinstance(body.gpu, int) and body.gpu >= n:
+        raise BadRequest(f"gpu {body.gpu}: this machine has {n} GPU{'s' if n != 1 else ''}"
+                         + (f" (0..{n - 1})" if n else ""), param="gpu")
+    if body.tensor_split is not None and len(body.tensor_split) > max(n, 1):
+        raise BadRequest(f"tensor_split has {len(body.tensor_split)} proportions for {n} GPUs", param="tensor_split")
+
+
+class _ProbeSlots:
+    """The remote probes' own threads: at most ``n`` at once, beyond them 429; loads never wait behind them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.busy = 0
+        self.lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="remote-probe")
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        with self.lock:
+            if self.busy >= self.n:
+                raise QueueFull(f"{self.busy} remote probes are running; retry shortly", retry_after_s=2)
+            self.busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            with self.lock:
+                self.busy -= 1
+
+
+def _probe_slots(request: Request, n: int) -> _ProbeSlots:
+    slots = getattr(request.app.state, "probe_slots", None)
+    if slots is None:
+        slots = request.app.state.probe_slots = _ProbeSlots(n)
+    return slots  # type: ignore[no-any-return]
+
+
 @router.post("/dry-run")
-async def dry_run(body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
+async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
     """What a load would do, per cache type, without loading anything: a model by name, by URL or on Hugging Face."""
+    reject_surrogates(body.model_dump(exclude_none=True))
     sources = [bool(body.model), bool(body.url), bool(body.repo_id or body.filename)]
     if sum(sources) != 1 or (body.repo_id is None) != (body.filename is None):
         raise BadRequest("give exactly one of: model, url, or repo_id with filename", param="model")
+    _check_cards(body, manager, body.gpus)
     opts = body.options(body.gpus)
     location = body.location()
     if location is not None:
-        plan = await asyncio.to_thread(manager.plan_remote, location, opts)
+        slots = _probe_slots(request, manager.settings.remote_probes)
+        plan = await slots.run(manager.plan_remote, location, opts)
     else:
         assert body.model is not None
         _, plan = manager.plan(body.model, opts)
@@ -89,15 +188,24 @@ async def dry_run(body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
 
 @router.post("/models/load")
 async def load(body: PlanBody, manager: ManagerDep) -> dict[str, Any]:
-    state = await manager.load(body.model, body.options())
+    reject_surrogates(body.model_dump(exclude_none=True))
+    _check_cards(body, manager)
+    state = await manager.load(body.model, body.options(), force=body.force)
     out = manager.describe(state)
     assert out is not None
     return out
 
 
+class UnloadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    force: bool = Field(False, description="Unload even while generations run: they end with an error "
+                        "instead of the unload waiting for them (GGUF_LOAD_WAIT_S, then 409).")
+
+
 @router.post("/models/unload")
-async def unload(manager: ManagerDep) -> dict[str, Any]:
-    await manager.unload()
+async def unload(manager: ManagerDep, body: UnloadBody | None = None) -> dict[str, Any]:
+    await manager.unload(force=body.force if body is not None else False)
     return {"status": "unloaded"}
 
 
@@ -130,6 +238,7 @@ class PullBody(BaseModel):
 @router.post("/models/pull", status_code=202)
 async def pull(body: PullBody, manager: ManagerDep) -> dict[str, Any]:
     """Download a GGUF from Hugging Face into the models directory; follow it in GET /api/models."""
+    reject_surrogates(body.model_dump(exclude_none=True))
     return manager.pull(body.repo_id, body.filename, body.revision).to_json()
 
 
@@ -137,10 +246,12 @@ class HfFilesBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     repo_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
-    revision: str | None = Field(None, max_length=200)
+    revision: str | None = Field(None, max_length=200, pattern=_NO_CONTROL)
 
 
 @router.post("/hf/files")
-async def hf_files(body: HfFilesBody, manager: ManagerDep) -> dict[str, Any]:
+async def hf_files(request: Request, body: HfFilesBody, manager: ManagerDep) -> dict[str, Any]:
     """The GGUF files of a Hugging Face repo, each with its size and plan on these devices; downloads nothing."""
-    return await asyncio.to_thread(manager.hf_files, body.repo_id, body.revision)
+    reject_surrogates(body.model_dump(exclude_none=True))
+    slots = _probe_slots(request, manager.settings.remote_probes)
+    return await slots.run(manager.hf_files, body.repo_id, body.revision)  # type: ignore[no-any-return]

@@ -3,15 +3,22 @@
 Every check that can fail a request (model, n, schema, context) runs before the
 first byte, so a refused streamed request is a plain HTTP error; a failure
 during generation ends a stream with the error event and ``[DONE]``.
+
+What is not built yet is refused, never silently ignored: tool calling (``tools``,
+``tool_choice``, ``functions``, tool messages), ``logit_bias``, ``best_of``, ``suffix``,
+audio output and image/audio/file content parts get a 400 naming the field.
+A ``response_format`` grammar is compiled off the engine thread, with a time limit
+(``GGUF_GRAMMAR_TIMEOUT_S``), before the request is queued; a client that leaves
+stops waiting for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Iterator, Literal
 
 from fastapi import APIRouter, Request
@@ -19,20 +26,47 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.base import Cancel, Chunk, GenerationParams, TokenLogprob
-from ..errors import BadRequest, ContextLengthExceeded, ModelNotFound, NotReady, ServiceError
+from ..engine.grammar import check_schema_bounds, compile_grammar
+from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotFound, NotReady, ServiceError
 from ..runner import chunks
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
 from .metrics import Metrics
+from .validation import reject_surrogates
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1")
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**32 - 1
+"""llama.cpp seeds are uint32 (``llama_sampler_init_dist``); -1 means random, as in llama-server."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions when max_tokens is absent or null."""
+
+
+def _neutral(value: Any) -> bool:
+    """A value that asks for nothing: what clients send for a feature they do not use."""
+    return value is None or value == [] or value == {} or value == "" or value == "none"
+
+
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported yet",
+    "function_call": "function calling is not supported yet",
+    "logit_bias": "logit_bias is not supported",
+}
+"""Fields refused (400, param names the field) unless neutral (null, empty, "none")."""
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+def _float(default: float, **bounds: float) -> Any:
+    return Field(default, allow_inf_nan=False, **bounds)  # type: ignore[arg-type]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -51,19 +85,26 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, max_length=256)
-    max_tokens: int | None = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    max_tokens: int | None = Field(None, ge=1, description="Absent or null: 16 on /v1/completions (OpenAI's "
+                                   "default), GGUF_MAX_TOKENS_DEFAULT on /v1/chat/completions.")
+    temperature: float = _float(1.0, ge=0.0, le=2.0)
+    top_p: float = _float(1.0, gt=0.0, le=1.0)
+    frequency_penalty: float = _float(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = _float(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="0 .. 2^32-1 (llama.cpp's uint32); -1: random.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=128)
     response_format: ResponseFormat | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)
     ignore_eos: bool = Field(False, description="llama.cpp server extension: generate past end-of-generation tokens.")
+    tools: Any = Field(None, description="Not supported yet: anything but null or [] is a 400.")
+    tool_choice: Any = Field(None, description="Not supported yet: anything but null or \"none\" is a 400.")
+    functions: Any = Field(None, description="Not supported yet: anything but null or [] is a 400.")
+    function_call: Any = Field(None, description="Not supported yet: anything but null or \"none\" is a 400.")
+    logit_bias: Any = Field(None, description="Not supported: anything but null or {} is a 400.")
+    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -76,9 +117,19 @@ class _Common(BaseModel):
         """None: no log probabilities; k: the sampled token's and k alternatives'."""
         return None
 
-    def params(self) -> GenerationParams:
+    def refuse_unsupported(self) -> None:
+        """400 for a field whose feature is not built (see ``UNSUPPORTED_FIELDS``)."""
+        for name, why in self.unsupported_fields().items():
+            if not _neutral(getattr(self, name, None)):
+                raise BadRequest(f"{name}: {why}", param=name)
+
+    def unsupported_fields(self) -> dict[str, str]:
+        return UNSUPPORTED_FIELDS
+
+    def params(self, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> GenerationParams:
         if self.n != 1:
             raise BadRequest("only n=1 is supported: one choice per request", param="n")
+        self.refuse_unsupported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         json_schema = None
         json_object = False
@@ -86,20 +137,35 @@ class _Common(BaseModel):
         if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise BadRequest("response_format json_schema needs json_schema.schema", param="response_format")
+            check_schema_bounds(rf.json_schema.schema_)  # before json.dumps: a deep schema must not recurse
             json_schema = json.dumps(rf.json_schema.schema_)
         elif rf is not None and rf.type == "json_object":
             json_object = True
         return GenerationParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
+            max_tokens=self.requested_max_tokens() or default_max_tokens, temperature=self.temperature,
+            top_p=self.top_p, stop=stop, seed=None if self.seed == -1 else self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object, ignore_eos=self.ignore_eos,
         )
+
+    def requested_max_tokens(self) -> int | None:
+        """The client's own limit (None: it gave none and the server's default applies)."""
+        return self.max_tokens
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    best_of: int | None = Field(None, description="Not supported: anything but null or 1 is a 400.")
+    suffix: str | None = Field(None, description="Not supported: anything but null or \"\" is a 400.")
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.best_of not in (None, 1):
+            raise BadRequest("best_of: only one completion per request is supported (best_of 1)", param="best_of")
+        if self.suffix:
+            raise BadRequest("suffix: inserting text before a suffix is not supported", param="suffix")
 
     def logprobs_n(self) -> int | None:
         return self.logprobs
@@ -120,24 +186,66 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    def check(self, i: int) -> None:
+        """400 for what this server cannot honour in a message: tool turns, non-text parts, NUL characters."""
+        where = f"messages[{i}]"
+        if self.role == "tool":
+            raise BadRequest(f"{where}.role: tool messages need tool calling, which is not supported yet",
+                             param=f"{where}.role")
+        for extra in ("tool_calls", "function_call", "audio"):
+            if not _neutral((self.model_extra or {}).get(extra)):
+                raise BadRequest(f"{where}.{extra}: not supported yet", param=f"{where}.{extra}")
+        if isinstance(self.content, str):
+            texts = [(f"{where}.content", self.content)]
+        elif isinstance(self.content, list):
+            texts = []
+            for j, part in enumerate(self.content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise BadRequest(f"{where}.content[{j}].type: only text parts are supported, not {str(kind)[:40]!r}",
+                                     param=f"{where}.content[{j}].type")
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{where}.content[{j}].text: a text part needs a string",
+                                     param=f"{where}.content[{j}].text")
+                texts.append((f"{where}.content[{j}].text", part["text"]))
+        else:
+            texts = []
+        name = (self.model_extra or {}).get("name")
+        if name is not None:
+            texts.append((f"{where}.name", name if isinstance(name, str) else ""))
+        for param, text in texts:
+            if "\x00" in text:
+                # Chat templates are C strings in llama.cpp: a NUL would silently end the message there.
+                raise BadRequest(f"{param}: contains a NUL character", param=param)
+
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    audio: Any = Field(None, description="Not supported: audio output.")
+    modalities: list[str] | None = Field(None, description="Only [\"text\"].")
+    prediction: Any = Field(None, description="Not supported: predicted outputs.")
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def params(self) -> GenerationParams:
-        # Chat has no default limit in the OpenAI API: until the model stops or the context ends.
-        p = super().params()
-        limit = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
-        return replace(p, max_tokens=limit)
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if not _neutral(self.audio) or (self.modalities is not None and set(self.modalities) - {"text"}):
+            raise BadRequest("audio output is not supported: modalities can only be [\"text\"]",
+                             param="audio" if not _neutral(self.audio) else "modalities")
+        if not _neutral(self.prediction):
+            raise BadRequest("prediction: predicted outputs are not supported", param="prediction")
+        for i, m in enumerate(self.messages):
+            m.check(i)
+
+    def requested_max_tokens(self) -> int | None:
+        # Chat has no default limit in the OpenAI API; the server's (GGUF_MAX_TOKENS_DEFAULT) applies.
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
 
 def _served_name(manager: Any, requested: str | None) -> str:
@@ -226,10 +334,33 @@ def _completion_logprobs(lps: list[TokenLogprob], offset0: int = 0) -> dict[str,
     }
 
 
+async def _compile_response_format(params: GenerationParams, timeout_s: float, gone: "asyncio.Future[None]") -> bool:
+    """Compile the request's grammar off the engine thread, within ``timeout_s``; False when the client left first.
+
+    The engines compile it again at admission and find it in the compiler's cache.
+    """
+    if params.json_schema is None and not params.json_object and not params.grammar:
+        return True
+    task = asyncio.ensure_future(asyncio.to_thread(compile_grammar, params))
+    done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()  # BadRequest for a schema that cannot be used
+        return True
+    # Left running, the compilation stops at llguidance's own limits (fuel, Earley items, grammar size).
+    task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+    if gone in done:
+        return False
+    raise BadRequest(f"response_format: the grammar did not compile within {timeout_s:g} s", param="response_format")
+
+
 async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, kind: Literal["completion", "chat"]) -> Any:
     t0 = time.perf_counter()
+    reject_surrogates(body.model_dump(by_alias=True, exclude_none=True))
     name = _served_name(manager, body.model)
-    params = body.params()
+    settings = manager.settings
+    params = body.params(COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else settings.max_tokens_default)
+    # The context check applies to the client's own limit; the server's default is only a cap.
+    asked = body.requested_max_tokens() if kind == "chat" else params.max_tokens
     engine = manager.engine
     cancel = Cancel()
     if kind == "completion":
@@ -251,14 +382,16 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, 
         # so a refusal is a plain HTTP error even for a streamed request.
         engine.check(params)
         n_prompt = count()
-        _check_context(engine.n_ctx, n_prompt, params.max_tokens, prompt_param)
+        _check_context(engine.n_ctx, n_prompt, asked, prompt_param)
         yield Chunk(prompt_tokens=n_prompt)
         yield from generate()
 
-    job = manager.runner.submit(work, cancel)  # 429 beyond the queue's bound
-    results = chunks(job)
     watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
     try:
+        if not await _compile_response_format(params, settings.grammar_timeout_s, watcher):
+            return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
+        job = manager.runner.submit(work, cancel)  # 429 beyond the queue's bound
+        results = chunks(job)
         try:
             await results.__anext__()  # admitted: the checks passed
         except StopAsyncIteration:  # cancelled while queued: the client is gone
@@ -343,6 +476,12 @@ async def _stream(
     except ServiceError as exc:
         _, body = service_error_body(exc, request.url.path)
         timer.metrics.error(exc.code_for(request.url.path))
+        yield sse(body)
+    except Exception as exc:  # a server fault mid-stream: logged, and the stream still ends in order
+        log.exception("stream failed")
+        err = EngineFailure(f"the stream failed: {type(exc).__name__}")
+        _, body = service_error_body(err, request.url.path)
+        timer.metrics.error(err.code)
         yield sse(body)
     finally:
         cancel.set()

@@ -11,13 +11,14 @@ assets): a route added later is protected without anyone remembering to protect 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import logging
 import re
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -208,11 +209,45 @@ class BodyLimitMiddleware:
             await send_error(send, too_large, scope["path"], [(b"connection", b"close")])
 
 
+DRAIN_GRACE_S = 5.0
+"""After the drain deadline ended the generations, how long uvicorn still waits for their last bytes to go out."""
+
+
 @dataclass
 class DrainState:
-    """Set when SIGTERM arrives: new requests are refused while the ones in flight finish."""
+    """Set when SIGTERM arrives: new requests are refused while the ones in flight finish.
+
+    ``begin(timeout_s)`` (from the signal handler) starts the drain; when ``timeout_s`` passes, every
+    ``on_expire`` callback runs on the event loop: the app's ends the generations still queued (503 with
+    Retry-After) or running (a stream's error event, then ``[DONE]``) before uvicorn closes the connections.
+    """
 
     draining: bool = False
+    expired: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_expire(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        self.loop = loop
+        self._callbacks.append(callback)
+
+    def begin(self, timeout_s: float) -> None:
+        """Start draining; safe to call from a signal handler."""
+        self.draining = True
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.call_later, timeout_s, self._expire)
+
+    def _expire(self) -> None:
+        if self.expired:
+            return
+        self.expired = True
+        log.warning("drain: the timeout passed; ending the generations still queued or running")
+        for callback in self._callbacks:
+            try:
+                callback()
+            except Exception:  # one failing callback must not keep the others from running
+                log.exception("drain callback failed")
 
 
 DRAIN_EXEMPT = frozenset({"/health"})

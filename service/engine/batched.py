@@ -257,8 +257,8 @@ class BatchedEngine(Prompting):
             raise NotReady("no model is loaded")
         return model
 
-    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        return list(self._require().tokenize(text.encode("utf-8"), add_bos, True))
+    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
+        return list(self._require().tokenize(text.encode("utf-8"), add_bos, special))
 
     def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         return self.generate(tokens, params, cancel)

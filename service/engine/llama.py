@@ -275,9 +275,9 @@ class LlamaEngine(Prompting):
         if llm is not None:
             llm.close()
 
-    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
         llm = self._require()
-        return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+        return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
     def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         return self._generate(tokens, params, cancel)

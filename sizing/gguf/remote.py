@@ -11,24 +11,143 @@ each window is at least a lower bound of the bytes still needed and at most
 1/16 more than what is already held, so the bytes transferred stay within a
 few percent of the header's size. httpx errors become ``RemoteError`` here,
 at the boundary.
+
+Every probe runs under ``ProbeLimits``: one total deadline and one byte budget
+for all its requests and shards; redirects only within the URL's own host
+(unless the limits allow others, as a Hugging Face hub's CDN needs); and,
+with ``public_only`` (what the service sets for URLs its clients send), no
+connection to a loopback, private, link-local or otherwise non-public address
+unless ``allow_hosts`` names it. The address is checked where the socket is
+opened, on every address the name resolves to, so neither a redirect nor a
+DNS answer can lead the probe inside. A split model's other shards are fetched
+only after the first shard's header confirms the split its name announces.
+Errors say what failed and never quote what a server sent.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
-from typing import Mapping
-from urllib.parse import urlsplit, urlunsplit
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
+import httpcore
 import httpx
 
-from ..errors import ProbeError, RemoteError, ShardError
+from ..errors import NotGGUFError, ProbeError, RemoteError, ShardError
 from ..spec import ModelSource, ModelSpec
 from .probe import _SPLIT_RE, read_header, spec_from_headers
 from .reader import GGUFHeader, MIN_WINDOW_BYTES
 
 DEFAULT_TIMEOUT_S = 30.0
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+MAX_REDIRECTS = 5
+
+
+@dataclass(frozen=True)
+class ProbeLimits:
+    """What one remote probe may do. The defaults suit a caller probing its own URL (the CLI); the service
+    passes ``public_only=True`` for URLs its clients send (``GGUF_REMOTE_*`` settings)."""
+
+    deadline_s: float = DEFAULT_TIMEOUT_S
+    """Total time for all requests of the probe (every shard)."""
+    max_bytes: int = 64 * 1024 * 1024
+    """Most body bytes the probe may read, all requests together."""
+    public_only: bool = False
+    """Refuse addresses that are not global unicast (loopback, private, link-local, CGNAT, multicast...)."""
+    allow_hosts: tuple[str, ...] = ()
+    """Host names (exact, any case), addresses or networks (CIDR) allowed although not public."""
+    cross_host_redirects: bool = False
+    """Follow a redirect to another host (a hub's CDN); the address rule still applies to it."""
+
+    def host_allowed(self, host: str) -> bool:
+        return host.lower().strip("[]") in {h.lower().strip("[]") for h in self.allow_hosts}
+
+    def address_allowed(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:  # type: ignore[union-attr]
+            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        if not self.public_only or (ip.is_global and not ip.is_multicast):
+            return True
+        for entry in self.allow_hosts:
+            try:
+                if ip in ipaddress.ip_network(entry.strip("[]"), strict=False):
+                    return True
+            except ValueError:
+                continue
+        return False
+
+
+def parse_allow_hosts(text: str | None) -> tuple[str, ...]:
+    """``GGUF_REMOTE_ALLOW_HOSTS``: comma-separated host names, addresses and networks."""
+    return tuple(h.strip() for h in (text or "").split(",") if h.strip())
+
+
+class _Budget:
+    """The deadline and byte budget one probe shares between its requests and shards."""
+
+    def __init__(self, limits: ProbeLimits) -> None:
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.deadline_s
+        self.bytes_left = limits.max_bytes
+
+    def remaining_s(self, source: str) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RemoteError(f"the probe took longer than its {self.limits.deadline_s:g} s limit", source=source)
+        return left
+
+    def spend(self, n: int, source: str) -> None:
+        self.bytes_left -= n
+        if self.bytes_left < 0:
+            raise RemoteError(f"the probe read more than its {self.limits.max_bytes} byte budget", source=source)
+
+
+class _GuardedBackend(httpcore.SyncBackend):
+    """httpcore's socket backend, connecting only to addresses ``limits`` allows (checked after resolution)."""
+
+    def __init__(self, limits: ProbeLimits) -> None:
+        super().__init__()
+        self.limits = limits
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> Any:
+        if self.limits.public_only and not self.limits.host_allowed(host):
+            try:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise httpcore.ConnectError(f"cannot resolve {host}") from exc
+            addresses = [str(info[4][0]) for info in infos]
+            allowed = [a for a in addresses if self.limits.address_allowed(a)]
+            if not allowed:
+                raise _Refused(host)
+            host = allowed[0]
+        return super().connect_tcp(host, port, timeout=timeout, local_address=local_address,
+                                   socket_options=socket_options)
+
+
+class _Refused(Exception):
+    """A probe's target resolves only to addresses its limits refuse."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(host)
+        self.host = host
+
+
+def probe_client(limits: ProbeLimits, headers: Mapping[str, str] | None = None) -> httpx.Client:
+    """An httpx client for probes under ``limits``: guarded connections, no automatic redirects, no proxies
+    from the environment (a proxy would connect for us, past the address check)."""
+    transport = httpx.HTTPTransport()
+    transport._pool._network_backend = _GuardedBackend(limits)
+    return httpx.Client(transport=transport, follow_redirects=False, trust_env=False,
+                        timeout=min(limits.deadline_s, DEFAULT_TIMEOUT_S), headers=dict(headers or {}))
 
 
 class RangeSource:
@@ -38,9 +157,11 @@ class RangeSource:
     size from ``Content-Range``. ``bytes_fetched`` counts the body bytes received.
     """
 
-    def __init__(self, url: str, client: httpx.Client, *, initial_bytes: int = MIN_WINDOW_BYTES) -> None:
+    def __init__(self, url: str, client: httpx.Client, *, initial_bytes: int = MIN_WINDOW_BYTES,
+                 budget: _Budget | None = None) -> None:
         self._url = url
         self._client = client
+        self._budget = budget or _Budget(ProbeLimits())
         self.bytes_fetched = 0
         self.requests = 0
         self._first, self._size = self._request(0, max(1, initial_bytes))
@@ -62,12 +183,32 @@ class RangeSource:
         data, _ = self._request(offset, length)
         return data
 
+    def _send(self, headers: dict[str, str]) -> Any:
+        """The response to a GET of the file, following redirects as the limits allow (the final URL is kept)."""
+        limits = self._budget.limits
+        for _ in range(MAX_REDIRECTS + 1):
+            timeout = min(self._budget.remaining_s(self._url), DEFAULT_TIMEOUT_S)
+            request = self._client.build_request("GET", self._url, headers=headers, timeout=timeout)
+            resp = self._client.send(request, stream=True)
+            if resp.status_code not in (301, 302, 303, 307, 308) or "location" not in resp.headers:
+                return resp
+            resp.close()
+            target = urljoin(self._url, resp.headers["location"])
+            old, new = urlsplit(self._url), urlsplit(target)
+            if new.scheme.lower() not in ("http", "https"):
+                raise RemoteError("redirected to a URL that is not http(s); not followed", source=self._url)
+            if not limits.cross_host_redirects and (new.hostname, new.port) != (old.hostname, old.port):
+                raise RemoteError(f"redirected to another host ({new.hostname}); not followed", source=self._url)
+            self._url = target
+        raise RemoteError(f"more than {MAX_REDIRECTS} redirects", source=self._url)
+
     def _request(self, offset: int, length: int) -> tuple[bytes, int]:
         """GET ``length`` bytes at ``offset``; returns them and the file's total size."""
         headers = {"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "identity"}
         self.requests += 1
         try:
-            with self._client.stream("GET", self._url, headers=headers) as resp:
+            resp = self._send(headers)
+            try:
                 if resp.status_code == 416:
                     # Range past the end: only an empty file answers this to bytes=0-.
                     return b"", 0
@@ -79,8 +220,18 @@ class RangeSource:
                     )
                 total = self._total_from(resp.headers.get("content-range", ""), offset)
                 data = self._read(resp, min(length, total - offset))
-        except httpx.HTTPError as exc:
-            raise RemoteError(f"{type(exc).__name__}: {exc}", source=self._url) from exc
+            finally:
+                resp.close()
+        except _Refused as exc:
+            raise RemoteError(f"{exc.host} is not a public address; refused (GGUF_REMOTE_ALLOW_HOSTS can allow it)",
+                              source=self._url) from None
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # One message for refused, unreachable and silent: a probe must not map which ports are open.
+            raise RemoteError(f"could not connect to {urlsplit(self._url).hostname}", source=self._url) from exc
+        except httpx.TimeoutException as exc:
+            raise RemoteError("the server did not answer in time", source=self._url) from exc
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise RemoteError(f"the request failed ({type(exc).__name__})", source=self._url) from exc
         return data, total
 
     def _whole_body(self, resp: httpx.Response, offset: int, length: int) -> tuple[bytes, int]:
@@ -97,7 +248,7 @@ class RangeSource:
     def _total_from(self, content_range: str, offset: int) -> int:
         m = _CONTENT_RANGE_RE.match(content_range.strip())
         if not m or m.group(3) == "*" or int(m.group(1)) != offset:
-            raise RemoteError(f"unusable Content-Range {content_range!r}", source=self._url)
+            raise RemoteError("the answer to a range request has no usable Content-Range", source=self._url)
         return int(m.group(3))
 
     def _read(self, resp: httpx.Response, n: int) -> bytes:
@@ -107,6 +258,8 @@ class RangeSource:
             chunks.append(chunk)
             got += len(chunk)
             self.bytes_fetched += len(chunk)
+            self._budget.spend(len(chunk), self._url)
+            self._budget.remaining_s(self._url)  # a server trickling bytes cannot outlast the deadline
             if got >= n:
                 break
         data = b"".join(chunks)[:n]
@@ -137,26 +290,61 @@ def probe_url(
     *,
     headers: Mapping[str, str] | None = None,
     client: httpx.Client | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
+    limits: ProbeLimits | None = None,
 ) -> ModelSpec:
-    """Probe a GGUF at an http(s) URL (any shard of a split model names the whole model)."""
-    scheme = urlsplit(url).scheme.lower()
-    if scheme not in ("http", "https"):
-        raise ProbeError(f"not an http(s) URL (scheme {scheme!r})", source=url)
-    urls = shard_urls(url)
-    own = client is None
-    c = client or httpx.Client(follow_redirects=True, timeout=timeout_s, headers=dict(headers or {}))
+    """Probe a GGUF at an http(s) URL (any shard of a split model names the whole model), within ``limits``.
+
+    ``timeout_s`` (older callers) sets the limits' deadline. A ``client`` of the caller's is used as given
+    (its redirects and connections are its own); without one, ``probe_client(limits)`` guards them.
+    """
+    limits = limits or ProbeLimits()
+    if timeout_s is not None:
+        limits = ProbeLimits(timeout_s, limits.max_bytes, limits.public_only, limits.allow_hosts,
+                             limits.cross_host_redirects)
     try:
-        hdrs = [_read_remote(u, c) for u in urls]
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        hostname = parts.hostname
+    except ValueError as exc:
+        raise ProbeError(f"not a valid URL: {exc}") from None
+    if scheme not in ("http", "https") or not hostname:
+        raise ProbeError(f"not an http(s) URL (scheme {scheme!r})", source=url[:300])
+    if any(ord(ch) < 0x21 or ord(ch) == 0x7F for ch in url):
+        raise ProbeError("the URL holds whitespace or control characters", source=url[:300].encode("unicode_escape").decode())
+    urls = shard_urls(url)
+    budget = _Budget(limits)
+    own = client is None
+    c = client or probe_client(limits, headers)
+    try:
+        first = _read_remote(urls[0], c, budget)
+        if len(urls) > 1:
+            _check_split(first, len(urls), urls[0])
+        hdrs = [first] + [_read_remote(u, c, budget) for u in urls[1:]]
     finally:
         if own:
             c.close()
     return spec_from_headers(hdrs, ModelSource(url=urls[0], shards=tuple(urls) if len(urls) > 1 else ()))
 
 
-def _read_remote(url: str, client: httpx.Client) -> GGUFHeader:
-    src = RangeSource(url, client)
-    header = read_header(src)
+def _check_split(first: GGUFHeader, count: int, source: str) -> None:
+    """Before any other shard is fetched: the first shard's header must announce the split its name does."""
+    md = first.metadata
+    declared, no = md.get("split.count"), md.get("split.no")
+    if declared != count or no != 0:
+        raise ShardError(
+            f"the name announces {count} shards but the first shard's header has split.count {declared!r}, "
+            f"split.no {no!r}; no other shard was fetched", source=source,
+        )
+
+
+def _read_remote(url: str, client: httpx.Client, budget: _Budget | None = None) -> GGUFHeader:
+    src = RangeSource(url, client, budget=budget)
+    try:
+        header = read_header(src)
+    except NotGGUFError:
+        # The reader's message quotes the first bytes; what a remote server sent is never echoed.
+        raise NotGGUFError("not a GGUF file (it does not start with the GGUF magic)", offset=0, source=url) from None
     header.bytes_read = src.bytes_fetched
     return header
 
@@ -176,6 +364,7 @@ def probe_hf(
     token: str | None = None,
     *,
     client: httpx.Client | None = None,
+    limits: ProbeLimits | None = None,
 ) -> ModelSpec:
     """Probe ``filename`` of the Hugging Face repo ``repo_id`` without downloading its weights.
 
@@ -192,10 +381,14 @@ def probe_hf(
         headers["Authorization"] = f"Bearer {tok}"
     if client is not None:
         client.headers.update(headers)
-    return probe_url(url, headers=headers, client=client)
+    # The hub is the operator's (HF_ENDPOINT): its host is trusted, and it redirects downloads to a CDN.
+    base = limits or ProbeLimits()
+    hub = urlsplit(url).hostname or ""
+    limits = ProbeLimits(base.deadline_s, base.max_bytes, base.public_only, (*base.allow_hosts, hub), True)
+    return probe_url(url, headers=headers, client=client, limits=limits)
 
 
-def probe_location(location: str) -> ModelSpec:
+def probe_location(location: str, limits: ProbeLimits | None = None) -> ModelSpec:
     """Probe a local path, an http(s) URL or ``hf://repo_owner/repo_name/path/in/repo.gguf[@revision]``."""
     from .probe import probe_path
 
@@ -207,7 +400,7 @@ def probe_location(location: str) -> ModelSpec:
         parts = rest.split("/")
         if len(parts) < 3 or not all(parts):
             raise ProbeError("expected hf://owner/repo/filename.gguf[@revision]", source=location)
-        return probe_hf("/".join(parts[:2]), "/".join(parts[2:]), revision=revision)
+        return probe_hf("/".join(parts[:2]), "/".join(parts[2:]), revision=revision, limits=limits)
     if re.match(r"^https?://", location, re.IGNORECASE):
-        return probe_url(location)
+        return probe_url(location, limits=limits)
     return probe_path(location)
