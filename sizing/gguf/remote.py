@@ -107,7 +107,7 @@ class _Budget:
     def spend(self, n: int, source: str) -> None:
         self.bytes_left -= n
         if self.bytes_left < 0:
-            raise RemoteError(f"the probe read more than its {self.limits.max_bytes} byte budget", source=source)
+            raise ProbeError(f"the header is larger than the probe's {self.limits.max_bytes} byte budget", source=source)
 
 
 class _GuardedBackend(httpcore.SyncBackend):
@@ -196,11 +196,11 @@ class RangeSource:
             target = urljoin(self._url, resp.headers["location"])
             old, new = urlsplit(self._url), urlsplit(target)
             if new.scheme.lower() not in ("http", "https"):
-                raise RemoteError("redirected to a URL that is not http(s); not followed", source=self._url)
+                raise ProbeError("redirected to a URL that is not http(s); not followed", source=self._url)
             if not limits.cross_host_redirects and (new.hostname, new.port) != (old.hostname, old.port):
-                raise RemoteError(f"redirected to another host ({new.hostname}); not followed", source=self._url)
+                raise ProbeError(f"redirected to another host ({new.hostname}); not followed", source=self._url)
             self._url = target
-        raise RemoteError(f"more than {MAX_REDIRECTS} redirects", source=self._url)
+        raise ProbeError(f"more than {MAX_REDIRECTS} redirects", source=self._url)
 
     def _request(self, offset: int, length: int) -> tuple[bytes, int]:
         """GET ``length`` bytes at ``offset``; returns them and the file's total size."""
@@ -223,8 +223,9 @@ class RangeSource:
             finally:
                 resp.close()
         except _Refused as exc:
-            raise RemoteError(f"{exc.host} is not a public address; refused (GGUF_REMOTE_ALLOW_HOSTS can allow it)",
-                              source=self._url) from None
+            # The client's mistake, not the upstream's: a ProbeError (400), not a RemoteError (502).
+            raise ProbeError(f"{exc.host} is not a public address; refused (GGUF_REMOTE_ALLOW_HOSTS can allow it)",
+                             source=self._url) from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # One message for refused, unreachable and silent: a probe must not map which ports are open.
             raise RemoteError(f"could not connect to {urlsplit(self._url).hostname}", source=self._url) from exc
