@@ -164,10 +164,12 @@ from tests.gguf.conftest import RangeServer, link_into, range_server  # noqa: E4
 
 
 @pytest.mark.slow
-def test_dry_run_of_a_remote_file_reads_its_header_only(served: Any, range_server: RangeServer,  # noqa: F811
+def test_dry_run_of_a_remote_file_reads_its_header_only(fake_factory: Any, range_server: RangeServer,  # noqa: F811
                                                        embedded_model: str) -> None:
     from pathlib import Path
 
+    # Loopback is refused unless named (tests/reliability/test_remote_probe.py); this server is named.
+    served = fake_factory(remote_allow_hosts="127.0.0.1")
     link_into(range_server, Path(embedded_model))
     range_server.reset()
     url = range_server.url(Path(embedded_model).name)
