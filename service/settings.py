@@ -82,8 +82,8 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(
         30.0, ge=0,
-        description="On SIGTERM: how long in-flight requests may run before they are cut (new ones get 503); "
-        "a second signal exits at once.",
+        description="On SIGTERM: how long in-flight requests may run (new ones get 503); past it, queued requests get "
+        "503 with Retry-After and running streams end with an error event and [DONE]. A second signal exits at once.",
     )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body, bytes (counted while it is read); beyond it 413."
