@@ -73,7 +73,11 @@ def vocab(embedded_model: str) -> Any:
     mp.vocab_only = True
     model = llama_cpp.llama_model_load_from_file(embedded_model.encode(), mp)
     assert model
-    yield llama_cpp.llama_model_get_vocab(model)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    from service.engine.grammar import _tokenizer
+
+    _tokenizer(vocab)  # built once per model (about 2 s, more on a busy host): not part of any example's time
+    yield vocab
     llama_cpp.llama_model_free(model)
 
 
