@@ -204,6 +204,9 @@ class RangeSource:
 
     def _request(self, offset: int, length: int) -> tuple[bytes, int]:
         """GET ``length`` bytes at ``offset``; returns them and the file's total size."""
+        if length > self._budget.bytes_left:
+            # Refused before asking: what a server sends beyond the budget would still arrive in our buffers.
+            self._budget.spend(length, self._url)
         headers = {"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "identity"}
         self.requests += 1
         try:
