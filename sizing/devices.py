@@ -1,7 +1,7 @@
-"""Devices a plan can use: GPUs (live NVML or declared) and host memory.
+"""The device adapters: live NVML, declared inventories and host memory, read into ``Device`` values.
 
-The ``Device`` value is pure; the functions that read NVML and /proc/meminfo
-are the adapters. This is the only module that imports ``pynvml``, and only
+The ``Device`` value itself is pure and lives in ``sizing.device`` (re-exported here for
+callers that read both). This is the only module that imports ``pynvml``, and only
 inside ``nvml_devices``.
 """
 
@@ -9,39 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
+from .device import MIB, Device, DeviceKind
 from .errors import DeviceError
 
-MIB = 1 << 20
-
-DeviceKind = Literal["gpu", "host"]
-
-
-@dataclass(frozen=True)
-class Device:
-    """A memory pool a plan can place bytes on."""
-
-    index: int
-    name: str
-    free_bytes: int
-    total_bytes: int
-    kind: DeviceKind = "gpu"
-    bandwidth_bytes_per_s: float | None = None
-
-    @property
-    def free_mib(self) -> float:
-        return self.free_bytes / MIB
-
-    @property
-    def total_mib(self) -> float:
-        return self.total_bytes / MIB
-
-    @property
-    def label(self) -> str:
-        """llama.cpp's backend name for the device (CUDA0, ...) or ``CPU`` for host memory."""
-        return "CPU" if self.kind == "host" else f"CUDA{self.index}"
+__all__ = ["MIB", "Device", "DeviceKind", "host_memory", "nvml_devices", "parse_declared", "load_declared", "inventory",
+           "measure_host_bandwidth"]
 
 
 def host_memory(meminfo_path: str = "/proc/meminfo") -> Device:

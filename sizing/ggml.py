@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class CacheType:
@@ -50,8 +52,8 @@ GGML_TYPE_IDS: dict[str, int] = {
 
 
 def cache_type(name: str) -> CacheType:
-    """Look up a cache type by llama.cpp's name (``f16``, ``q8_0``, ...); KeyError names the choices."""
+    """Look up a cache type by llama.cpp's name (``f16``, ``q8_0``, ...); a ``ConfigError`` names the choices."""
     try:
         return CACHE_TYPES[name.lower()]
     except KeyError:
-        raise KeyError(f"unknown KV cache type {name!r}; one of {', '.join(CACHE_TYPES)}") from None
+        raise ConfigError(f"unknown KV cache type {name!r}; one of {', '.join(CACHE_TYPES)}") from None

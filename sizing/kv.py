@@ -52,26 +52,21 @@ def kv_cells(spec: ModelSpec, cfg: ContextConfig) -> KvCells:
 
 
 def kv_layers(spec: ModelSpec) -> list[LayerSpec]:
-    """Main-graph layers that keep an attention KV cache (``hparams.has_kv``)."""
-    return [layer for layer in spec.layers[: spec.n_layer] if layer.has_kv and not _is_shared(spec, layer)]
-
-
-def _is_shared(spec: ModelSpec, layer: LayerSpec) -> bool:
-    """Layers past ``n_layer - shared_kv_layers`` reuse an earlier layer's cache (Gemma3n/Gemma4): no bytes."""
-    n_shared = spec.metadata.get(f"{spec.architecture}.attention.shared_kv_layers", 0)
-    if not isinstance(n_shared, int) or isinstance(n_shared, bool) or n_shared <= 0:
-        return False
-    return layer.index >= spec.n_layer - n_shared
+    """Layers whose K/V ``llama_kv_cache`` allocates: it walks every block (``n_layer_all``) and keeps those
+    with ``hparams.has_kv`` that ``create_memory``'s filter lets through (``LayerSpec.has_kv``, set by the
+    probe from ``sizing.arch``; a spec built by hand counts its main layers with KV heads)."""
+    return [l for l in spec.layers if l.has_kv and (l.attention is not None or l.index < spec.n_layer)]
 
 
 def _v_width_max(spec: ModelSpec) -> int:
-    return max((l.n_embd_head_v * l.n_head_kv for l in kv_layers(spec)), default=0)
+    """``hparams.n_embd_v_gqa_max()``: the widest V over every block, cached or not."""
+    return max((l.n_embd_head_v * l.n_head_kv for l in spec.layers), default=0)
 
 
 def layer_widths(spec: ModelSpec, layer: LayerSpec, flash: bool) -> tuple[int, int]:
     """Elements per cell of K and V for one layer (V is 0 for MLA)."""
     k = layer.n_embd_head_k * layer.n_head_kv
-    if spec.mla is not None and spec.mla.n_embd_head_k_mla and spec.mla.n_embd_head_v_mla:
+    if spec.mla is not None:
         # MLA caches the compressed latent (key_length = kv_lora_rank + rope dims, one KV head)
         # as K only; V is a view of it (has_v = !is_mla).
         return k, 0
@@ -139,22 +134,26 @@ def kv_split_bytes(
     return full * cells.full * cfg.n_stream, swa * cells.swa * cfg.n_stream
 
 
-def recurrent_state_bytes(spec: ModelSpec, cfg: ContextConfig, layers: Iterable[int] | None = None) -> int:
-    """Mamba-style recurrent state (``llama_memory_recurrent``): F32 r and s per layer and sequence.
-
-    r: ``(d_conv - 1) * (d_inner + 2 * n_group * d_state)``; s: ``d_state * d_inner``
-    (``llama_hparams::n_embd_r`` / ``n_embd_s``). Independent of n_ctx.
-    """
-    if spec.ssm is None:
-        return 0
-    s = spec.ssm
-    n_r = max(s.d_conv - 1, 0) * (s.d_inner + 2 * s.n_group * s.d_state)
-    n_s = s.d_state * s.d_inner
+def state_layers(spec: ModelSpec, layers: Iterable[int] | None = None) -> list[LayerSpec]:
+    """Blocks whose recurrent state ``llama_memory_recurrent`` allocates (it walks the ``n_layer`` main blocks)."""
     wanted = None if layers is None else set(layers)
-    n = sum(
-        1 for l in spec.layers[: spec.n_layer] if l.is_recurrent and (wanted is None or l.index in wanted)
-    )
-    return F32 * (n_r + n_s) * n * max(cfg.n_seq_max, 1)
+    return [l for l in spec.layers[: spec.n_layer] if l.has_state and (wanted is None or l.index in wanted)]
+
+
+def state_bytes_per_layer(spec: ModelSpec, cfg: ContextConfig) -> int:
+    """F32 r + s rows of one state layer: ``mem_size * (1 + n_rs_seq)`` rows with ``mem_size = max(1, n_seq_max)``
+    and ``n_rs_seq = 0`` (no rollback snapshots; ``llama_context_default_params``)."""
+    if spec.state is None:
+        return 0
+    rows = max(cfg.n_seq_max, 1)
+    return F32 * (spec.state.n_embd_r + spec.state.n_embd_s) * rows
+
+
+def recurrent_state_bytes(spec: ModelSpec, cfg: ContextConfig, layers: Iterable[int] | None = None) -> int:
+    """Recurrent state (``llama_memory_recurrent``, src/llama-memory-recurrent.cpp): per state layer
+    ``ggml_new_tensor_2d(F32, n_embd_r, rows)`` and ``(F32, n_embd_s, rows)`` (``llama_hparams::n_embd_r`` /
+    ``n_embd_s``: Mamba conv + SSM, RWKV token shift + WKV, LFM2 short conv, KDA). Independent of n_ctx."""
+    return state_bytes_per_layer(spec, cfg) * len(state_layers(spec, layers))
 
 
 def kv_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None) -> int:

@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import arch as archs
+from . import gpu
 from .compute import compute_bytes, host_compute_bytes
 from .config import ContextConfig
-from .devices import MIB, Device
+from .device import MIB
 from .errors import FlashAttentionRequiredError
 from .ggml import cache_type
-from .kv import KvCells, check_cache_types, kv_bytes, kv_cells
+from .kv import KvCells, check_cache_types, kv_cells, kv_split_bytes, recurrent_state_bytes
+from .measured import Figures, Source
 from .placement import Placement
 from .spec import ModelSpec
 
@@ -22,14 +25,15 @@ DEFAULT_GPU_ALLOWANCE_BYTES = 500 * 1000 * 1000
 """Untracked per-GPU memory (CUDA context, cuBLAS workspace): the second source document's 500 MB."""
 
 
-def resolve_flash_attn(cfg: ContextConfig) -> bool:
+def resolve_flash_attn(cfg: ContextConfig, spec: ModelSpec | None = None) -> bool:
     """The flash-attention decision llama.cpp will act on, refusing what it would refuse.
 
     Mirrors ``llama_init_from_model`` (src/llama-context.cpp): a quantized V cache
     with flash attention disabled fails context creation. This service also
     refuses a quantized K with flash attention off (llama.cpp accepts it, but
     CUDA then dequantizes the whole K view every step); ``auto`` resolves to
-    on, as llama.cpp's fused-op probe does on the CPU and CUDA backends.
+    on, as llama.cpp's fused-op probe does on the CPU and CUDA backends, except
+    for the architectures llama.cpp forces off (grok).
     """
     quantized = [f"{k}={t}" for k, t in (("type_k", cfg.type_k), ("type_v", cfg.type_v)) if cache_type(t).quantized]
     if cfg.flash_attn == "off":
@@ -39,7 +43,28 @@ def resolve_flash_attn(cfg: ContextConfig) -> bool:
                 "needs flash attention, but flash_attn is 'off'; set flash_attn to 'on' or 'auto', or use an f16 cache"
             )
         return False
+    if spec is not None and archs.traits(spec.architecture).no_flash_attn:
+        if quantized and cache_type(cfg.type_v).quantized:
+            raise FlashAttentionRequiredError(
+                f"{spec.architecture} runs without flash attention (llama.cpp forces it off), so the quantized "
+                f"V cache type_v={cfg.type_v} cannot be used; use an f16 V cache"
+            )
+        return False
     return True
+
+
+@dataclass(frozen=True)
+class FigureSources:
+    """Where each term of an estimate came from: the pure model (``simulated``) or llama.cpp's dry run
+    (``measured``, ``sizing.measured``)."""
+
+    kv: Source = "simulated"
+    state: Source = "simulated"
+    compute: Source = "simulated"
+    output: Source = "simulated"
+
+    def to_json(self) -> dict[str, str]:
+        return {"kv": self.kv, "state": self.state, "compute": self.compute, "output": self.output}
 
 
 @dataclass(frozen=True)
@@ -54,10 +79,16 @@ class DeviceMemory:
     output_bytes: int = 0
     allowance_bytes: int = 0
     layers: tuple[int, ...] = ()
+    state_bytes: int = 0
+    """Recurrent state of this device's state layers (``llama_memory_recurrent``)."""
+    pool_bytes: int = 0
+    """The bound on what llama.cpp's dry run cannot see on a GPU: the CUDA pool and cuBLAS workspace
+    (``sizing.gpu.cuda_pool_bound_bytes``); 0 on the host."""
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.allowance_bytes
+        return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes + self.output_bytes
+                + self.allowance_bytes + self.pool_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -65,9 +96,11 @@ class DeviceMemory:
             "layers": list(self.layers),
             "weights_mib": round(self.weights_bytes / MIB, 2),
             "kv_mib": round(self.kv_bytes / MIB, 2),
+            "state_mib": round(self.state_bytes / MIB, 2),
             "compute_mib": round(self.compute_bytes / MIB, 2),
             "output_mib": round(self.output_bytes / MIB, 2),
             "allowance_mib": round(self.allowance_bytes / MIB, 2),
+            "gpu_pool_mib": round(self.pool_bytes / MIB, 2),
             "total_mib": round(self.total_bytes / MIB, 2),
         }
 
@@ -81,6 +114,7 @@ class MemoryEstimate:
     kv_cells: KvCells
     host: DeviceMemory
     gpus: tuple[DeviceMemory, ...] = ()
+    sources: FigureSources = FigureSources()
 
     @property
     def total_bytes(self) -> int:
@@ -88,7 +122,13 @@ class MemoryEstimate:
 
     @property
     def kv_bytes(self) -> int:
+        """Attention KV cache over every device (what ``llama_kv_cache: size`` lines sum to)."""
         return self.host.kv_bytes + sum(g.kv_bytes for g in self.gpus)
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent state over every device (the ``llama_memory_recurrent: size`` line)."""
+        return self.host.state_bytes + sum(g.state_bytes for g in self.gpus)
 
     @property
     def devices(self) -> tuple[DeviceMemory, ...]:
@@ -105,6 +145,20 @@ def output_buffer_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
     return spec.n_vocab * max(1, cfg.n_seq_max) * 4
 
 
+_LOG_RESOLUTION_BYTES = int(0.01 * MIB)
+
+
+def _share(total: int, parts: Sequence[int]) -> list[int]:
+    """``total`` split in proportion to ``parts`` (equal shares when they are all 0); the shares sum to it."""
+    n = len(parts)
+    if n == 0:
+        return []
+    weight = sum(parts)
+    raw = [total * p // weight for p in parts] if weight else [total // n] * n
+    raw[-1] += total - sum(raw)
+    return raw
+
+
 def estimate(
     spec: ModelSpec,
     cfg: ContextConfig,
@@ -112,9 +166,16 @@ def estimate(
     *,
     gpu_labels: Sequence[str] = (),
     allowance_bytes: int = DEFAULT_GPU_ALLOWANCE_BYTES,
+    figures: Figures | None = None,
+    measured_on: str = "CPU",
 ) -> MemoryEstimate:
-    """Predict what llama.cpp allocates on each device for this placement and context."""
-    flash = resolve_flash_attn(cfg)
+    """Predict what llama.cpp allocates on each device for this placement and context.
+
+    ``figures`` are llama.cpp's own (a calibration, ``sizing.measured``) for this configuration, measured on
+    ``measured_on`` (``CPU``: a CPU build, where the whole graph runs on the CPU; else a GPU backend whose
+    per-device compute buffers are the placement's). Without them every term is simulated.
+    """
+    flash = resolve_flash_attn(cfg, spec)
     check_cache_types(spec, cfg, flash)
     n_all = spec.n_layer_all
     slots = placement.slots(n_all)
@@ -129,16 +190,53 @@ def estimate(
     def layer_weights(layers: Sequence[int]) -> int:
         return sum(spec.layers[il].weights_bytes for il in layers)
 
+    # KV and state per device: the layers' own caches (offload_kqv keeps them with their layer).
+    groups = ([host_layers] if cfg.offload_kqv else [list(range(n_all))]) + [
+        (g if cfg.offload_kqv else []) for g in per_gpu_layers]
+    kv = [sum(kv_split_bytes(spec, cfg, flash, g)) if g or i == 0 else 0 for i, g in enumerate(groups)]
+    state = [recurrent_state_bytes(spec, cfg, g) if g else 0 for g in groups]
+    if placement.cpu_only:
+        kv = [sum(kv_split_bytes(spec, cfg, flash)), *kv[1:]]
+        state = [recurrent_state_bytes(spec, cfg), *state[1:]]
+    sources = FigureSources()
+    out_bytes = output_buffer_bytes(spec, cfg)
+    graph = compute_bytes(spec, cfg, flash)
+    host_graph = host_compute_bytes(spec, cfg)
+    gpu_measured: dict[str, int] = {}
+    if figures is not None:
+        src_kv: Source = "simulated"
+        if figures.kv_bytes is not None:
+            full_p, swa_p = kv_split_bytes(spec, cfg, flash)
+            exact = (abs(full_p - (figures.kv_full_bytes or 0)) <= _LOG_RESOLUTION_BYTES
+                     and abs(swa_p - (figures.kv_swa_bytes or 0)) <= _LOG_RESOLUTION_BYTES)
+            if not exact:
+                kv = _share(figures.kv_bytes, kv)
+            src_kv = "measured"
+        src_state: Source = "simulated"
+        if figures.state_bytes is not None:
+            if abs(sum(state) - figures.state_bytes) > _LOG_RESOLUTION_BYTES:
+                state = _share(figures.state_bytes, state)
+            src_state = "measured"
+        src_out: Source = "simulated"
+        if figures.output_bytes is not None:
+            out_bytes = max(out_bytes, figures.output_bytes) if abs(out_bytes - figures.output_bytes) > _LOG_RESOLUTION_BYTES else out_bytes
+            src_out = "measured"
+        src_compute: Source = "simulated"
+        if measured_on == "CPU" and "CPU" in figures.compute_bytes:
+            graph = figures.compute_bytes["CPU"]
+            src_compute = "measured"
+        elif measured_on != "CPU" and figures.compute_bytes:
+            gpu_measured = {k: v for k, v in figures.compute_bytes.items() if k in labels}
+            host_graph = sum(v for k, v in figures.compute_bytes.items() if k == "CPU" or k.endswith("_Host"))
+            src_compute = "measured"
+        sources = FigureSources(src_kv, src_state, src_compute, src_out)
+
     # Host: token embedding always, host layers, the output layer when not offloaded.
     host_w = spec.token_embd_bytes + layer_weights(host_layers)
     other = spec.weights_bytes - spec.token_embd_bytes - spec.output_bytes - layer_weights(range(n_all))
     if out_dev is None:
         host_w += spec.output_bytes + max(other, 0)
-    kv_host = kv_bytes(spec, cfg, flash, host_layers) if (host_layers or placement.cpu_only) else 0
-    if not cfg.offload_kqv:
-        kv_host = kv_bytes(spec, cfg, flash)
     cells = kv_cells(spec, cfg)
-    graph = compute_bytes(spec, cfg, flash)
     # MoE experts of blocks below n_cpu_moe stay in host memory (tensor_buft_overrides), wherever their block runs.
     pinned = [il for il in range(min(placement.n_cpu_moe, n_all)) if slots[il] is not None]
     host_w += sum(spec.layers[il].expert_bytes for il in pinned)
@@ -147,32 +245,30 @@ def estimate(
         w = layer_weights(layers) - sum(spec.layers[il].expert_bytes for il in layers if il < placement.n_cpu_moe)
         if out_dev == pos:
             w += spec.output_layer_bytes if spec.output_tied else spec.output_bytes + max(other, 0)
+        if labels[pos] in gpu_measured:
+            dev_compute = gpu_measured[labels[pos]]
+        else:
+            # Simulated, or measured on a CPU build: what the CPU dry run cannot show is added (sizing.gpu).
+            dev_compute = graph + gpu.unseen_compute_bytes(spec, cfg, flash, placement, pos, bool(host_layers))
         gpus.append(
             DeviceMemory(
                 device=labels[pos],
                 weights_bytes=w,
-                kv_bytes=kv_bytes(spec, cfg, flash, layers) if cfg.offload_kqv and layers else 0,
-                compute_bytes=graph,
+                kv_bytes=kv[pos + 1],
+                state_bytes=state[pos + 1],
+                compute_bytes=dev_compute,
                 allowance_bytes=allowance_bytes,
+                pool_bytes=gpu.cuda_pool_bound_bytes(spec, cfg, flash),
                 layers=tuple(layers),
             )
         )
     host = DeviceMemory(
         device="CPU",
         weights_bytes=host_w,
-        kv_bytes=kv_host,
-        compute_bytes=graph if placement.cpu_only else host_compute_bytes(spec, cfg),
-        output_bytes=output_buffer_bytes(spec, cfg),
+        kv_bytes=kv[0],
+        state_bytes=state[0],
+        compute_bytes=graph if placement.cpu_only else host_graph,
+        output_bytes=out_bytes,
         layers=tuple(host_layers),
     )
-    return MemoryEstimate(cfg=cfg, flash_attn=flash, kv_cells=cells, host=host, gpus=tuple(gpus))
-
-
-def fits(est: MemoryEstimate, gpus: Sequence[Device], host: Device | None) -> bool:
-    """Every GPU's need within its free memory, and the host's within MemAvailable when given."""
-    for need, dev in zip(est.gpus, gpus):
-        if need.total_bytes > dev.free_bytes:
-            return False
-    if host is not None and est.host.total_bytes > host.free_bytes:
-        return False
-    return True
+    return MemoryEstimate(cfg=cfg, flash_attn=flash, kv_cells=cells, host=host, gpus=tuple(gpus), sources=sources)

@@ -8,41 +8,41 @@ prompt batches ``op_offload`` copies their weights to the GPU. Candidates:
 - for a MoE model, the expert tensors pinned to host memory first
   (``tensor_buft_overrides``), attention and shared weights on the GPU, then
   also whole layers.
-Each gets the largest context and a predicted decode speed; the plan takes the
-fastest that holds the minimum context and lists the others as the trade-off.
+Each gets the largest context and a predicted decode speed (with the KV cache of
+the minimum context, so that a placement's speed does not depend on how much
+more context it holds); the plan takes the fastest that holds the minimum context
+and lists the others as the trade-off.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from .devices import MIB
+from .device import MIB
+from .fit import largest_fitting
 from .memory import MemoryEstimate
-from .placement import Placement, assign_slots
+from .placement import Placement
+from .sizer import CacheTypeOption, Candidate, Sizer
 from .speed import TokenBytes, Tiers, gpu_bandwidth, prompt_tokens_per_s
 
-if TYPE_CHECKING:
-    from .spec import ModelSpec
-    from .plan import Candidate, CacheTypeOption, Sizer
-
-def disk_bytes(sz: "Sizer", est: MemoryEstimate) -> int:
+def disk_bytes(sz: Sizer, est: MemoryEstimate) -> int:
     """Weight bytes that do not fit in MemAvailable and are read from the file (page cache misses)."""
     return max(est.host.total_bytes - sz.host.free_bytes, 0)
 
 
-def fits(sz: "Sizer", pl: Placement, n_ctx: int) -> bool:
+def fits(sz: Sizer, pl: Placement, n_ctx: int) -> bool:
     """The cards hold their share; the host holds everything but the weights that may spill to the file."""
     return sz.fits(pl, n_ctx, weights_may_spill=True)
 
 
-def _placed(sz: "Sizer", idx: Sequence[int], ngl: int, n_ctx: int, n_cpu_moe: int) -> Placement | None:
+def _placed(sz: Sizer, idx: Sequence[int], ngl: int, n_ctx: int, n_cpu_moe: int) -> Placement | None:
     """``ngl`` slots over the cards ``idx`` (rebalanced when one is short), or all on the CPU for ``ngl == 0``."""
     if ngl <= 0 or not idx:
         return Placement() if fits(sz, Placement(), n_ctx) else None
     return sz.balanced_split(idx, n_ctx, n_gpu_layers=ngl, n_cpu_moe=n_cpu_moe, weights_may_spill=True)
 
 
-def token_bytes(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int) -> tuple[TokenBytes, list[int]]:
+def token_bytes(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int) -> tuple[TokenBytes, list[int]]:
     """Bytes a decoded token reads from GPU, host and disk, and per GPU (for per-card bandwidth)."""
     spec = sz.spec
     frac = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
@@ -79,7 +79,7 @@ def token_bytes(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int) -> 
     return TokenBytes(gpu=sum(per_gpu), host=host - disk, disk=disk), per_gpu
 
 
-def speed(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tiers) -> tuple[float, float, TokenBytes]:
+def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tiers) -> tuple[float, float, TokenBytes]:
     """(decode tokens/s, prompt tokens/s, bytes per token) of a placement.
 
     Decoding a token: each GPU streams its share at its bandwidth; the host streams its
@@ -109,11 +109,8 @@ def speed(sz: "Sizer", pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Ti
     return decode, prompt, tb
 
 
-def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTypeOption | None":
+def plan_offload(sz: Sizer, idx: list[int], floor: int, cap: int) -> CacheTypeOption | None:
     """The fastest partial-offload placement that holds ``floor`` tokens, with the trade-off listed."""
-    from .fit import largest_fitting
-    from .plan import CacheTypeOption, Candidate
-
     spec = sz.spec
     tiers = Tiers.for_request(sz.req)
     full = spec.n_layer_all + 1
@@ -126,7 +123,8 @@ def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTyp
         best_ctx = largest_fitting(lambda c: _placed(sz, idx, ngl, c, n_cpu_moe) is not None, floor, cap)
         pl = _placed(sz, idx, ngl, best_ctx, n_cpu_moe) or pl
         est = sz.estimate(pl, best_ctx)
-        dec, pro, _ = speed(sz, pl, est, best_ctx, tiers)
+        at_floor = _placed(sz, idx, ngl, floor, n_cpu_moe) or pl
+        dec, pro, _ = speed(sz, at_floor, sz.estimate(at_floor, floor), floor, tiers)
         if not ngl:
             what = "all layers on the CPU"
         elif n_cpu_moe:
@@ -163,7 +161,7 @@ def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTyp
         add(0, 0)
     if not candidates:
         return None
-    candidates.sort(key=lambda c: -c.decode_tokens_per_s)
+    candidates.sort(key=lambda c: (-c.decode_tokens_per_s, -c.n_ctx))
     chosen = candidates[0]
     est = sz.estimate(chosen.placement, chosen.n_ctx)
     warnings = []
@@ -172,7 +170,6 @@ def plan_offload(sz: "Sizer", idx: list[int], floor: int, cap: int) -> "CacheTyp
             f"{chosen.disk_weights_bytes / MIB:.0f} MiB of weights exceed available host memory and are read from "
             "the mmapped file (disk tier): expect slow generation"
         )
-    verdict = "cpu" if chosen.placement.cpu_only else "partial_offload"
-    return CacheTypeOption(sz.cache, chosen.n_ctx, verdict, chosen.placement, est,  # type: ignore[arg-type]
-                           candidates=tuple(candidates), warnings=tuple(warnings))
+    return CacheTypeOption(sz.cache, chosen.n_ctx, "cpu" if chosen.placement.cpu_only else "partial_offload",
+                           chosen.placement, est, candidates=tuple(candidates), warnings=tuple(warnings))
 

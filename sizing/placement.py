@@ -80,12 +80,3 @@ def assign_slots(n_layer_all: int, n_gpu_layers: int, split: Sequence[float]) ->
         frac = _f32(float(il - i_gpu_start) / act)
         out.append(min(bisect.bisect_right(cum, frac), n_dev - 1))
     return tuple(out)
-
-
-def layers_per_gpu(n_layer_all: int, placement: Placement) -> list[list[int]]:
-    """Repeating layers (not the output slot) on each GPU of the placement."""
-    out: list[list[int]] = [[] for _ in placement.gpus]
-    for il, d in enumerate(placement.slots(n_layer_all)[:n_layer_all]):
-        if d is not None:
-            out[d].append(il)
-    return out

@@ -15,83 +15,34 @@ The rules (the second source document's, done for llama.cpp):
 - a model no arrangement of cards holds runs with some layers in host memory
   (partial offload, ``sizing.offload``) unless that is disallowed; then the
   refusal lists every card's figures.
+
+With a ``Calibration`` (llama.cpp's own figures, ``sizing.measured``; the
+service measures them for every architecture whose graph is not mirrored and
+for GPU backends) the same search runs on measured figures; every estimate says
+which figures are ``simulated`` and which ``measured``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
-from .config import ContextConfig, FlashAttn, pad
-from .devices import MIB, Device
+from .config import ContextConfig, pad
+from .device import MIB, Device
 from .errors import ConfigError
 from .fit import largest_fitting
-from .memory import DEFAULT_GPU_ALLOWANCE_BYTES, MemoryEstimate, estimate
-from .placement import Placement, assign_slots
+from .measured import Calibration
+from .memory import MemoryEstimate
+from .offload import plan_offload, speed
+from .placement import Placement
+from .request import DEFAULT_CACHE_TYPES, PlanRequest, context_config, ctx_cap, ctx_floor
+from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, proportional_counts, slot_counts,
+                    split_placement)
 from .spec import ModelSpec
+from .speed import Tiers
 
-Verdict = Literal["cpu", "one_card", "split", "partial_offload", "refused"]
-RefusalCode = Literal["INSUFFICIENT_MEMORY", "SPLIT_NOT_HONOURED", "INVALID_CONFIG"]
-DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q4_0")
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What the caller asks of a plan. ``n_ctx`` None means: the largest that fits."""
-
-    n_ctx: int | None = None
-    cache_types: tuple[str, ...] = DEFAULT_CACHE_TYPES
-    cache_type: str = "q8_0"
-    """The type to load with (reported even when not in ``cache_types``)."""
-    flash_attn: FlashAttn = "auto"
-    ctx_ceiling: int | None = None
-    min_ctx: int = 4096
-    n_ubatch: int = 512
-    n_batch: int = 512
-    n_seq_max: int = 1
-    kv_unified: bool = False
-    swa_full: bool = False
-    allowance_bytes: int = DEFAULT_GPU_ALLOWANCE_BYTES
-    gpu: int | Literal["auto", "all"] = "auto"
-    tensor_split: tuple[float, ...] | None = None
-    allow_offload: bool = True
-    """Whether a model the cards cannot hold may run with some layers in host memory."""
-    host_bandwidth_bytes_per_s: float = 40e9
-    """Host memory read bandwidth for the speed model (measured at service start, overridable)."""
-    disk_bandwidth_bytes_per_s: float = 2e9
-    """Model file read bandwidth for weights past MemAvailable."""
-    cpu_cores: int = 8
-    """CPU cores for the host's share of the work (the service passes the machine's count)."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One placement considered for partial offload, with its predicted speed."""
-
-    placement: Placement
-    n_ctx: int
-    decode_tokens_per_s: float
-    prompt_tokens_per_s: float
-    gpu_weights_bytes: int
-    host_weights_bytes: int
-    disk_weights_bytes: int
-    description: str
-
-
-@dataclass(frozen=True)
-class CacheTypeOption:
-    """The largest context for one cache type, and what it costs."""
-
-    cache_type: str
-    n_ctx: int
-    """0 when nothing fits."""
-    verdict: Verdict
-    placement: Placement
-    estimate: MemoryEstimate | None
-    error: str | None = None
-    refusal: RefusalCode | None = None
-    candidates: tuple[Candidate, ...] = ()
-    warnings: tuple[str, ...] = ()
+__all__ = ["DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan", "PlanRequest", "RefusalCode", "Sizer",
+           "Verdict", "context_config", "ctx_cap", "ctx_floor", "make_plan"]
 
 
 @dataclass(frozen=True)
@@ -115,137 +66,27 @@ class Plan:
     predicted_decode_tokens_per_s: float | None = None
     predicted_prompt_tokens_per_s: float | None = None
     """The speed model's figures for the chosen placement (``sizing.speed``), checked against measured ones."""
+    calibration: Calibration | None = field(default=None, compare=False, repr=False)
+    """llama.cpp's measured figures the plan used (None: every figure simulated)."""
 
     @property
     def fits(self) -> bool:
         return self.verdict != "refused"
 
 
-def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:
-    """Upper bound on n_ctx: n_ctx_train, the ceiling, and the requested n_ctx."""
-    cap = spec.n_ctx_train if spec.n_ctx_train > 0 else 4096
-    if req.ctx_ceiling:
-        cap = min(cap, req.ctx_ceiling)
-    if req.n_ctx:
-        cap = min(cap, req.n_ctx)
-    return cap
-
-
-def ctx_floor(spec: ModelSpec, req: PlanRequest, cap: int) -> int:
-    """The smallest context a placement must hold to count: the requested n_ctx, else the minimum."""
-    if req.n_ctx:
-        return cap
-    return min(req.min_ctx, cap)
-
-
-def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
-    """The llama.cpp context parameters for this request at ``n_ctx``."""
-    return ContextConfig(
-        n_ctx=n_ctx,
-        type_k=cache,
-        type_v=cache,
-        flash_attn=req.flash_attn,
-        n_ubatch=req.n_ubatch,
-        n_batch=req.n_batch,
-        n_seq_max=req.n_seq_max,
-        kv_unified=req.kv_unified,
-        swa_full=req.swa_full,
-    )
-
-
-class Sizer:
-    """Estimates and fit checks for one model, cache type and device set."""
-
-    def __init__(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, cache: str) -> None:
-        self.spec = spec
-        self.gpus = list(gpus)
-        self.host = host
-        self.req = req
-        self.cache = cache
-
-    def estimate(self, placement: Placement, n_ctx: int) -> MemoryEstimate:
-        labels = [self.gpus[i].label for i in placement.gpus]
-        return estimate(
-            self.spec, context_config(self.req, self.cache, n_ctx), placement,
-            gpu_labels=labels, allowance_bytes=self.req.allowance_bytes,
-        )
-
-    def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
-        """Bytes each used GPU is missing (negative: to spare)."""
-        return [need.total_bytes - self.gpus[i].free_bytes for need, i in zip(est.gpus, placement.gpus)]
-
-    def host_fits(self, est: MemoryEstimate, *, weights_may_spill: bool = False) -> bool:
-        """Host memory holds its share; with ``weights_may_spill`` (partial offload), weights past
-        MemAvailable are read from the mmapped file instead, so only the rest must fit."""
-        need = est.host.total_bytes - (est.host.weights_bytes if weights_may_spill else 0)
-        return need <= self.host.free_bytes
-
-    def fits(self, placement: Placement, n_ctx: int, *, weights_may_spill: bool = False) -> bool:
-        est = self.estimate(placement, n_ctx)
-        return self.host_fits(est, weights_may_spill=weights_may_spill) and all(s <= 0 for s in self.shortfalls(est, placement))
-
-    def balanced_split(self, idx: Sequence[int], n_ctx: int, *, keep_all: bool = False, n_gpu_layers: int | None = None,
-                       n_cpu_moe: int = 0, weights_may_spill: bool = False) -> Placement | None:
-        """A layer split of ``n_gpu_layers`` slots (default: all) over ``idx`` that fits at ``n_ctx``, or None.
-
-        Starts from shares proportional to each card's free memory less its allowance
-        (llama.cpp's default split), then moves one slot at a time off the card that is
-        shortest onto the card with the most room, as long as that reduces the worst
-        shortfall (the second source document's "moves layers off the short card").
-        """
-        n_all = self.spec.n_layer_all
-        slots_n = n_all + 1 if n_gpu_layers is None else n_gpu_layers
-        if not idx or slots_n <= 0:
-            return None
-        shares = [max(self.gpus[i].free_bytes - self.req.allowance_bytes, 0) for i in idx]
-        if sum(shares) <= 0:
-            return None
-        slots = assign_slots(n_all, slots_n, [float(s) for s in shares])
-        counts = [sum(1 for s in slots if s == p) for p in range(len(idx))]
-        best: float | None = None
-        for _ in range(slots_n * len(idx) + 1):
-            if keep_all and min(counts) == 0:
-                return None
-            pl = replace(_split_placement(idx, counts), n_cpu_moe=n_cpu_moe)
-            est = self.estimate(pl, n_ctx)
-            if not self.host_fits(est, weights_may_spill=weights_may_spill):
-                return None
-            over = self.shortfalls(est, pl)
-            worst = max(over)
-            if worst <= 0:
-                return pl
-            if best is not None and worst >= best:
-                return None
-            best = worst
-            short = over.index(worst)
-            room = sorted((o, p) for p, o in enumerate(over) if p != short)
-            if counts[short] == 0 or not room or room[0][0] >= 0:
-                return None
-            counts[short] -= 1
-            counts[room[0][1]] += 1
-        return None
-
-
-def _split_placement(idx: Sequence[int], counts: Sequence[int]) -> Placement:
-    """Slots per card as llama.cpp's tensor_split: proportions equal to the counts give exactly them."""
-    if len(idx) == 1:
-        return Placement(gpus=tuple(idx), n_gpu_layers=sum(counts), tensor_split=(1.0,))
-    return Placement(gpus=tuple(idx), n_gpu_layers=sum(counts), tensor_split=tuple(float(c) for c in counts))
-
 
 def _search(fits_at: Callable[[int], bool], floor: int, cap: int) -> int:
     return largest_fitting(fits_at, floor, cap)
 
 
-def _option(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, cache: str, cap: int) -> CacheTypeOption:
+def _option(sz: Sizer, cap: int) -> CacheTypeOption:
+    spec, gpus, req, cache = sz.spec, sz.gpus, sz.req, sz.cache
     floor = ctx_floor(spec, req, cap)
-    sz = Sizer(spec, gpus, host, req, cache)
     try:
         # Validate the cache type and the flash-attention rule once, before searching.
-        estimate(spec, context_config(req, cache, pad(floor)))
-    except (ConfigError, KeyError) as exc:
-        msg = str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)
-        return CacheTypeOption(cache, 0, "refused", Placement(), None, error=msg, refusal="INVALID_CONFIG")
+        sz.estimate(Placement(), pad(floor))
+    except ConfigError as exc:
+        return CacheTypeOption(cache, 0, "refused", Placement(), None, error=str(exc), refusal="INVALID_CONFIG")
 
     full = spec.n_layer_all + 1
     n = len(gpus)
@@ -282,8 +123,8 @@ def _option(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequ
         idx = list(range(n))
         at_floor = sz.balanced_split(idx, floor, keep_all=True)
         if at_floor is None:
-            proportional = _split_placement(idx, _proportional_counts(sz, idx))
-            counts = _counts(spec, proportional)
+            proportional = split_placement(idx, proportional_counts(sz, idx))
+            counts = slot_counts(spec, proportional)
             if min(counts) == 0 or any(g.free_bytes <= req.allowance_bytes for g in gpus):
                 est = sz.estimate(proportional, floor)
                 share = ", ".join(
@@ -315,19 +156,6 @@ def _option(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequ
     return _offload_or_refuse(sz, list(range(n)), floor, cap, f"no arrangement of the {n} cards holds the model at {floor} tokens")
 
 
-def _proportional_counts(sz: Sizer, idx: Sequence[int]) -> list[int]:
-    shares = [float(max(sz.gpus[i].free_bytes - sz.req.allowance_bytes, 0)) for i in idx]
-    if sum(shares) <= 0:
-        shares = [1.0] * len(idx)
-    slots = assign_slots(sz.spec.n_layer_all, sz.spec.n_layer_all + 1, shares)
-    return [sum(1 for s in slots if s == p) for p in range(len(idx))]
-
-
-def _counts(spec: ModelSpec, pl: Placement) -> list[int]:
-    slots = pl.slots(spec.n_layer_all)
-    return [sum(1 for s in slots if s == p) for p in range(len(pl.gpus))]
-
-
 def _refused(sz: Sizer, placement: Placement, floor: int, why: str) -> CacheTypeOption:
     """A refusal that carries every figure: the estimate at the minimum context."""
     est = sz.estimate(placement, floor)
@@ -337,23 +165,45 @@ def _refused(sz: Sizer, placement: Placement, floor: int, why: str) -> CacheType
 def _offload_or_refuse(sz: Sizer, idx: list[int], floor: int, cap: int, why: str) -> CacheTypeOption:
     """Partial offload when allowed (``sizing.offload``), else a refusal with the best full-offload figures."""
     order = sorted(idx, key=lambda i: (-sz.gpus[i].free_bytes, i))
-    proportional = _split_placement(sorted(order), _proportional_counts(sz, sorted(order))) if order else Placement()
+    proportional = split_placement(sorted(order), proportional_counts(sz, sorted(order))) if order else Placement()
     if len(order) == 1:
         proportional = Placement(gpus=(order[0],), n_gpu_layers=sz.spec.n_layer_all + 1, tensor_split=(1.0,))
     if sz.req.allow_offload:
-        from .offload import plan_offload
-
         opt = plan_offload(sz, sorted(order), floor, cap)
         if opt is not None:
             return opt
     return _refused(sz, proportional, floor, why + ("" if sz.req.allow_offload else "; offloading layers to host memory is disabled"))
 
 
-def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest = PlanRequest()) -> Plan:
-    """Plan a load: per cache type the largest context; the chosen type's placement and estimate."""
+def _with_speed(sz: Sizer, opt: CacheTypeOption, floor: int, tiers: Tiers) -> CacheTypeOption:
+    """A row with its placement's predicted speed, and the largest context any considered placement holds.
+
+    The speed is predicted with a KV cache of the minimum context (half full), so a row's speed depends on its
+    placement alone: more free memory can only bring a faster placement within reach (never a slower one).
+    """
+    if opt.estimate is None or opt.verdict == "refused" or not opt.n_ctx:
+        return opt
+    at = max(min(floor, opt.n_ctx), 1)
+    decode, prompt, _ = speed(sz, opt.placement, sz.estimate(opt.placement, at), at, tiers)
+    largest = max([opt.n_ctx, *(c.n_ctx for c in opt.candidates)])
+    return replace(opt, decode_tokens_per_s=decode, prompt_tokens_per_s=prompt, largest_n_ctx=largest)
+
+
+def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest = PlanRequest(),
+              calibration: Calibration | None = None) -> Plan:
+    """Plan a load: per cache type the largest context; the chosen type's placement and estimate.
+
+    ``calibration``: llama.cpp's measured figures for this model (``sizing.measured``), used wherever they
+    cover a configuration; the simulation everywhere else.
+    """
     cap = ctx_cap(spec, req)
+    floor = ctx_floor(spec, req, cap)
+    tiers = Tiers.for_request(req)
     types = tuple(dict.fromkeys((*req.cache_types, req.cache_type)))
-    options = tuple(_option(spec, gpus, host, req, t, cap) for t in types)
+    options = tuple(
+        _with_speed(sz, _option(sz, cap), floor, tiers)
+        for sz in (Sizer(spec, gpus, host, req, t, calibration) for t in types)
+    )
     chosen = next(o for o in options if o.cache_type == req.cache_type)
     reasons: list[str] = []
     if req.n_ctx and req.n_ctx > cap:
@@ -361,7 +211,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
                        + (f", ceiling {req.ctx_ceiling})" if req.ctx_ceiling else ")"))
     if chosen.error:
         reasons.append(f"{chosen.cache_type}: {chosen.error}")
-    n_ctx = chosen.n_ctx or ctx_floor(spec, req, cap)
+    n_ctx = chosen.n_ctx or floor
     cfg = context_config(req, chosen.cache_type, n_ctx)
     if chosen.estimate is not None:
         cfg = replace(cfg, flash_attn="on" if chosen.estimate.flash_attn else "off")
@@ -373,14 +223,6 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         else:
             why = "limited by free memory"
         reasons.append(f"context {chosen.n_ctx} of the model's {spec.n_ctx_train}: {why}")
-    decode = prompt = None
-    if chosen.estimate is not None and chosen.verdict != "refused":
-        from .offload import speed
-        from .speed import Tiers
-
-        tiers = Tiers.for_request(req)
-        sz = Sizer(spec, gpus, host, req, chosen.cache_type)
-        decode, prompt, _ = speed(sz, chosen.placement, chosen.estimate, chosen.n_ctx, tiers)
     if chosen.verdict == "one_card":
         reasons.append(f"one card holds the model: {gpus[chosen.placement.gpus[0]].label} {gpus[chosen.placement.gpus[0]].name}")
     elif chosen.verdict == "split":
@@ -402,6 +244,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         refusal=chosen.refusal,
         candidates=chosen.candidates,
         warnings=chosen.warnings,
-        predicted_decode_tokens_per_s=decode,
-        predicted_prompt_tokens_per_s=prompt,
+        predicted_decode_tokens_per_s=chosen.decode_tokens_per_s,
+        predicted_prompt_tokens_per_s=chosen.prompt_tokens_per_s,
+        calibration=calibration,
     )

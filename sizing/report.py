@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .devices import MIB, Device
+from .device import MIB, Device
 from .memory import MemoryEstimate
 from .plan import Candidate, Plan
 from .spec import ModelSpec

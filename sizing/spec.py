@@ -48,11 +48,25 @@ class LayerSpec:
     """Exact bytes of the ``blk.{index}.*`` tensors."""
     expert_bytes: int = 0
     """Bytes of this block's MoE expert tensors (``ffn_*_exps``), part of weights_bytes."""
+    n_ff: int = 0
+    """``hparams.n_ff(il)`` (``feed_forward_length``, scalar or per layer)."""
+    attention: bool | None = None
+    """Whether ``create_memory``'s cache keeps K/V for this block (``sizing.arch.memory_layers``);
+    None: not recurrent and with KV heads."""
+    state: bool | None = None
+    """Whether ``llama_memory_recurrent`` keeps r/s state for this block; None: ``is_recurrent``."""
 
     @property
     def has_kv(self) -> bool:
         """Whether this block keeps an attention KV cache."""
+        if self.attention is not None:
+            return self.attention
         return not self.is_recurrent and self.n_head_kv > 0
+
+    @property
+    def has_state(self) -> bool:
+        """Whether this block keeps a recurrent (conv / SSM / WKV) state."""
+        return self.is_recurrent if self.state is None else self.state
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,17 @@ class SsmSpec:
     d_state: int
     n_group: int
     dt_rank: int
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Per-sequence recurrent state of every state layer: F32 ``n_embd_r`` + ``n_embd_s`` elements
+    (``llama_hparams::n_embd_r`` / ``n_embd_s``; ``sizing.arch.state_widths``)."""
+
+    kind: str
+    """``ssm`` (Mamba, Mamba-2, gated delta net), ``rwkv``, ``shortconv`` (LFM2), ``kda``, ``linear_attn``."""
+    n_embd_r: int
+    n_embd_s: int
 
 
 @dataclass(frozen=True)
@@ -111,6 +136,9 @@ class ModelSpec:
     n_expert_used: int = 0
     mla: MlaSpec | None = None
     ssm: SsmSpec | None = None
+    state: StateSpec | None = None
+    arch_known: bool = True
+    """Whether ``sizing.arch.ARCHS`` lists the architecture (else it is sized as a plain attention stack)."""
     file_type: int | None = None
     file_type_name: str | None = None
     alignment: int = 32

@@ -95,11 +95,6 @@ class TokenBytes:
     disk: int
 
 
-def decode_tokens_per_s(b: TokenBytes, t: Tiers) -> float:
-    seconds = b.gpu / t.gpu + b.host / t.host + b.disk / t.disk
-    return 1.0 / seconds if seconds > 0 else float("inf")
-
-
 def prompt_tokens_per_s(active_params: float, gpu_share: float, host_weight_bytes: int, n_ubatch: int,
                         t: Tiers, op_offload: bool = True) -> float:
     """Prompt tokens/s: GPU compute for the offloaded share; host layers computed on the GPU after a PCIe copy

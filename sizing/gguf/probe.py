@@ -14,7 +14,8 @@ from typing import Sequence
 import gguf
 
 from ..errors import LayerArrayError, MalformedError, ShardError, TruncatedError, UnsupportedModelError
-from ..spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, TensorInfo
+from .. import arch as archs
+from ..spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, StateSpec, TensorInfo
 from .reader import MIN_WINDOW_BYTES, ArraySummary, ByteSource, GGUFHeader, RawTensor, parse_header
 from .sources import BytesSource, FileSource
 
@@ -23,31 +24,6 @@ _TYPE_NAMES: dict[int, str] = {int(t): t.name for t in gguf.GGMLQuantizationType
 _FILE_TYPE_NAMES: dict[int, str] = {
     int(t): t.name.removeprefix("MOSTLY_") for t in gguf.LlamaFileType
 }
-
-# Sliding-window layer pattern defaults by architecture: (period, dense_first).
-# From the load_swa_pattern(ml, n[, dense_first]) calls in src/models/*.cpp.
-SWA_PATTERN_DEFAULTS: dict[str, tuple[int, bool]] = {
-    "gemma2": (2, False),
-    "gemma3": (6, False),
-    "gemma3n": (5, False),
-    "gemma-embedding": (6, False),
-    "cohere2": (4, False),
-    "cohere2moe": (4, True),
-    "exaone4": (4, False),
-    "exaone-moe": (4, False),
-    "llama4": (4, False),
-    "olmo2": (4, False),
-    "gpt-oss": (2, False),
-    "afmoe": (4, False),
-    "smallthinker": (4, True),
-    "plamo3": (8, False),
-    "phi3": (1, False),
-}
-
-# Architectures whose every layer is recurrent (llm_arch_is_recurrent).
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-# Hybrids: a layer without KV heads is recurrent (llm_arch_is_hybrid).
-HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "granitehybrid", "nemotron_h", "lfm2", "lfm2moe", "plamo2", "qwen3next"})
 
 _SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -230,35 +206,18 @@ def _per_layer(
     return [v] * n
 
 
-def _swa_layers(
-    arch: str, md: dict[str, object], n_layer_all: int, n_layer: int, n_swa: int, *, src: str,
-    offsets: dict[str, int] | None = None,
-) -> list[bool]:
-    if n_swa <= 0 or arch not in SWA_PATTERN_DEFAULTS:
-        return [False] * n_layer_all
-    period, dense_first = SWA_PATTERN_DEFAULTS[arch]
-    key = f"{arch}.attention.sliding_window_pattern"
+def _layer_flags(md: dict[str, object], key: str, n: int, *, src: str,
+                 offsets: dict[str, int] | None = None) -> object:
+    """A per-layer bool array (``get_arr`` / ``get_key_or_arr``) as a list, a scalar as itself, or None."""
     v = md.get(key)
-    if isinstance(v, (list, ArraySummary)):
-        n = v.count if isinstance(v, ArraySummary) else len(v)
-        if n != n_layer_all:
-            raise LayerArrayError(
-                f"per-layer array {key!r} has {n} entries, expected {n_layer_all}",
-                offset=(offsets or {}).get(key), source=src,
-            )
-        assert isinstance(v, list)
+    where = (offsets or {}).get(key)
+    if isinstance(v, ArraySummary):
+        raise LayerArrayError(f"per-layer array {key!r} has {v.count} entries, expected {n}", offset=where, source=src)
+    if isinstance(v, list):
+        if len(v) > n:
+            raise LayerArrayError(f"per-layer array {key!r} has {len(v)} entries, expected {n}", offset=where, source=src)
         return [bool(x) for x in v]
-    if isinstance(v, int) and not isinstance(v, bool):
-        period = v
-    out = []
-    for il in range(n_layer_all):
-        if il >= n_layer:
-            out.append(False)
-        elif dense_first:
-            out.append(period == 0 or il % period != 0)
-        else:
-            out.append(period == 0 or il % period < period - 1)
-    return out
+    return v
 
 
 def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelSource, *, file_size: int) -> ModelSpec:
@@ -288,23 +247,40 @@ def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelS
     v_len = _get_int(md, f"{a}.attention.value_length", n_embd // head0 if head0 else 0, src=src)
     k_len_swa = _get_int(md, f"{a}.attention.key_length_swa", k_len, src=src)
     v_len_swa = _get_int(md, f"{a}.attention.value_length_swa", v_len, src=src)
-    n_swa = _get_int(md, f"{a}.attention.sliding_window", 0, src=src)
-    swa = _swa_layers(a, md, n_layer_all, n_layer, n_swa, src=src, offsets=ko)
-
-    recurrent = [a in RECURRENT_ARCHS] * n_layer_all
-    if a in HYBRID_ARCHS:
-        recurrent = [kv == 0 for kv in n_head_kv]
+    t = archs.traits(a)
+    n_ff = _per_layer(md, f"{a}.feed_forward_length", n_layer_all, 0, src=src, offsets=ko)
+    window_key = md.get(f"{a}.attention.sliding_window")
+    window_key = window_key if isinstance(window_key, int) and not isinstance(window_key, bool) else None
+    recurrent = archs.recurrent_layers(
+        t, n_layer, n_layer_all, n_head_kv, n_ff,
+        _layer_flags(md, f"{a}.attention.recurrent_layers", n_layer_all, src=src, offsets=ko),
+        _get_int(md, f"{a}.full_attention_interval", 0, src=src) or None,
+    )
+    swa_key = f"{a}.attention.sliding_window_pattern"
+    pattern = _layer_flags(md, swa_key, n_layer_all, src=src, offsets=ko)
+    if t.swa is not None and t.swa.period is None and not t.swa.attention_layers and not isinstance(pattern, list):
+        raise UnsupportedModelError(f"{src}: {a} needs the per-layer array {swa_key!r}")
+    swa = archs.swa_layers(t, n_layer, n_layer_all, window_key, pattern, recurrent)
+    n_swa = archs.swa_window(t, window_key) if any(swa) else 0
+    kv_from_start: int | None = None
+    if t.kv_from_start == "fixed_20":
+        kv_from_start = 20
+    elif t.kv_from_start == "shared_kv_layers":
+        kv_from_start = n_layer_all - _get_int(md, f"{a}.attention.shared_kv_layers", 0, src=src)
+    has_kv, has_state = archs.memory_layers(t, n_layer, n_layer_all, recurrent, n_ff, kv_from_start)
 
     mla = None
-    if f"{a}.attention.kv_lora_rank" in md:
+    k_mla = _get_int(md, f"{a}.attention.key_length_mla", 0, src=src)
+    v_mla = _get_int(md, f"{a}.attention.value_length_mla", 0, src=src)
+    if k_mla and v_mla:  # llama_hparams::is_mla
         mla = MlaSpec(
-            kv_lora_rank=_get_int(md, f"{a}.attention.kv_lora_rank", src=src),
-            n_embd_head_k_mla=_get_int(md, f"{a}.attention.key_length_mla", k_len, src=src),
-            n_embd_head_v_mla=_get_int(md, f"{a}.attention.value_length_mla", v_len, src=src),
+            kv_lora_rank=_get_int(md, f"{a}.attention.kv_lora_rank", 0, src=src),
+            n_embd_head_k_mla=k_mla,
+            n_embd_head_v_mla=v_mla,
             n_rot=_get_int(md, f"{a}.rope.dimension_count", k_len, src=src),
         )
     ssm = None
-    if f"{a}.ssm.state_size" in md or f"{a}.ssm.inner_size" in md:
+    if f"{a}.ssm.state_size" in md or f"{a}.ssm.inner_size" in md or f"{a}.ssm.conv_kernel" in md:
         ssm = SsmSpec(
             d_conv=_get_int(md, f"{a}.ssm.conv_kernel", 0, src=src),
             d_inner=_get_int(md, f"{a}.ssm.inner_size", 0, src=src),
@@ -312,6 +288,19 @@ def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelS
             n_group=_get_int(md, f"{a}.ssm.group_count", 0, src=src),
             dt_rank=_get_int(md, f"{a}.ssm.time_step_rank", 0, src=src),
         )
+    state = None
+    if any(has_state):
+        w = archs.state_widths(
+            n_embd, head0, k_len,
+            wkv_head_size=_get_int(md, f"{a}.wkv.head_size", 0, src=src),
+            token_shift_count=_get_int(md, f"{a}.token_shift_count", 2, src=src),
+            shortconv_l_cache=_get_int(md, f"{a}.shortconv.l_cache", 0, src=src),
+            kda_head_dim=_get_int(md, f"{a}.kda.head_dim", 0, src=src),
+            linear_attn=a == "minimax-01",
+            d_conv=ssm.d_conv if ssm else 0, d_inner=ssm.d_inner if ssm else 0,
+            d_state=ssm.d_state if ssm else 0, n_group=ssm.n_group if ssm else 0,
+        )
+        state = StateSpec(kind=w.kind, n_embd_r=w.n_embd_r, n_embd_s=w.n_embd_s)
 
     per_layer_bytes = [0] * n_layer_all
     per_layer_experts = [0] * n_layer_all
@@ -335,6 +324,9 @@ def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelS
             is_recurrent=recurrent[il],
             weights_bytes=per_layer_bytes[il],
             expert_bytes=per_layer_experts[il],
+            n_ff=n_ff[il],
+            attention=has_kv[il],
+            state=has_state[il],
         )
         for il in range(n_layer_all)
     )
@@ -360,6 +352,8 @@ def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelS
         n_expert_used=_expert_used(md, a, src),
         mla=mla,
         ssm=ssm,
+        state=state,
+        arch_known=archs.known(a),
         file_type=file_type,
         file_type_name=_FILE_TYPE_NAMES.get(file_type) if file_type is not None else None,
         alignment=header.alignment,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sizing.devices import Device
+from sizing.device import Device
 from sizing.plan import PlanRequest, make_plan
 from sizing.spec import ModelSpec
 

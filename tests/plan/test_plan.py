@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sizing.config import ContextConfig
-from sizing.devices import MIB, Device
+from sizing.device import MIB, Device
 from sizing.kv import kv_bytes, kv_bytes_per_token
 from sizing.memory import estimate
 from sizing.placement import Placement, assign_slots

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sizing.devices import MIB, Device
+from sizing.device import MIB, Device
 from sizing.gguf import probe_path
 from sizing.plan import PlanRequest, make_plan
 from service.engine.llama import LlamaEngine, expert_overrides, llama_placement_kwargs

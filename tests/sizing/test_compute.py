@@ -7,7 +7,8 @@ from typing import Callable
 import pytest
 
 import sizing.graph_alloc as ga
-from sizing.compute import _build, _simulate, compute_bytes, graph_shape, logits_bytes, output_phase_bytes
+from sizing.compute import compute_bytes, logits_bytes, output_phase_bytes
+from sizing.reserve import _build, _simulate, graph_shape
 from sizing.config import ContextConfig
 from sizing.errors import FlashAttentionRequiredError
 from sizing.memory import estimate, output_buffer_bytes, resolve_flash_attn

@@ -1,0 +1,75 @@
+"""What a caller asks of a plan, and the context parameters it implies: values, no behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import ContextConfig, FlashAttn
+from .memory import DEFAULT_GPU_ALLOWANCE_BYTES
+from .spec import ModelSpec
+
+DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the caller asks of a plan. ``n_ctx`` None means: the largest that fits."""
+
+    n_ctx: int | None = None
+    cache_types: tuple[str, ...] = DEFAULT_CACHE_TYPES
+    cache_type: str = "q8_0"
+    """The type to load with (reported even when not in ``cache_types``)."""
+    flash_attn: FlashAttn = "auto"
+    ctx_ceiling: int | None = None
+    min_ctx: int = 4096
+    n_ubatch: int = 512
+    n_batch: int = 512
+    n_seq_max: int = 1
+    kv_unified: bool = False
+    swa_full: bool = False
+    allowance_bytes: int = DEFAULT_GPU_ALLOWANCE_BYTES
+    gpu: int | Literal["auto", "all"] = "auto"
+    tensor_split: tuple[float, ...] | None = None
+    allow_offload: bool = True
+    """Whether a model the cards cannot hold may run with some layers in host memory."""
+    host_bandwidth_bytes_per_s: float = 40e9
+    """Host memory read bandwidth for the speed model (measured at service start, overridable)."""
+    disk_bandwidth_bytes_per_s: float = 2e9
+    """Model file read bandwidth for weights past MemAvailable."""
+    cpu_cores: int = 8
+    """CPU cores for the host's share of the work (the service passes the machine's count)."""
+
+
+def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:
+    """Upper bound on n_ctx: n_ctx_train, the ceiling, and the requested n_ctx."""
+    cap = spec.n_ctx_train if spec.n_ctx_train > 0 else 4096
+    if req.ctx_ceiling:
+        cap = min(cap, req.ctx_ceiling)
+    if req.n_ctx:
+        cap = min(cap, req.n_ctx)
+    return cap
+
+
+def ctx_floor(spec: ModelSpec, req: PlanRequest, cap: int) -> int:
+    """The smallest context a placement must hold to count: the requested n_ctx, else the minimum."""
+    if req.n_ctx:
+        return cap
+    return min(req.min_ctx, cap)
+
+
+def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
+    """The llama.cpp context parameters for this request at ``n_ctx``."""
+    return ContextConfig(
+        n_ctx=n_ctx,
+        type_k=cache,
+        type_v=cache,
+        flash_attn=req.flash_attn,
+        n_ubatch=req.n_ubatch,
+        n_batch=req.n_batch,
+        n_seq_max=req.n_seq_max,
+        kv_unified=req.kv_unified,
+        swa_full=req.swa_full,
+    )
+
+

@@ -1,0 +1,174 @@
+"""The sizing vocabulary below both the plan and partial offload: per-type options, candidates, the Sizer.
+
+``Sizer`` answers "does this placement hold this context?" for one model, cache
+type and device set, from the pure model or, where a calibration is given, from
+llama.cpp's own figures (``sizing.measured``). ``sizing.plan`` and
+``sizing.offload`` both build on it, and on nothing of each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, Sequence
+
+from .config import ContextConfig
+from .device import Device
+from .kv import kv_cells
+from .measured import Calibration, ConfigKey, Figures, placement_key
+from .memory import MemoryEstimate, estimate, resolve_flash_attn
+from .placement import Placement, assign_slots
+from .request import PlanRequest, context_config
+from .spec import ModelSpec
+
+Verdict = Literal["cpu", "one_card", "split", "partial_offload", "refused"]
+RefusalCode = Literal["INSUFFICIENT_MEMORY", "SPLIT_NOT_HONOURED", "INVALID_CONFIG"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One placement considered for partial offload, with its predicted speed."""
+
+    placement: Placement
+    n_ctx: int
+    decode_tokens_per_s: float
+    prompt_tokens_per_s: float
+    gpu_weights_bytes: int
+    host_weights_bytes: int
+    disk_weights_bytes: int
+    description: str
+
+
+@dataclass(frozen=True)
+class CacheTypeOption:
+    """The largest context for one cache type, and what it costs."""
+
+    cache_type: str
+    n_ctx: int
+    """0 when nothing fits."""
+    verdict: Verdict
+    placement: Placement
+    estimate: MemoryEstimate | None
+    error: str | None = None
+    refusal: RefusalCode | None = None
+    candidates: tuple[Candidate, ...] = ()
+    warnings: tuple[str, ...] = ()
+    decode_tokens_per_s: float | None = None
+    """The speed model's decode figure for this row's placement (``sizing.offload.speed``)."""
+    prompt_tokens_per_s: float | None = None
+    largest_n_ctx: int = 0
+    """The largest context any placement considered for this type holds (a partial-offload row's own
+    placement may hold less: it is the fastest that holds the minimum context)."""
+
+
+
+class Sizer:
+    """Estimates and fit checks for one model, cache type and device set."""
+
+    def __init__(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, cache: str,
+                 calibration: Calibration | None = None) -> None:
+        self.spec = spec
+        self.gpus = list(gpus)
+        self.host = host
+        self.req = req
+        self.cache = cache
+        self.calibration = calibration
+
+    def figures(self, placement: Placement, cfg: ContextConfig) -> Figures | None:
+        """llama.cpp's measured figures for this configuration (and, on a GPU backend, placement), if calibrated."""
+        cal = self.calibration
+        if cal is None:
+            return None
+        flash = resolve_flash_attn(cfg, self.spec)
+        pkey = None if cal.placement_independent else placement_key(
+            placement.n_gpu_layers, placement.tensor_split, placement.n_cpu_moe)
+        c = cal.get(ConfigKey.of(cfg, flash), pkey)
+        if c is None:
+            return None
+        cells = kv_cells(self.spec, cfg)
+        return c.figures(cells.full, cells.swa)
+
+    def estimate(self, placement: Placement, n_ctx: int) -> MemoryEstimate:
+        labels = [self.gpus[i].label for i in placement.gpus]
+        cfg = context_config(self.req, self.cache, n_ctx)
+        return estimate(
+            self.spec, cfg, placement, gpu_labels=labels, allowance_bytes=self.req.allowance_bytes,
+            figures=self.figures(placement, cfg),
+            measured_on=self.calibration.backend if self.calibration is not None else "CPU",
+        )
+
+    def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
+        """Bytes each used GPU is missing (negative: to spare)."""
+        return [need.total_bytes - self.gpus[i].free_bytes for need, i in zip(est.gpus, placement.gpus)]
+
+    def host_fits(self, est: MemoryEstimate, *, weights_may_spill: bool = False) -> bool:
+        """Host memory holds its share; with ``weights_may_spill`` (partial offload), weights past
+        MemAvailable are read from the mmapped file instead, so only the rest must fit."""
+        need = est.host.total_bytes - (est.host.weights_bytes if weights_may_spill else 0)
+        return need <= self.host.free_bytes
+
+    def fits(self, placement: Placement, n_ctx: int, *, weights_may_spill: bool = False) -> bool:
+        est = self.estimate(placement, n_ctx)
+        return self.host_fits(est, weights_may_spill=weights_may_spill) and all(s <= 0 for s in self.shortfalls(est, placement))
+
+    def balanced_split(self, idx: Sequence[int], n_ctx: int, *, keep_all: bool = False, n_gpu_layers: int | None = None,
+                       n_cpu_moe: int = 0, weights_may_spill: bool = False) -> Placement | None:
+        """A layer split of ``n_gpu_layers`` slots (default: all) over ``idx`` that fits at ``n_ctx``, or None.
+
+        Starts from shares proportional to each card's free memory less its allowance
+        (llama.cpp's default split), then moves one slot at a time off the card that is
+        shortest onto the card with the most room, as long as that reduces the worst
+        shortfall (the second source document's "moves layers off the short card").
+        """
+        n_all = self.spec.n_layer_all
+        slots_n = n_all + 1 if n_gpu_layers is None else n_gpu_layers
+        if not idx or slots_n <= 0:
+            return None
+        shares = [max(self.gpus[i].free_bytes - self.req.allowance_bytes, 0) for i in idx]
+        if sum(shares) <= 0:
+            return None
+        slots = assign_slots(n_all, slots_n, [float(s) for s in shares])
+        counts = [sum(1 for s in slots if s == p) for p in range(len(idx))]
+        best: float | None = None
+        for _ in range(slots_n * len(idx) + 1):
+            if keep_all and min(counts) == 0:
+                return None
+            pl = replace(split_placement(idx, counts), n_cpu_moe=n_cpu_moe)
+            est = self.estimate(pl, n_ctx)
+            if not self.host_fits(est, weights_may_spill=weights_may_spill):
+                return None
+            over = self.shortfalls(est, pl)
+            worst = max(over)
+            if worst <= 0:
+                return pl
+            if best is not None and worst >= best:
+                return None
+            best = worst
+            short = over.index(worst)
+            room = sorted((o, p) for p, o in enumerate(over) if p != short)
+            if counts[short] == 0 or not room or room[0][0] >= 0:
+                return None
+            counts[short] -= 1
+            counts[room[0][1]] += 1
+        return None
+
+
+def split_placement(idx: Sequence[int], counts: Sequence[int]) -> Placement:
+    """Slots per card as llama.cpp's tensor_split: proportions equal to the counts give exactly them."""
+    if len(idx) == 1:
+        return Placement(gpus=tuple(idx), n_gpu_layers=sum(counts), tensor_split=(1.0,))
+    return Placement(gpus=tuple(idx), n_gpu_layers=sum(counts), tensor_split=tuple(float(c) for c in counts))
+
+
+def proportional_counts(sz: Sizer, idx: Sequence[int]) -> list[int]:
+    """Slots per card under llama.cpp's default split (proportional to free memory less the allowance)."""
+    shares = [float(max(sz.gpus[i].free_bytes - sz.req.allowance_bytes, 0)) for i in idx]
+    if sum(shares) <= 0:
+        shares = [1.0] * len(idx)
+    slots = assign_slots(sz.spec.n_layer_all, sz.spec.n_layer_all + 1, shares)
+    return [sum(1 for s in slots if s == p) for p in range(len(idx))]
+
+
+def slot_counts(spec: ModelSpec, pl: Placement) -> list[int]:
+    """Slots each card of a placement receives."""
+    slots = pl.slots(spec.n_layer_all)
+    return [sum(1 for s in slots if s == p) for p in range(len(pl.gpus))]
