@@ -2,7 +2,9 @@
 
 States: unloaded -> loading -> loaded | failed. A new load is planned and
 checked before anything is unloaded, so a refusal leaves the current model
-serving.
+serving. Planning itself (settings to a request, crediting the current model's
+memory, calibration with llama.cpp's figures, the load's confirmation) is
+``service.planning``; it runs off the event loop.
 """
 
 from __future__ import annotations
@@ -14,18 +16,24 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence
 
-from sizing.devices import MIB, Device, host_memory, inventory, parse_declared
-from sizing.errors import ConfigError, DeviceError, ProbeError, SizingError, UnsupportedModelError
+from sizing.device import MIB, Device
+from sizing.devices import host_memory, inventory
+from sizing.errors import ProbeError, SizingError, UnsupportedModelError
 from sizing.gguf import probe_path
-from sizing.plan import Plan, PlanRequest, make_plan
+from sizing.plan import Plan
 from sizing.report import plan_json, plan_table
 from sizing.spec import ModelSpec
 
 from .engine.base import Engine, LoadReport
+from .engine.calibrate import Calibrator
 from .errors import BadRequest, InsufficientMemory, ModelNotFound, ServiceError, SplitNotHonoured, Upstream
 from .models import ModelEntry, Registry
+from .planning import LoadOptions, Planner, credit, plan_request
 from .runner import Runner
 from .settings import Settings
+
+__all__ = ["LoadOptions", "ModelManager", "ModelState", "credit_current", "default_engine", "plan_request",
+           "raise_refusal", "remote_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -43,55 +51,6 @@ class ModelState:
     path: str | None = None
     confirmation: dict[str, Any] | None = None
     """llama.cpp's dry-run figures for the plan, beside the predicted ones."""
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """What a load or dry-run request may override; None keeps the settings' value."""
-
-    n_ctx: int | None = None
-    cache_type: str | None = None
-    flash_attn: Literal["on", "off", "auto"] | None = None
-    gpu: int | Literal["auto", "all"] | None = None
-    tensor_split: tuple[float, ...] | None = None
-    n_seq_max: int | None = None
-    swa_full: bool | None = None
-    gpus: Sequence[dict[str, Any]] | None = None
-    """Hypothetical cards (dry-run only): [{name, free_mib, total_mib}]."""
-    confirm: bool | None = None
-    """Confirm the plan with llama.cpp's dry run before loading (None: the setting)."""
-
-
-def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None) -> PlanRequest:
-    """The settings, overridden by a request's options, as a ``PlanRequest``."""
-    split = opts.tensor_split
-    if split is None and settings.tensor_split:
-        try:
-            split = tuple(float(x) for x in settings.tensor_split.split(","))
-        except ValueError as exc:
-            raise BadRequest(f"GGUF_TENSOR_SPLIT is not a list of numbers: {settings.tensor_split}") from exc
-    cache = opts.cache_type or settings.cache_type
-    return PlanRequest(
-        n_ctx=opts.n_ctx,
-        cache_types=tuple(t.strip() for t in settings.cache_types.split(",") if t.strip()),
-        cache_type=cache,
-        flash_attn=opts.flash_attn or settings.flash_attention,
-        ctx_ceiling=settings.context_length,
-        min_ctx=settings.min_context,
-        n_ubatch=settings.n_ubatch,
-        n_batch=settings.n_batch,
-        n_seq_max=opts.n_seq_max or settings.parallel,
-        kv_unified=settings.kv_unified,
-        swa_full=settings.swa_full if opts.swa_full is None else opts.swa_full,
-        allowance_bytes=settings.gpu_allowance_mib * MIB,
-        gpu=opts.gpu if opts.gpu is not None else "auto",
-        tensor_split=split,
-        allow_offload=settings.allow_offload,
-        host_bandwidth_bytes_per_s=(settings.host_bandwidth_gbps * 1e9 if settings.host_bandwidth_gbps
-                                    else host_bandwidth_bytes_per_s or 40e9),
-        disk_bandwidth_bytes_per_s=settings.disk_bandwidth_gbps * 1e9,
-        cpu_cores=settings.n_threads or os.cpu_count() or 1,
-    )
 
 
 def remote_limits(settings: Settings) -> Any:
@@ -115,24 +74,10 @@ def default_engine(settings: Settings) -> Engine:
 
 
 def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | None") -> tuple[list[Device], Device]:
-    """Free memory as it will be once the loaded model is unloaded: its predicted bytes added back.
-
-    The per-card allowance (CUDA context) stays held by the process; host weights are
-    mmapped file pages and are not credited.
-    """
+    """Free memory as it will be once the loaded model is unloaded (``service.planning.credit``)."""
     if current is None or current.state != "loaded" or current.plan is None or current.plan.estimate is None:
         return list(gpus), host
-    est = current.plan.estimate
-    by_label = {d.device: d for d in est.gpus}
-    out = []
-    for g in gpus:
-        d = by_label.get(g.label)
-        if d is not None:
-            g = replace(g, free_bytes=min(g.total_bytes, g.free_bytes + d.total_bytes - d.allowance_bytes))
-        out.append(g)
-    h = est.host
-    host = replace(host, free_bytes=min(host.total_bytes, host.free_bytes + h.kv_bytes + h.compute_bytes + h.output_bytes))
-    return out, host
+    return credit(gpus, host, [current.plan.estimate])
 
 
 @dataclass
@@ -206,6 +151,8 @@ class ModelManager:
             from sizing.devices import measure_host_bandwidth
 
             self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
+        self.planner = Planner(settings, lambda: self._devices(), Calibrator(timeout_s=settings.calibrate_timeout_s),
+                               self.host_bandwidth_bytes_per_s)
 
     def _live_devices(self) -> tuple[list[Device], Device]:
         gpus = inventory(declared_path=self.settings.gpus_file, declared_json=self.settings.gpus_json)
@@ -221,10 +168,14 @@ class ModelManager:
         except (ProbeError, UnsupportedModelError) as exc:
             raise BadRequest(f"model '{entry.name}' cannot be read: {exc}", param="model") from exc
 
-    def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
-        """Plan a model on the live (or declared, or hypothetical) devices; nothing is loaded."""
+    async def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
+        """Plan a model on the live (or declared, or hypothetical) devices; nothing is loaded. Off the event loop
+        (probing, and llama.cpp's dry runs where the plan is calibrated)."""
+        return await asyncio.to_thread(self.plan_blocking, name, opts)
+
+    def plan_blocking(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
         entry = self.registry.resolve(name)
-        return entry, self.plan_spec(self.probe(entry), opts)
+        return entry, self.plan_spec(self.probe(entry), opts, path=entry.path)
 
     def plan_remote(self, location: str, opts: LoadOptions) -> Plan:
         """Plan a model that is not here: an http(s) URL or ``hf://owner/repo/file.gguf``, read by its header only.
@@ -242,27 +193,13 @@ class ModelManager:
             raise BadRequest(f"{location[:300]} cannot be read: {exc}", param="url") from exc
         return self.plan_spec(spec, opts)
 
-    def plan_spec(self, spec: ModelSpec, opts: LoadOptions) -> Plan:
-        """The plan for a probed model."""
-        try:
-            if opts.gpus is not None:
-                gpus, host = parse_declared(list(opts.gpus)), host_memory()
-            else:
-                gpus, host = self._devices()
-                # Plan as if the current model were unloaded (live figures include it; a declared
-                # inventory does not); a refusal still leaves it serving.
-                credited, host = credit_current(gpus, host, self.current)
-                if not (self.settings.gpus_file or self.settings.gpus_json):
-                    gpus = credited
-            req = plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s)
-            plan = make_plan(spec, gpus, host, req)
-        except DeviceError as exc:
-            raise BadRequest(str(exc), param="gpus") from exc
-        except (ConfigError, KeyError) as exc:
-            raise BadRequest(str(exc.args[0] if isinstance(exc, KeyError) else exc), param="cache_type") from exc
-        except SizingError as exc:
-            raise BadRequest(str(exc)) from exc
-        return plan
+    def plan_spec(self, spec: ModelSpec, opts: LoadOptions, *, path: str | None = None) -> Plan:
+        """The plan for a probed model (calibrated by llama.cpp when ``path`` is given and the model needs it),
+        as if the current model were unloaded (live figures include it); a refusal still leaves it serving."""
+        current = self.current
+        replacing = ([current.plan.estimate] if current is not None and current.state == "loaded"
+                     and current.plan is not None and current.plan.estimate is not None else [])
+        return self.planner.plan(spec, opts, path=path, replacing=replacing)
 
     async def load(self, name: str, opts: LoadOptions = LoadOptions(), *, force: bool = False) -> ModelState:
         """Plan, refuse with figures if it cannot fit, confirm with llama.cpp, then load (replacing the current model).
@@ -270,7 +207,7 @@ class ModelManager:
         The load waits up to ``load_wait_s`` for running generations (then ``Busy``, 409, and the current
         model keeps serving); ``force`` ends them instead."""
         async with self._load_lock:
-            entry, plan = self.plan(name, opts)
+            entry, plan = await self.plan(name, opts)
             raise_refusal(plan)
             previous = self.current
             serving = previous is not None and previous.state == "loaded"
@@ -279,7 +216,11 @@ class ModelManager:
                 self.current = state  # /ready: loading (a loaded model keeps serving until the swap itself)
             if opts.confirm if opts.confirm is not None else self.settings.confirm_loads:
                 try:
-                    state.confirmation = await asyncio.to_thread(self._confirm, entry, plan)
+                    conf = await asyncio.to_thread(self.planner.confirm, plan, entry.path, entry.name)
+                    state.confirmation = conf.to_json()
+                    if conf.status == "replanned":
+                        plan = state.plan = conf.plan
+                        raise_refusal(plan)
                 except ServiceError as exc:
                     state.state, state.error = "failed", exc.message
                     self.last_failed = state
@@ -331,56 +272,9 @@ class ModelManager:
             return
         self.current = replace(previous, report=report, since=time.time())
 
-    def _confirm(self, entry: ModelEntry, plan: Plan) -> dict[str, Any] | None:
-        """llama.cpp's own dry run of the plan (a subprocess, bounded time): refuse what it refuses or cannot hold."""
-        from .engine.dryrun import DryRunError, dry_run
-        from .engine.params import plan_params
-
-        est = plan.estimate
-        t0 = time.perf_counter()
-        try:
-            # The placement as the engine will apply it (n_gpu_layers, tensor_split over every device, overrides).
-            result = dry_run(entry.path, plan.cfg, model=plan_params(plan)[0], timeout_s=self.settings.confirm_timeout_s)
-        except DryRunError as exc:
-            log.warning("dry-run confirmation of %s could not run: %s", entry.name, exc)
-            return {"status": "not_run", "error": str(exc)}
-        seconds = round(time.perf_counter() - t0, 3)
-        if result.failure is not None:
-            if result.failure.kind in ("refused", "load_failed"):
-                raise BadRequest(
-                    f"llama.cpp {'refuses this configuration' if result.failure.kind == 'refused' else 'cannot load this file'}"
-                    f" for '{entry.name}': {result.failure.message}", param="model",
-                    log_tail=list(result.failure.log_tail[-8:]),
-                )
-            log.warning("dry-run confirmation of %s did not finish (%s): %s", entry.name, result.failure.kind,
-                        result.failure.message)
-            return {"status": result.failure.kind, "error": result.failure.message, "seconds": seconds}
-        out: dict[str, Any] = {"status": "confirmed", "seconds": seconds}
-        if est is None:
-            return out
-        predicted_kv = est.kv_bytes / MIB
-        out["kv_mib"] = {"predicted": round(predicted_kv, 2), "llama_cpp": result.kv_mib}
-        compute = {}
-        for d in est.devices:
-            measured = result.compute_mib.get(d.device)
-            compute[d.device] = {"predicted": round(d.compute_bytes / MIB, 2), "llama_cpp": measured}
-        out["compute_mib"] = compute
-        # llama.cpp is the truth: if its figures push a device past its free memory, refuse now.
-        by_label = {g.label: g for g in plan.gpus}
-        extra_kv = max(result.kv_mib - predicted_kv - 0.01, 0.0) * MIB
-        for d in est.devices:
-            dev = plan.host if d.device == "CPU" else by_label.get(d.device)
-            measured = result.compute_mib.get(d.device)
-            if dev is None or measured is None:
-                continue
-            need = d.total_bytes + max(measured * MIB - d.compute_bytes, 0) + (extra_kv if d.kv_bytes else 0)
-            if need > dev.free_bytes and d.weights_bytes <= dev.free_bytes:
-                raise InsufficientMemory(
-                    f"llama.cpp's dry run needs {need / MIB:.0f} MiB on {d.device} ({measured:.2f} MiB compute, "
-                    f"{result.kv_mib:.2f} MiB KV), more than its {dev.free_bytes / MIB:.0f} MiB free",
-                    device=d.device, confirmation=out,
-                )
-        return out
+    def close(self) -> None:
+        """Stop the calibration workers (at shutdown)."""
+        self.planner.close()
 
     async def unload(self, *, force: bool = False, limited: bool = True) -> None:
         """Unload, after the running generations (up to ``load_wait_s``, then ``Busy``; ``force`` ends them).
@@ -463,14 +357,14 @@ class ModelManager:
             key = _re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", sib.rfilename)
             groups.setdefault(key, []).append((sib.rfilename, int(sib.size or 0)))
         gpus, host = self._devices()
-        req = plan_request(self.settings, LoadOptions())
+        req = self.planner.request(LoadOptions())
         files = []
         for key, parts in sorted(groups.items()):
             parts.sort()
             entry: dict[str, Any] = {"file": parts[0][0], "shards": len(parts), "size_bytes": sum(n for _, n in parts)}
             try:
                 spec = probe_hf(repo_id, parts[0][0], revision, limits=remote_limits(self.settings))
-                entry["plan"] = plan_json(make_plan(spec, gpus, host, req))
+                entry["plan"] = plan_json(self.planner.plan_on(spec, gpus, host, req))
             except (RemoteError, ProbeError, UnsupportedModelError, SizingError) as exc:
                 entry["error"] = str(exc)
             files.append(entry)

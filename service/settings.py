@@ -62,6 +62,11 @@ class Settings(BaseSettings):
         True, description="Before a load, confirm the plan with llama.cpp's no_alloc dry run (a subprocess) and report both figures."
     )
     confirm_timeout_s: float = Field(60.0, gt=0, description="Time limit of the dry-run confirmation.")
+    calibrate: bool = Field(
+        True, description="Plan with llama.cpp's own figures (no_alloc dry runs in a worker process, cached per file) "
+        "wherever the memory model is not proven: architectures whose graph is not mirrored, and GPU backends.",
+    )
+    calibrate_timeout_s: float = Field(60.0, gt=0, description="Time limit of one calibration dry run (and of its load).")
     host_bandwidth_gbps: float | None = Field(
         None, gt=0, description="Host memory read bandwidth for the offload speed model, GB/s (default: measured at start)."
     )

@@ -188,14 +188,31 @@ class Calibration:
 
     backend: str
     configs: Mapping[tuple[ConfigKey, str | None], Calibrated] = field(default_factory=dict)
+    refusals: Mapping[tuple[ConfigKey, str | None], str] = field(default_factory=dict)
+    """Configurations llama.cpp refused to create, with its reason (the plan refuses them too)."""
+
+    def _k(self, key: ConfigKey, placement: str | None) -> tuple[ConfigKey, str | None]:
+        return (key, placement if self.backend != "CPU" else None)
 
     def get(self, key: ConfigKey, placement: str | None = None) -> Calibrated | None:
-        return self.configs.get((key, placement if self.backend != "CPU" else None))
+        return self.configs.get(self._k(key, placement))
+
+    def refusal(self, key: ConfigKey, placement: str | None = None) -> str | None:
+        return self.refusals.get(self._k(key, placement))
 
     def with_config(self, cal: Calibrated, placement: str | None = None) -> "Calibration":
         configs = dict(self.configs)
-        configs[(cal.key, placement if self.backend != "CPU" else None)] = cal
-        return Calibration(self.backend, configs)
+        configs[self._k(cal.key, placement)] = cal
+        return Calibration(self.backend, configs, self.refusals)
+
+    def with_refusal(self, key: ConfigKey, placement: str | None, reason: str) -> "Calibration":
+        refusals = dict(self.refusals)
+        refusals[self._k(key, placement)] = reason
+        return Calibration(self.backend, self.configs, refusals)
+
+    @property
+    def n_samples(self) -> int:
+        return sum(len(c.samples) for c in self.configs.values())
 
     @property
     def placement_independent(self) -> bool:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from . import arch as archs
+from .compute import compute_mirrored
 from .device import MIB, Device
 from .memory import MemoryEstimate
-from .plan import Candidate, Plan
+from .placement import Placement
+from .plan import CacheTypeOption, Candidate, Plan
 from .spec import ModelSpec
 
 
@@ -35,6 +38,12 @@ def spec_json(spec: ModelSpec) -> dict[str, object]:
         "expert_used_count": spec.n_expert_used,
         "mla": None if spec.mla is None else vars(spec.mla),
         "ssm": None if spec.ssm is None else vars(spec.ssm),
+        "state": None if spec.state is None else vars(spec.state),
+        "kv_layers": [layer.index for layer in spec.layers if layer.has_kv],
+        "state_layers": [layer.index for layer in main if layer.has_state],
+        "memory": archs.traits(spec.architecture).memory,
+        "architecture_known": spec.arch_known,
+        "compute_model": "simulated (mirrored graph)" if compute_mirrored(spec) else "phase model (plans calibrated)",
         "quantization": spec.quantization,
         "file_type": spec.file_type,
         "file_size_bytes": spec.file_size_bytes,
@@ -70,8 +79,53 @@ def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:
         "flash_attn": est.flash_attn,
         "kv_cells": {"full": est.kv_cells.full, "swa": est.kv_cells.swa},
         "kv_mib": mib(est.kv_bytes),
+        "state_mib": mib(est.state_bytes),
         "total_mib": mib(est.total_bytes),
+        "sources": est.sources.to_json(),
         "devices": devices,
+    }
+
+
+def placement_json(pl: Placement, plan: Plan) -> dict[str, object]:
+    """Where a row's layers go: llama.cpp's n_gpu_layers over which cards, the split, expert blocks on the host."""
+    return {
+        "n_gpu_layers": pl.n_gpu_layers,
+        "gpus": [plan.gpus[i].index for i in pl.gpus],
+        "tensor_split": list(pl.tensor_split),
+        "n_cpu_moe": pl.n_cpu_moe,
+        "description": describe_placement(pl, plan),
+    }
+
+
+def describe_placement(pl: Placement, plan: Plan) -> str:
+    """A placement in a few words: ``CPU``, ``CUDA0``, ``CUDA0+CUDA1``, ``20/33 layers on CUDA0``, experts on host."""
+    if pl.cpu_only:
+        return "CPU only"
+    full = plan.model.n_layer_all + 1
+    cards = "+".join(plan.gpus[i].label for i in pl.gpus)
+    out = cards if pl.n_gpu_layers >= full else f"{pl.n_gpu_layers}/{full} layers on {cards}"
+    if pl.n_cpu_moe:
+        out += f", experts of {pl.n_cpu_moe} blocks on the host"
+    return out
+
+
+def option_json(o: CacheTypeOption, plan: Plan) -> dict[str, object]:
+    """One cache type's row: its context, its placement, its predicted speed, where its figures came from."""
+    return {
+        "cache_type": o.cache_type,
+        "n_ctx": o.n_ctx,
+        "largest_n_ctx": o.largest_n_ctx or o.n_ctx,
+        "verdict": o.verdict,
+        "refusal": o.refusal,
+        "error": o.error,
+        "n_gpu_layers": o.placement.n_gpu_layers,
+        "placement": placement_json(o.placement, plan),
+        "decode_tokens_per_s": None if o.decode_tokens_per_s is None else round(o.decode_tokens_per_s, 2),
+        "prompt_tokens_per_s": None if o.prompt_tokens_per_s is None else round(o.prompt_tokens_per_s, 1),
+        "kv_mib": None if o.estimate is None else mib(o.estimate.kv_bytes),
+        "state_mib": None if o.estimate is None else mib(o.estimate.state_bytes),
+        "total_mib": None if o.estimate is None else mib(o.estimate.total_bytes),
+        "sources": None if o.estimate is None else o.estimate.sources.to_json(),
     }
 
 
@@ -113,19 +167,12 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "prompt_tokens_per_s": round(plan.predicted_prompt_tokens_per_s or 0.0, 1),
         },
         "estimate": None if plan.estimate is None else estimate_json(plan.estimate, plan),
-        "cache_types": [
-            {
-                "cache_type": o.cache_type,
-                "n_ctx": o.n_ctx,
-                "verdict": o.verdict,
-                "refusal": o.refusal,
-                "error": o.error,
-                "n_gpu_layers": o.placement.n_gpu_layers,
-                "kv_mib": None if o.estimate is None else mib(o.estimate.kv_bytes),
-                "total_mib": None if o.estimate is None else mib(o.estimate.total_bytes),
-            }
-            for o in plan.options
-        ],
+        "cache_types": [option_json(o, plan) for o in plan.options],
+        "figures": None if plan.estimate is None else plan.estimate.sources.to_json(),
+        "calibration": None if plan.calibration is None else {
+            "backend": plan.calibration.backend,
+            "samples": plan.calibration.n_samples,
+        },
     }
 
 
@@ -153,12 +200,17 @@ def plan_table(plan: Plan) -> str:
         f"n_ctx_train {spec.n_ctx_train}, {spec.n_layer} layers)",
         "devices: " + (", ".join(f"{g.label} {g.name} {mib(g.free_bytes)}/{mib(g.total_bytes)} MiB free" for g in plan.gpus)
                        or f"none (CPU; host {mib(plan.host.free_bytes)} MiB available)"),
-        f"{'cache type':<10} {'largest n_ctx':>13} {'KV MiB':>10} {'total MiB':>10}  verdict",
+        f"{'cache type':<10} {'n_ctx':>8} {'largest':>8} {'KV MiB':>10} {'total MiB':>10} {'decode t/s':>10}  "
+        f"{'figures':<9} verdict, placement",
     ]
     for o in plan.options:
-        kv = f"{mib(o.estimate.kv_bytes):>10}" if o.estimate else f"{'-':>10}"
+        kv = f"{mib(o.estimate.kv_bytes + o.estimate.state_bytes):>10}" if o.estimate else f"{'-':>10}"
         tot = f"{mib(o.estimate.total_bytes):>10}" if o.estimate else f"{'-':>10}"
-        lines.append(f"{o.cache_type:<10} {o.n_ctx:>13} {kv} {tot}  {o.verdict}{' (' + o.error + ')' if o.error else ''}")
+        dec = f"{o.decode_tokens_per_s:>10.1f}" if o.decode_tokens_per_s is not None else f"{'-':>10}"
+        src = ("measured" if o.estimate and o.estimate.sources.compute == "measured" else "simulated") if o.estimate else "-"
+        where = describe_placement(o.placement, plan) if o.estimate is not None and o.verdict != "refused" else ""
+        lines.append(f"{o.cache_type:<10} {o.n_ctx:>8} {o.largest_n_ctx or o.n_ctx:>8} {kv} {tot} {dec}  {src:<9} "
+                     f"{o.verdict}{', ' + where if where else ''}{' (' + o.error + ')' if o.error else ''}")
     c = plan.cfg
     lines.append(
         f"chosen: {plan.verdict}, n_ctx {c.n_ctx}, type_k {c.type_k}, type_v {c.type_v}, flash_attn {c.flash_attn}, "
@@ -171,7 +223,9 @@ def plan_table(plan: Plan) -> str:
             free = dev.free_bytes if dev is not None else 0
             lines.append(
                 f"  {d.device:<6} layers {len(d.layers):>3}  weights {mib(d.weights_bytes):>9}  KV {mib(d.kv_bytes):>8}  "
-                f"compute {mib(d.compute_bytes):>8}  allowance {mib(d.allowance_bytes):>6}  free {mib(free):>9}  "
+                + (f"state {mib(d.state_bytes):>7}  " if d.state_bytes else "")
+                + f"compute {mib(d.compute_bytes):>8}  allowance {mib(d.allowance_bytes + d.pool_bytes):>6}  "
+                f"free {mib(free):>9}  "
                 + (f"missing {mib(d.total_bytes - free)}" if d.total_bytes > free else f"spare {mib(free - d.total_bytes)}")
             )
     if plan.candidates:

@@ -13,6 +13,7 @@ from typing import Literal, Sequence
 
 from .config import ContextConfig
 from .device import Device
+from .errors import ConfigError
 from .kv import kv_cells
 from .measured import Calibration, ConfigKey, Figures, placement_key
 from .memory import MemoryEstimate, estimate, resolve_flash_attn
@@ -81,7 +82,11 @@ class Sizer:
         flash = resolve_flash_attn(cfg, self.spec)
         pkey = None if cal.placement_independent else placement_key(
             placement.n_gpu_layers, placement.tensor_split, placement.n_cpu_moe)
-        c = cal.get(ConfigKey.of(cfg, flash), pkey)
+        key = ConfigKey.of(cfg, flash)
+        refused = cal.refusal(key, pkey)
+        if refused is not None:
+            raise ConfigError(f"llama.cpp refuses this configuration: {refused}")
+        c = cal.get(key, pkey)
         if c is None:
             return None
         cells = kv_cells(self.spec, cfg)

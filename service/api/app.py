@@ -57,6 +57,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             except Exception:  # shutting down: nothing left to serve
                 log.exception("unload at shutdown failed")
             runner.stop()
+            manager.close()
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()

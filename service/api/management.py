@@ -182,7 +182,7 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
         plan = await slots.run(manager.plan_remote, location, opts)
     else:
         assert body.model is not None
-        _, plan = manager.plan(body.model, opts)
+        _, plan = await manager.plan(body.model, opts)
     return plan_json(plan)
 
 

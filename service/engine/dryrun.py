@@ -10,15 +10,24 @@ sparse header-only file (``sizing.gguf.fixtures``) is enough: no weight is read.
 
 The API is small: ``dry_run(path, cfg) -> DryRunResult``; ``dry_run_many``
 loads the model once and creates one context per configuration (the load,
-mostly the vocabulary, is the slow part).
+mostly the vocabulary, is the slow part); ``DryRunWorker`` keeps the child and
+its loaded model for many requests (calibration, ``service.engine.calibrate``):
+one JSON line per request on its stdin, one per context on its stdout. A child
+that dies (llama.cpp aborts) is restarted; a request that runs past its
+timeout kills it and reports ``timeout``.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -29,6 +38,7 @@ from .params import ContextParams, ModelParams, context_params
 
 MIB = 1 << 20
 LOG_TAIL_LINES = 40
+log = logging.getLogger(__name__)
 
 FailureKind = Literal["refused", "load_failed", "timeout", "crashed"]
 
@@ -73,6 +83,13 @@ class DryRunResult:
     flash_attn: bool | None = None
     failure: DryRunFailure | None = None
     log_tail: tuple[str, ...] = ()
+    state_mib: float = 0.0
+    """The ``llama_memory_recurrent: size = ...`` line (recurrent and hybrid models), 0 without one."""
+    state_layers: int = 0
+    state_buffer_mib: dict[str, float] = field(default_factory=dict)
+    """``RS buffer size`` per buffer (the recurrent state is allocated even in a dry run)."""
+    layer_devices: dict[int, str] = field(default_factory=dict)
+    """``load_tensors: layer N assigned to device D`` (debug lines of the load), when the load logged them."""
 
     @property
     def ok(self) -> bool:
@@ -104,8 +121,16 @@ def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -
     n_ctx = n_ctx_seq = 0
     fa: bool | None = None
     next_is_swa = False
+    state_mib = 0.0
+    state_layers = 0
+    rs: dict[str, float] = {}
     for line in lines:
-        if m := L.ISWA_CACHE.search(line):
+        if m := L.RECURRENT_STATE.search(line):
+            state_mib += float(m.group(1))
+            state_layers = int(m.group(3))
+        elif m := L.RS_BUFFER.search(line):
+            rs[m.group(1)] = rs.get(m.group(1), 0.0) + float(m.group(2))
+        elif m := L.ISWA_CACHE.search(line):
             next_is_swa = m.group(1) == "SWA"
         elif m := L.KV_CACHE.search(line):
             g = m.groups()
@@ -128,11 +153,213 @@ def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -
     if not created:
         errors = [ln for ln in lines if "error" in ln.lower() or "requires" in ln or "does not" in ln]
         failure = DryRunFailure("refused", errors[-1].strip() if errors else "llama_init_from_model returned NULL", tail)
-    return DryRunResult(cfg, n_ctx, n_ctx_seq, tuple(kv), compute, output, fa, failure, tail)
+    return DryRunResult(cfg, n_ctx, n_ctx_seq, tuple(kv), compute, output, fa, failure, tail,
+                        state_mib=round(state_mib, 2), state_layers=state_layers, state_buffer_mib=rs)
 
 
 def _worker_command() -> list[str]:
     return [sys.executable, "-m", "service.engine.dryrun"]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class DryRunWorker:
+    """A long-lived dry-run child: ``path`` loaded once (no_alloc, LLAMA_LOAD_MODE_NONE) with ``model``'s
+    placement; ``measure`` creates and frees one context per configuration.
+
+    llama.cpp may abort on a configuration: the child is then restarted (the model loaded again) and the
+    next configuration measured; the one that killed it is reported ``crashed``. Thread-safe (one request
+    at a time).
+    """
+
+    def __init__(self, path: str, model: ModelParams = ModelParams(), *, load_timeout_s: float = 120) -> None:
+        if not os.path.exists(path):
+            raise DryRunError(f"no such model file: {path}")
+        self.path = path
+        self.model = model
+        self.load_timeout_s = load_timeout_s
+        self._proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._lock = threading.Lock()
+        self.load_log: tuple[str, ...] = ()
+        """The load's log lines worth keeping (layer assignments, buffers, offload counts)."""
+        self.devices: tuple[tuple[str, str], ...] = ()
+        """(name, type) of every device ggml offered llama.cpp in the child (``CPU``/``cpu``, ``CUDA0``/``gpu``...)."""
+        self.starts = 0
+        self.timed_out = False
+        self.last_used = time.monotonic()
+
+    # -- the child's lifecycle
+
+    def _spawn(self) -> None:
+        try:
+            proc = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=_child_env(), bufsize=1)
+        except OSError as exc:
+            raise DryRunError(f"could not start the dry run: {exc}") from exc
+        self._proc, self._lines = proc, queue.Queue()
+        self.starts += 1
+        lines, err = self._lines, self._stderr
+
+        def pump_out() -> None:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                lines.put(raw)
+            lines.put(None)
+
+        def pump_err() -> None:
+            assert proc.stderr is not None
+            for raw in proc.stderr:
+                err.append(raw.rstrip("\n"))
+
+        threading.Thread(target=pump_out, name="dryrun-out", daemon=True).start()
+        threading.Thread(target=pump_err, name="dryrun-err", daemon=True).start()
+
+    def _send(self, obj: dict[str, Any]) -> bool:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.poll() is not None:
+            return False
+        try:
+            proc.stdin.write(json.dumps(obj) + "\n")
+            proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def _next(self, deadline: float) -> dict[str, Any] | None:
+        """The child's next JSON message; None when it died or the deadline passed (``self.timed_out``)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.timed_out = True
+                return None
+            try:
+                raw = self._lines.get(timeout=left)
+            except queue.Empty:
+                self.timed_out = True
+                return None
+            if raw is None:
+                return None
+            if raw.startswith("{"):
+                try:
+                    msg: dict[str, Any] = json.loads(raw)
+                    return msg
+                except ValueError:
+                    continue
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a kill that does not take
+            pass
+
+    def _ensure_loaded(self) -> DryRunFailure | None:
+        if self._proc is not None and self._proc.poll() is None:
+            return None
+        self._kill()
+        self._spawn()
+        self.timed_out = False
+        if not self._send({"op": "load", "path": self.path, "model": self.model.to_json()}):
+            return DryRunFailure("crashed", "dry run process exited before loading", tuple(self._stderr))
+        msg = self._next(time.monotonic() + self.load_timeout_s)
+        if msg is None:
+            self._kill()
+            kind: FailureKind = "timeout" if self.timed_out else "crashed"
+            return DryRunFailure(kind, f"dry run load of {self.path} {'timed out' if self.timed_out else 'died'}",
+                                 tuple(self._stderr))
+        self.load_log = tuple(msg.get("log", ()))
+        self.devices = tuple((str(d.get("name", "")), str(d.get("type", ""))) for d in msg.get("devices", ()))
+        if not msg.get("ok"):
+            self._kill()
+            return DryRunFailure("load_failed", f"llama.cpp could not load {self.path}",
+                                 tuple(msg.get("log", ())[-LOG_TAIL_LINES:]))
+        return None
+
+    # -- requests
+
+    def start(self) -> DryRunFailure | None:
+        """Start the child and load the model now (None when loaded; the failure otherwise)."""
+        with self._lock:
+            return self._ensure_loaded()
+
+    def measure(self, cfgs: Sequence[ContextConfig], timeout_s: float = 60) -> list[DryRunResult]:
+        """One result per configuration (a typed failure where llama.cpp refused, died or took too long).
+
+        ``timeout_s`` bounds each context creation (and the load, when the child has to start)."""
+        with self._lock:
+            self.last_used = time.monotonic()
+            out: list[DryRunResult] = []
+            i = 0
+            while i < len(cfgs):
+                failure = self._ensure_loaded()
+                if failure is not None:
+                    out.extend(DryRunResult(c, failure=failure) for c in cfgs[i:])
+                    break
+                batch = cfgs[i:]
+                self.timed_out = False
+                if not self._send({"op": "contexts", "contexts": [context_params(c).to_json() for c in batch]}):
+                    self._kill()
+                    continue
+                got = 0
+                while got < len(batch):
+                    msg = self._next(time.monotonic() + timeout_s)
+                    if msg is None:
+                        kind: FailureKind = "timeout" if self.timed_out else "crashed"
+                        why = (f"dry run exceeded {timeout_s} s" if self.timed_out
+                               else f"dry run process exited with {self._proc.poll() if self._proc else '?'}")
+                        out.append(DryRunResult(batch[got], failure=DryRunFailure(kind, why, tuple(self._stderr))))
+                        got += 1
+                        self._kill()
+                        break
+                    if msg.get("event") == "context":
+                        out.append(parse_context_log(batch[got], msg["log"], msg["created"]))
+                        got += 1
+                i += got
+            self.last_used = time.monotonic()
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._send({"op": "quit"})
+                try:
+                    self._proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill()
+
+    @property
+    def backend(self) -> str:
+        """``CPU`` when llama.cpp sees no GPU (a CPU build, or none visible), else the first GPU's name prefix
+        (``CUDA``, ``Vulkan``...). Known once the child has loaded."""
+        gpus = [n for n, t in self.devices if t in ("gpu", "igpu")]
+        return "CPU" if not gpus else gpus[0].rstrip("0123456789") or gpus[0]
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> "DryRunWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def dry_run_many(
@@ -140,47 +367,18 @@ def dry_run_many(
 ) -> list[DryRunResult]:
     """Load ``path`` once without allocating (with ``model``'s placement) and create one context per configuration.
 
-    The parameters are the engine's (``service.engine.params``): what is measured is what would be loaded."""
-    if not os.path.exists(path):
-        raise DryRunError(f"no such model file: {path}")
-    request = json.dumps({"path": path, "model": model.to_json(),
-                          "contexts": [context_params(c).to_json() for c in cfgs]})
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        proc = subprocess.run(
-            _worker_command(), input=request, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        tail = tuple(out.splitlines()[-LOG_TAIL_LINES:])
-        return [DryRunResult(c, failure=DryRunFailure("timeout", f"dry run exceeded {timeout_s} s", tail)) for c in cfgs]
-    except OSError as exc:
-        raise DryRunError(f"could not start the dry run: {exc}") from exc
-    results: dict[int, DryRunResult] = {}
-    load_failure: DryRunFailure | None = None
-    log: list[str] = []
-    for raw in proc.stdout.splitlines():
-        if not raw.startswith("{"):
-            continue
-        msg = json.loads(raw)
-        if msg.get("event") == "context":
-            lines = msg["log"]
-            log = lines
-            results[msg["index"]] = parse_context_log(cfgs[msg["index"]], lines, msg["created"])
-        elif msg.get("event") == "load_failed":
-            load_failure = DryRunFailure("load_failed", f"llama.cpp could not load {path}", tuple(msg["log"][-LOG_TAIL_LINES:]))
-    out: list[DryRunResult] = []
-    for i, c in enumerate(cfgs):
-        if i in results:
-            out.append(results[i])
-        elif load_failure is not None:
-            out.append(DryRunResult(c, failure=load_failure))
-        else:
-            tail = tuple((proc.stderr or "").splitlines()[-LOG_TAIL_LINES:]) or tuple(log[-LOG_TAIL_LINES:])
-            out.append(DryRunResult(c, failure=DryRunFailure("crashed", f"dry run process exited with {proc.returncode}", tail)))
-    return out
+    The parameters are the engine's (``service.engine.params``): what is measured is what would be loaded.
+    ``timeout_s`` bounds the whole run."""
+    deadline = time.monotonic() + timeout_s
+    with DryRunWorker(path, model, load_timeout_s=timeout_s) as w:
+        out: list[DryRunResult] = []
+        for c in cfgs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                out.append(DryRunResult(c, failure=DryRunFailure("timeout", f"dry run exceeded {timeout_s} s")))
+                continue
+            out.extend(w.measure([c], timeout_s=left))
+        return out
 
 
 def dry_run(path: str, cfg: ContextConfig, model: ModelParams = ModelParams(), timeout_s: float = 60) -> DryRunResult:
@@ -188,7 +386,46 @@ def dry_run(path: str, cfg: ContextConfig, model: ModelParams = ModelParams(), t
     return dry_run_many(path, [cfg], model=model, timeout_s=timeout_s)[0]
 
 
+def load_layer_devices(lines: Sequence[str]) -> dict[int, str]:
+    """``load_tensors: layer N assigned to device D`` lines as {N: D} (llama.cpp's own layer map)."""
+    out: dict[int, str] = {}
+    for ln in lines:
+        if m := L.LAYER_DEVICE.search(ln):
+            out[int(m.group(1))] = m.group(2)
+    return out
+
+
 # ---- the child process -----------------------------------------------------------------------
+
+
+def _backend_devices() -> list[dict[str, Any]]:  # pragma: no cover - runs in the child
+    """The devices ggml offers llama.cpp (``ggml_backend_dev_count/get/name/type``), from the shipped libggml."""
+    import ctypes
+    import pathlib
+
+    import llama_cpp
+
+    libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
+    path = next((c for c in (libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")) if c.exists()), None)
+    if path is None:
+        return []
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        d = lib.ggml_backend_dev_get(i)
+        out.append({"name": (lib.ggml_backend_dev_name(d) or b"").decode(), "type": kinds.get(lib.ggml_backend_dev_type(d), "other")})
+    return out
+
+
+_KEEP_LOAD_LINES = ("assigned to device", "offloaded", "model buffer size", "using device", "buffer type overridden")
 
 
 def _worker() -> int:  # pragma: no cover - runs in the child
@@ -198,7 +435,6 @@ def _worker() -> int:  # pragma: no cover - runs in the child
 
     from .params import apply_context_params, apply_model_params
 
-    req = json.loads(sys.stdin.read())
     buf: list[str] = []
     partial = [""]
 
@@ -215,23 +451,42 @@ def _worker() -> int:  # pragma: no cover - runs in the child
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    mp = llama_cpp.llama_model_default_params()
-    keep = apply_model_params(mp, ModelParams.from_json(req["model"]))
-    mp.no_alloc = True
-    mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: with mmap, no_alloc aborts
-    model = llama_cpp.llama_model_load_from_file(req["path"].encode(), mp)
-    if not model:
-        emit({"event": "load_failed", "log": buf + [partial[0]]})
-        return 1
-    for i, c in enumerate(req["contexts"]):
-        buf.clear()
-        cp = llama_cpp.llama_context_default_params()
-        apply_context_params(cp, ContextParams.from_json(c), n_threads=1)
-        ctx = llama_cpp.llama_init_from_model(model, cp)
-        emit({"event": "context", "index": i, "created": bool(ctx), "log": buf + ([partial[0]] if partial[0] else [])})
-        if ctx:
-            llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+    devices = _backend_devices()
+    model = None
+    keep: list[Any] = []
+    for raw in sys.stdin:
+        if not raw.strip():
+            continue
+        req = json.loads(raw)
+        op = req.get("op")
+        if op == "quit":
+            break
+        if op == "load":
+            if model:
+                llama_cpp.llama_model_free(model)
+            buf.clear()
+            mp = llama_cpp.llama_model_default_params()
+            keep = apply_model_params(mp, ModelParams.from_json(req["model"]))
+            mp.no_alloc = True
+            mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: with mmap, no_alloc aborts
+            model = llama_cpp.llama_model_load_from_file(req["path"].encode(), mp)
+            lines = buf + ([partial[0]] if partial[0] else [])
+            emit({"event": "loaded", "ok": bool(model), "devices": devices,
+                  "log": lines if not model else [ln for ln in lines if any(k in ln for k in _KEEP_LOAD_LINES)]})
+            if not model:
+                return 1
+        elif op == "contexts":
+            for i, c in enumerate(req["contexts"]):
+                buf.clear()
+                cp = llama_cpp.llama_context_default_params()
+                apply_context_params(cp, ContextParams.from_json(c), n_threads=1)
+                ctx = llama_cpp.llama_init_from_model(model, cp)
+                emit({"event": "context", "index": i, "created": bool(ctx),
+                      "log": buf + ([partial[0]] if partial[0] else [])})
+                if ctx:
+                    llama_cpp.llama_free(ctx)
+    if model:
+        llama_cpp.llama_model_free(model)
     del keep
     return 0
 

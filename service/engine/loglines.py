@@ -1,7 +1,7 @@
 """The llama.cpp log lines the service reads figures from, in one place.
 
 Formats of the llama.cpp vendored by llama-cpp-python 0.3.36: ``src/llama-model.cpp``
-(load_tensors), ``src/llama-kv-cache.cpp``, ``src/llama-kv-cache-iswa.cpp`` and
+(load_tensors), ``src/llama-kv-cache.cpp``, ``src/llama-memory-recurrent.cpp``, ``src/llama-kv-cache-iswa.cpp`` and
 ``src/llama-context.cpp`` (sched_reserve, output_reserve). Both the real load
 (``service.engine.llama``) and the no_alloc dry run (``service.engine.dryrun``) parse them.
 """
@@ -19,6 +19,12 @@ KV_CACHE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
     r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
 )
+RECURRENT_STATE = re.compile(
+    r"llama_memory_recurrent: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+) seqs\s+(\d+) rs_seq\), "
+    r"R \((\w+)\):\s*([\d.]+) MiB, S \((\w+)\):\s*([\d.]+) MiB"
+)
+RS_BUFFER = re.compile(r"llama_memory_recurrent:\s+(\S+) RS buffer size =\s+([\d.]+) MiB")
+LAYER_DEVICE = re.compile(r"load_tensors: layer\s+(\d+) assigned to device (\S+?),")
 ISWA_CACHE = re.compile(r"llama_kv_cache_iswa: creating\s+(non-SWA|SWA) KV cache, size = (\d+) cells")
 N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
 N_CTX_SEQ = re.compile(r"llama_context: n_ctx_seq\s+=\s+(\d+)")

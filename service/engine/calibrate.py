@@ -1,0 +1,197 @@
+"""Calibration: llama.cpp's own figures for a model, measured by long-lived dry-run workers and cached.
+
+A ``Calibrator`` keeps a few ``DryRunWorker`` children (``service.engine.dryrun``:
+the model loaded once with no_alloc and LLAMA_LOAD_MODE_NONE, contexts created and
+freed per request; a child that dies is restarted, every request has a timeout)
+and caches what they measured per (file identity, backend), as the pure core's
+``sizing.measured.Calibration`` value: per configuration (``ConfigKey``) and, on a
+GPU backend, per placement, the samples taken. A second dry run of the same model
+answers from the cache without a child.
+
+Which points to sample is decided here (``points``): the minimum and the largest
+context the plan may choose, the context where the sliding-window cache stops
+growing, and one between; the plan's own choice is then confirmed by one more
+sample (``service.planning``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from sizing.config import ContextConfig, pad
+from sizing.kv import kv_cells
+from sizing.measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes
+from sizing.spec import ModelSpec
+
+from .dryrun import DryRunError, DryRunResult, DryRunWorker
+from .params import ModelParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which bytes a calibration belongs to: every shard's real path, size, mtime and inode."""
+
+    files: tuple[tuple[str, int, int, int], ...]
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> "FileIdentity":
+        out = []
+        for p in paths:
+            st = os.stat(p)
+            out.append((os.path.realpath(p), st.st_size, st.st_mtime_ns, st.st_ino))
+        return cls(tuple(out))
+
+
+def sample_of(result: DryRunResult, spec: ModelSpec) -> Sample | None:
+    """A dry run's figures as a ``Sample`` (None when llama.cpp did not create the context)."""
+    if not result.ok:
+        return None
+    cfg = result.cfg
+    cells = kv_cells(spec, cfg)
+    full = next((c for c in result.kv_caches if not c.swa), None)
+    swa = next((c for c in result.kv_caches if c.swa), None)
+    return Sample(
+        n_ctx=result.n_ctx or cfg.n_ctx_padded,
+        full_cells=full.cells if full is not None else cells.full,
+        swa_cells=swa.cells if swa is not None else cells.swa,
+        kv_full_bytes=mib_to_bytes(full.size_mib) if full is not None else 0,
+        kv_swa_bytes=mib_to_bytes(swa.size_mib) if swa is not None else 0,
+        state_bytes=mib_to_bytes(result.state_mib),
+        compute_bytes={k: mib_to_bytes(v) for k, v in result.compute_mib.items()},
+        output_bytes=mib_to_bytes(result.output_mib),
+        state_device_bytes={k: mib_to_bytes(v) for k, v in result.state_buffer_mib.items()},
+    )
+
+
+def points(spec: ModelSpec, cfg: ContextConfig, floor: int, cap: int) -> list[ContextConfig]:
+    """The contexts to sample for one configuration: ``floor``, ``cap``, where the sliding-window cache stops
+    growing (the compute peak's kink), and midway; one per distinct cell count."""
+    n_stream = 1 if cfg.kv_unified else max(cfg.n_seq_max, 1)
+    wanted = {max(floor, 1), max(cap, 1), pad((floor + cap) // 2)}
+    if spec.swa_layer_count and not cfg.swa_full:
+        n_seq = cfg.n_seq_max if cfg.kv_unified else 1
+        kink = pad(spec.n_swa * n_seq + cfg.n_ubatch_effective) * n_stream
+        if floor < kink < cap:
+            wanted.add(kink)
+            wanted.add(pad((kink + cap) // 2))
+    out: dict[tuple[int, int], ContextConfig] = {}
+    for n in sorted(wanted):
+        c = cfg.with_ctx(min(max(n, floor), cap))
+        cells = kv_cells(spec, c)
+        out.setdefault((cells.full, cells.swa), c)
+    return list(out.values())
+
+
+class Calibrator:
+    """Dry-run workers and the calibrations they measured. Thread-safe; blocking (call from a thread)."""
+
+    def __init__(self, *, timeout_s: float = 60.0, idle_s: float = 120.0, max_workers: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.idle_s = idle_s
+        self.max_workers = max_workers
+        self._workers: OrderedDict[tuple[str, ModelParams], DryRunWorker] = OrderedDict()
+        self._cache: dict[tuple[FileIdentity, str], Calibration] = {}
+        self._backends: dict[FileIdentity, str] = {}
+        self._lock = threading.Lock()
+        self.dry_runs = 0
+        """Contexts measured so far (for reports and tests: a cached answer measures none)."""
+
+    def _worker(self, path: str, model: ModelParams) -> DryRunWorker:
+        key = (path, model)
+        now = time.monotonic()
+        for k, w in list(self._workers.items()):
+            if k != key and now - w.last_used > self.idle_s:
+                w.close()
+                del self._workers[k]
+        w = self._workers.get(key)
+        if w is None:
+            while len(self._workers) >= self.max_workers:
+                _, old = self._workers.popitem(last=False)
+                old.close()
+            w = DryRunWorker(path, model, load_timeout_s=self.timeout_s)
+            self._workers[key] = w
+        self._workers.move_to_end(key)
+        return w
+
+    def measure(self, path: str, model: ModelParams, cfgs: Sequence[ContextConfig]) -> list[DryRunResult]:
+        """llama.cpp's figures for each configuration, from the worker that holds ``path`` with ``model``."""
+        if not cfgs:
+            return []
+        with self._lock:
+            w = self._worker(path, model)
+        t = time.perf_counter()
+        out = w.measure(cfgs, timeout_s=self.timeout_s)
+        with self._lock:
+            self.dry_runs += len(cfgs)
+        log.debug("measured %d contexts of %s in %.3f s", len(cfgs), path, time.perf_counter() - t)
+        return out
+
+    def layer_devices(self, path: str, model: ModelParams) -> dict[int, str]:
+        """llama.cpp's layer assignment as the worker holding ``path`` with ``model`` logged it at its load."""
+        from .dryrun import load_layer_devices
+
+        with self._lock:
+            w = self._workers.get((path, model))
+        return load_layer_devices(w.load_log) if w is not None else {}
+
+    def backend(self, ident: FileIdentity, path: str) -> str:
+        """The backend llama.cpp runs ``path`` on here: ``CPU`` on a CPU build (asks a worker once)."""
+        with self._lock:
+            known = self._backends.get(ident)
+        if known is not None:
+            return known
+        with self._lock:
+            w = self._worker(path, ModelParams())
+        failure = w.start()
+        if failure is not None:
+            raise DryRunError(f"{failure.kind}: {failure.message}")
+        backend = w.backend
+        with self._lock:
+            self._backends[ident] = backend
+        return backend
+
+    def cached(self, ident: FileIdentity, backend: str) -> Calibration:
+        with self._lock:
+            return self._cache.get((ident, backend)) or Calibration(backend)
+
+    def store(self, ident: FileIdentity, cal: Calibration) -> None:
+        with self._lock:
+            self._cache[(ident, cal.backend)] = cal
+
+    def forget(self, ident: FileIdentity) -> None:
+        with self._lock:
+            for k in [k for k in self._cache if k[0] == ident]:
+                del self._cache[k]
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._workers = list(self._workers.values()), OrderedDict()
+        for w in workers:
+            w.close()
+
+
+def add_samples(cal: Calibration, spec: ModelSpec, key: ConfigKey, results: Sequence[DryRunResult],
+                placement: str | None = None) -> tuple[Calibration, list[DryRunResult]]:
+    """``cal`` with the successful results added under ``key``; the failures returned beside it."""
+    failed = []
+    current = cal.get(key, placement)
+    for r in results:
+        s = sample_of(r, spec)
+        if s is None:
+            failed.append(r)
+            continue
+        current = Calibrated(key, (s,)) if current is None else current.with_sample(s)
+    if current is not None:
+        cal = cal.with_config(current, placement)
+    return cal, failed
+
+
+__all__ = ["Calibrator", "DryRunError", "FileIdentity", "add_samples", "points", "sample_of"]
