@@ -25,6 +25,8 @@ from typing import Literal
 import gguf
 import numpy as np
 
+from .arch_fixtures import ARCH_FIXTURES, BUILDERS, ArchFixture
+
 Quant = Literal["bf16", "q8_0", "q4_k_m"]
 QUANTS: tuple[Quant, ...] = ("bf16", "q8_0", "q4_k_m")
 _T = gguf.GGMLQuantizationType
@@ -100,7 +102,7 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def _vocab(shape: FixtureShape) -> tuple[list[str], list[float], list[int], list[str]]:
+def _vocab(shape: "FixtureShape | ArchFixture") -> tuple[list[str], list[float], list[int], list[str]]:
     """Tokens, scores, token types and merges of a synthetic vocabulary of ``n_vocab`` entries."""
     n = shape.n_vocab
     if shape.tokenizer == "llama":
@@ -109,6 +111,9 @@ def _vocab(shape: FixtureShape) -> tuple[list[str], list[float], list[int], list
     else:
         head = _bytes_to_unicode()
         types = [1] * 256
+    extra = list(getattr(shape, "special_tokens", ()))
+    head = head + extra
+    types = types + [3] * len(extra)
     tokens = head + [f"\u2581t{i}" for i in range(n - len(head))]
     types = types + [1] * (n - len(head))
     scores = [0.0] * n
@@ -242,6 +247,44 @@ def _metadata(w: gguf.GGUFWriter, name: str, shape: FixtureShape, quant: Quant) 
     w.add_eos_token_id(2 if s.tokenizer == "llama" else 1)
 
 
+def _arch_metadata(w: gguf.GGUFWriter, name: str, fx: ArchFixture, quant: Quant) -> None:
+    a = fx.arch
+    w.add_name(name)
+    w.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[quant])
+    w.add_context_length(fx.n_ctx_train)
+    w.add_embedding_length(fx.n_embd)
+    w.add_block_count(fx.n_layer)
+    for k, v in fx.keys.items():
+        key = f"{a}.{k}"
+        if isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, int):
+            w.add_uint32(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        elif isinstance(v, str):
+            w.add_string(key, v)
+        elif isinstance(v, list):
+            w.add_array(key, v)
+        else:  # pragma: no cover - a fixture typo
+            raise TypeError(f"{key}: unsupported value {v!r}")
+    tokens, scores, types, merges = _vocab(fx)
+    w.add_tokenizer_model(fx.tokenizer)
+    w.add_tokenizer_pre(fx.tokenizer_pre)
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    if merges:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(1 if fx.tokenizer == "llama" else 0)
+    w.add_eos_token_id(2 if fx.tokenizer == "llama" else 1)
+
+
+ALL_FIXTURES: tuple[str, ...] = (*FIXTURES, *ARCH_FIXTURES)
+"""Every fixture name: the mirrored architectures' shapes, then ``arch_fixtures``' models."""
+
+
 def fixture_filename(name: str, quant: Quant = "bf16") -> str:
     """The file name ``write_fixture`` uses: ``{name}-{quant}.gguf``."""
     return f"{name}-{quant}.gguf"
@@ -249,21 +292,28 @@ def fixture_filename(name: str, quant: Quant = "bf16") -> str:
 
 def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "bf16") -> str:
     """Write (or reuse) the sparse header-only GGUF of model ``name`` in ``directory``; return its path."""
-    if name not in FIXTURES:
-        raise KeyError(f"unknown fixture {name!r}; one of {', '.join(FIXTURES)}")
+    if name not in FIXTURES and name not in ARCH_FIXTURES:
+        raise KeyError(f"unknown fixture {name!r}; one of {', '.join(ALL_FIXTURES)}")
     if quant not in QUANTS:
         raise KeyError(f"unknown quantization {quant!r}; one of {', '.join(QUANTS)}")
-    shape = FIXTURES[name]
     path = Path(directory) / fixture_filename(name, quant)
     if path.exists() and path.stat().st_size > 0:
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".gguf.part")
-    w = gguf.GGUFWriter(str(tmp), shape.arch)
-    _metadata(w, name, shape, quant)
+    if name in FIXTURES:
+        shape = FIXTURES[name]
+        w = gguf.GGUFWriter(str(tmp), shape.arch)
+        _metadata(w, name, shape, quant)
+        tensors = _tensors(shape)
+    else:
+        fx = ARCH_FIXTURES[name]
+        w = gguf.GGUFWriter(str(tmp), fx.arch)
+        _arch_metadata(w, name, fx, quant)
+        tensors = BUILDERS[fx.builder](fx)
     data_bytes = 0
     align = gguf.GGUF_DEFAULT_ALIGNMENT
-    for tname, ne, role in _tensors(shape):
+    for tname, ne, role in tensors:
         t = _T.F32 if role == "norm" else _qtype(quant, role, ne[0])
         if role == "embd" and quant == "q4_k_m":
             t = _T.Q4_K if ne[0] % 256 == 0 else _T.Q8_0
