@@ -106,19 +106,31 @@ def _row(t: CacheType, n: int) -> int:
     return t.row_bytes(n) if n else 0
 
 
+def _cell_bytes(spec: ModelSpec, type_k: str, type_v: str, flash: bool) -> tuple[tuple[int, int, bool], ...]:
+    """(layer index, bytes per cell and stream, sliding) of every cached layer; memoized on the spec (a value)."""
+    memo: dict[tuple[str, str, bool], tuple[tuple[int, int, bool], ...]] = spec.__dict__.setdefault("_kv_cell_memo", {})
+    key = (type_k, type_v, flash)
+    got = memo.get(key)
+    if got is None:
+        tk, tv = cache_type(type_k), cache_type(type_v)
+        out = []
+        for layer in kv_layers(spec):
+            k, v = layer_widths(spec, layer, flash)
+            out.append((layer.index, _row(tk, k) + _row(tv, v), layer.is_swa))
+        got = memo[key] = tuple(out)
+    return got
+
+
 def kv_bytes_per_cell(
     spec: ModelSpec, cfg: ContextConfig, flash: bool, layers: Iterable[int] | None = None
 ) -> tuple[int, int]:
     """Bytes per cell and stream of (full-attention layers, sliding layers), over ``layers`` (default: all)."""
-    tk, tv = cache_type(cfg.type_k), cache_type(cfg.type_v)
     wanted = None if layers is None else set(layers)
     full = swa = 0
-    for layer in kv_layers(spec):
-        if wanted is not None and layer.index not in wanted:
+    for index, b, is_swa in _cell_bytes(spec, cfg.type_k, cfg.type_v, flash):
+        if wanted is not None and index not in wanted:
             continue
-        k, v = layer_widths(spec, layer, flash)
-        b = _row(tk, k) + _row(tv, v)
-        if layer.is_swa:
+        if is_swa:
             swa += b
         else:
             full += b

@@ -200,7 +200,8 @@ def estimate(
         state = [recurrent_state_bytes(spec, cfg), *state[1:]]
     sources = FigureSources()
     out_bytes = output_buffer_bytes(spec, cfg)
-    graph = compute_bytes(spec, cfg, flash)
+    measured_cpu = figures is not None and measured_on == "CPU" and "CPU" in figures.compute_bytes
+    graph = figures.compute_bytes["CPU"] if figures is not None and measured_cpu else compute_bytes(spec, cfg, flash)
     host_graph = host_compute_bytes(spec, cfg)
     gpu_measured: dict[str, int] = {}
     if figures is not None:
@@ -222,8 +223,7 @@ def estimate(
             out_bytes = max(out_bytes, figures.output_bytes) if abs(out_bytes - figures.output_bytes) > _LOG_RESOLUTION_BYTES else out_bytes
             src_out = "measured"
         src_compute: Source = "simulated"
-        if measured_on == "CPU" and "CPU" in figures.compute_bytes:
-            graph = figures.compute_bytes["CPU"]
+        if measured_cpu:
             src_compute = "measured"
         elif measured_on != "CPU" and figures.compute_bytes:
             gpu_measured = {k: v for k, v in figures.compute_bytes.items() if k in labels}

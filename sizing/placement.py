@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 
@@ -59,6 +60,11 @@ class Placement:
 
 def assign_slots(n_layer_all: int, n_gpu_layers: int, split: Sequence[float]) -> tuple[int | None, ...]:
     """llama.cpp's layer-to-device rule; returns a device position per slot, None for host."""
+    return _assign_slots(n_layer_all, n_gpu_layers, tuple(float(x) for x in split))
+
+
+@lru_cache(maxsize=8192)
+def _assign_slots(n_layer_all: int, n_gpu_layers: int, split: tuple[float, ...]) -> tuple[int | None, ...]:
     n_dev = len(split)
     if n_dev == 0 or n_gpu_layers <= 0:
         return (None,) * (n_layer_all + 1)

@@ -146,6 +146,15 @@ def _moe_shape(spec: ModelSpec) -> MoeShape | None:
 
 
 def graph_shape(spec: ModelSpec) -> GraphShape | None:
+    """The simulated model shape (memoized on the spec), or None when the graph is not mirrored."""
+    memo = spec.__dict__
+    if "_graph_shape_memo" not in memo:
+        memo["_graph_shape_memo"] = _graph_shape(spec)
+    shape: GraphShape | None = memo["_graph_shape_memo"]
+    return shape
+
+
+def _graph_shape(spec: ModelSpec) -> GraphShape | None:
     """The simulated model shape, or None when the architecture's graph is not mirrored (recurrent, others)."""
     arch = spec.architecture
     if arch not in archs.MIRRORED or spec.state is not None or spec.ssm is not None:
