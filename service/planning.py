@@ -382,13 +382,27 @@ class Planner:
             self.calibrator.close()
 
 
+def _measured_compute(plan: Plan, result: DryRunResult, device: str) -> float | None:
+    """llama.cpp's compute buffer for one of the plan's devices. A CPU build (no GPU buffer in the log) runs the
+    whole graph on the CPU: that figure stands for each card's graph, and says nothing of the host's share."""
+    if device in result.compute_mib:
+        if device == "CPU" and plan.estimate is not None and plan.estimate.gpus and not any(
+                k != "CPU" for k in result.compute_mib):
+            return None
+        return result.compute_mib[device]
+    if device != "CPU" and set(result.compute_mib) == {"CPU"}:
+        return result.compute_mib["CPU"]
+    return None
+
+
 def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int, str]) -> Confirmation:
     est = plan.estimate
     if est is None:
         return Confirmation("confirmed", plan, seconds, layer_devices=layers)
     compute: dict[str, dict[str, float | None]] = {}
     for d in est.devices:
-        compute[d.device] = {"predicted": round(d.compute_bytes / MIB, 2), "llama_cpp": result.compute_mib.get(d.device)}
+        compute[d.device] = {"predicted": round(d.compute_bytes / MIB, 2),
+                             "llama_cpp": _measured_compute(plan, result, d.device)}
     return Confirmation(
         "confirmed", plan, seconds,
         kv_mib={"predicted": round(est.kv_bytes / MIB, 2), "llama_cpp": result.kv_mib},
@@ -406,7 +420,7 @@ def _exceeds(plan: Plan, result: DryRunResult) -> list[str]:
     kv_extra = result.kv_mib - est.kv_bytes / MIB  # up to two caches (full, SWA), each rounded
     state_extra = result.state_mib - est.state_bytes / MIB
     for d in est.devices:
-        measured = result.compute_mib.get(d.device)
+        measured = _measured_compute(plan, result, d.device)
         if measured is not None and measured - d.compute_bytes / MIB > tol:
             over.append(d.device)
         elif (kv_extra > 2 * tol and d.kv_bytes) or (state_extra > tol and d.state_bytes):

@@ -101,3 +101,48 @@ def test_card_with_no_room_runs_everything_on_the_cpu(model_spec: Spec) -> None:
     plan = make_plan(spec, [full_card], Device(0, "host memory", 60 * GIB, 64 * GIB, "host"), PlanRequest(n_ctx=4096))
     assert plan.verdict == "cpu"
     assert plan.placement.n_gpu_layers == 0
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(free_gib=st.floats(min_value=3.0, max_value=40.0), extra_gib=st.floats(min_value=0.25, max_value=16.0),
+       model=st.sampled_from([("Qwen3-14B", "bf16"), ("Qwen3-30B-A3B", "q4_k_m")]))
+def test_more_free_memory_never_slows_a_row_nor_drops_it_below_the_minimum(
+        model_spec: Spec, free_gib: float, extra_gib: float, model: tuple[str, str]) -> None:
+    """Issue 19, item 6: each row is the fastest placement that holds the minimum context; with more free
+    memory the same placement is still there, so a row can only get faster, and its context never falls
+    below the minimum (it may be smaller than before: a faster placement leaves less room for KV)."""
+    spec = model_spec(*model)
+    host = Device(0, "host memory", 60 * GIB, 64 * GIB, "host")
+    req = PlanRequest()
+    small = make_plan(spec, [Device(0, "RTX 4090", int(free_gib * GIB), 48 * GIB)], host, req)
+    big = make_plan(spec, [Device(0, "RTX 4090", int((free_gib + extra_gib) * GIB), 48 * GIB)], host, req)
+    for a, b in zip(small.options, big.options):
+        assert a.cache_type == b.cache_type
+        if a.verdict == "refused":
+            continue
+        assert b.verdict != "refused"
+        assert a.decode_tokens_per_s is not None and b.decode_tokens_per_s is not None
+        assert b.decode_tokens_per_s >= a.decode_tokens_per_s * (1 - 1e-9), (a, b)
+        assert b.n_ctx >= min(req.min_ctx, big.ctx_cap)
+        # "largest" is the largest over the placements considered
+        assert b.largest_n_ctx >= b.n_ctx and b.largest_n_ctx >= max((c.n_ctx for c in b.candidates), default=0)
+
+
+def test_every_row_has_its_placement_and_speed_in_json_and_table(model_spec: Spec) -> None:
+    from sizing.report import plan_json, plan_table
+
+    spec = model_spec("Qwen3-14B")
+    plan = make_plan(spec, [LAPTOP_GPU], LAPTOP_HOST, PlanRequest())
+    rows = plan_json(plan)["cache_types"]
+    assert isinstance(rows, list)
+    for row, opt in zip(rows, plan.options):
+        assert row["placement"]["n_gpu_layers"] == opt.placement.n_gpu_layers
+        assert row["decode_tokens_per_s"] == round(opt.decode_tokens_per_s or 0, 2) > 0
+        assert row["largest_n_ctx"] >= row["n_ctx"]
+        assert row["sources"] == {"kv": "simulated", "state": "simulated", "compute": "simulated", "output": "simulated"}
+    table = plan_table(plan)
+    assert "decode t/s" in table and f"{plan.options[0].placement.n_gpu_layers}/{spec.n_layer_all + 1} layers" in table
