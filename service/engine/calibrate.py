@@ -72,16 +72,16 @@ def sample_of(result: DryRunResult, spec: ModelSpec) -> Sample | None:
 
 
 def points(spec: ModelSpec, cfg: ContextConfig, floor: int, cap: int) -> list[ContextConfig]:
-    """The contexts to sample for one configuration: ``floor``, ``cap``, where the sliding-window cache stops
-    growing (the compute peak's kink), and midway; one per distinct cell count."""
+    """The contexts to sample for one configuration: ``floor``, ``cap`` and, with a sliding window, where its
+    cache stops growing (the compute peak's kink); one per distinct cell count. Between them the chord bounds a
+    convex peak; the plan's own choice is then measured and the pieces tightened (``service.planning``)."""
     n_stream = 1 if cfg.kv_unified else max(cfg.n_seq_max, 1)
-    wanted = {max(floor, 1), max(cap, 1), pad((floor + cap) // 2)}
+    wanted = {max(floor, 1), max(cap, 1)}
     if spec.swa_layer_count and not cfg.swa_full:
         n_seq = cfg.n_seq_max if cfg.kv_unified else 1
         kink = pad(spec.n_swa * n_seq + cfg.n_ubatch_effective) * n_stream
         if floor < kink < cap:
             wanted.add(kink)
-            wanted.add(pad((kink + cap) // 2))
     out: dict[tuple[int, int], ContextConfig] = {}
     for n in sorted(wanted):
         c = cfg.with_ctx(min(max(n, floor), cap))

@@ -313,9 +313,9 @@
       const layers = layerRanges(est.layers);
       const parts = [
         ["weights", est.weights_mib, layers ? "weights, layers " + layers : "weights"],
-        ["kv", est.kv_mib, "KV"],
+        ["kv", sum([est.kv_mib, est.state_mib]), est.state_mib ? "KV + state" : "KV"],
         ["compute", sum([est.compute_mib, est.output_mib]), "compute"],
-        ["allowance", est.allowance_mib, "allowance"],
+        ["allowance", sum([est.allowance_mib, est.gpu_pool_mib]), "allowance"],
       ];
       for (const [kind, mib, label] of parts) {
         if (isNum(mib) && mib > 0) { segs.push({ kind, mib, label }); need += mib; }
@@ -440,9 +440,15 @@
     for (const c of largest.cache_types || []) {
       const tr = el("tr", { "data-cache-type": c.cache_type, class: c.cache_type === chosen ? "chosen" : null });
       tr.appendChild(el("th", { scope: "row" }, c.cache_type));
+      const fits = c.verdict && c.verdict !== "refused";
       tr.appendChild(el("td", { class: "num", "data-field": "n_ctx" }, fmtInt(c.n_ctx)));
+      tr.appendChild(el("td", { class: "num", "data-field": "largest_n_ctx" }, fits ? fmtInt(c.largest_n_ctx || c.n_ctx) : "–"));
+      tr.appendChild(el("td", { "data-field": "placement" }, fits && c.placement ? (c.placement.description || "") : "–"));
+      tr.appendChild(el("td", { class: "num", "data-field": "decode_tokens_per_s" },
+        isNum(c.decode_tokens_per_s) ? c.decode_tokens_per_s.toFixed(1) : "–"));
       tr.appendChild(el("td", { class: "num", "data-field": "kv_mib" }, fmtMiB(c.kv_mib)));
       tr.appendChild(el("td", { class: "num", "data-field": "total_mib" }, fmtMiB(c.total_mib)));
+      tr.appendChild(el("td", { "data-field": "sources" }, c.sources ? c.sources.compute : "–"));
       tr.appendChild(el("td", { "data-field": "verdict" }, VERDICT_SHORT[c.verdict] || c.verdict || "–"));
       tr.appendChild(el("td", { "data-field": "error" }, c.error || ""));
       tbody.appendChild(tr);

@@ -130,6 +130,11 @@ def test_the_page_loads_and_shows_the_cache_table_of_the_dry_run(browser: Any, s
         assert row["n_ctx"] == str(c["n_ctx"])
         assert row["kv_mib"] == fmt(c["kv_mib"])
         assert row["total_mib"] == fmt(c["total_mib"])
+        # each row reads true: its placement, its predicted speed, the largest context, where figures came from
+        assert row["largest_n_ctx"] == str(c["largest_n_ctx"])
+        assert row["placement"] == c["placement"]["description"]
+        assert row["decode_tokens_per_s"] == f"{c['decode_tokens_per_s']:.1f}"
+        assert row["sources"] == c["sources"]["compute"]
     # The verdict in words, and the estimate of the chosen cache type.
     from selenium.webdriver.common.by import By
 

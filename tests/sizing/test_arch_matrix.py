@@ -83,10 +83,8 @@ def _check_memory(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> Non
 
 def _check_plans(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> int:
     """Plan on a host that limits the context, and on one card; dry-run every row that fits at its context."""
-    weights = spec.weights_bytes
     settings = Settings(min_context=1024)
-    host = Device(0, "host memory", weights + 3 * GIB // 2, weights + 64 * GIB, "host")
-    card = Device(0, "RTX 6000", weights + 2 * GIB, weights + 8 * GIB)
+    host, card = devices_that_limit(spec, settings)
     planned = limited = 0
     for par in (1, 4, 8):
         for gpus in ([], [card]):
@@ -119,6 +117,23 @@ def _check_plans(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> int:
                         f"{case}: llama.cpp needs {need / MIB:.1f} MiB of {host.free_bytes / MIB:.1f}")
     ACCURACY[f"fits confirmed: {name}"] = (0.0, f"{planned} rows, {limited} limited by memory")
     return planned
+
+
+def devices_that_limit(spec: ModelSpec, settings: Settings) -> tuple[Device, Device]:
+    """A host and a card with room for about half the trained context at f16 (simulated): the rows are
+    limited by memory wherever the context costs memory."""
+    from sizing.placement import Placement
+    from sizing.sizer import Sizer
+
+    req = Planner(settings, lambda: ([], Device(0, "h", 0, 0, "host"))).request(LoadOptions())
+    big_host = Device(0, "host memory", spec.weights_bytes + 256 * GIB, spec.weights_bytes + 256 * GIB, "host")
+    big_card = Device(0, "RTX 6000", spec.weights_bytes + 256 * GIB, spec.weights_bytes + 256 * GIB)
+    half = max(spec.n_ctx_train // 2, 2048)
+    on_host = Sizer(spec, [], big_host, req, "f16").estimate(Placement(), half).host.total_bytes
+    full = Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,))
+    on_card = Sizer(spec, [big_card], big_host, req, "f16").estimate(full, half).gpus[0].total_bytes
+    return (Device(0, "host memory", on_host, on_host + 64 * GIB, "host"),
+            Device(0, "RTX 6000", on_card, on_card + 8 * GIB))
 
 
 @pytest.mark.slow
