@@ -1,92 +1,255 @@
-"""Partial offload on a real GPU: predicted against measured speed, per candidate placement.
+"""GPU memory truth: the plan's figures against llama.cpp's allocations and the card's peak (NVML), per device.
 
-For a machine with an NVIDIA GPU and a CUDA build of llama-cpp-python
-(``CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python==0.3.36``, or a
-prebuilt CUDA wheel). Loads the embedded gemma-3-270m with a shrunk VRAM budget
-(``--budget-mib``, default 600) so only some layers fit, plans the partial
-offload for that budget with the live card's name and bandwidth, then for each
-listed candidate loads the model with that n_gpu_layers and measures decode and
-prompt tokens/s. Prints predicted against measured and the llama.cpp
-allocations beside the plan. Bounded: about 20 s per candidate.
+For a machine with an NVIDIA GPU and a CUDA build of llama-cpp-python 0.3.36
+(``CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python==0.3.36``). One short run, four cases:
 
-    python bench/offload_gpu.py [--budget-mib 600] [--model PATH] [--candidates 6]
+- ``one-card``: the embedded gemma-3-270m (or ``--model``), every layer on the card;
+- ``split-like``: the card declared as two halves, the plan split over them, loaded on the one card
+  with the plan's translated parameters (what two cards would hold, summed: both allowances and pool
+  bounds, pipeline-parallel copies);
+- ``partial-offload``: the card shrunk to ``--budget-mib`` so only some layers fit;
+- ``moe-override``: a MoE header-only fixture (OLMoE-1B-7B, Q4_K_M, written sparse: its weights read
+  as zeros) with the experts of half its blocks pinned to host memory (``tensor_buft_overrides``).
+
+For each: the plan (pure, with the live card's name and free memory), then a real load with exactly
+the plan's parameters (``service.engine.params``), a prompt of ``--prompt-tokens`` and a few decoded
+tokens, while a thread samples NVML's used memory every 2 ms. Printed per device: predicted (weights,
+KV + state, compute, allowance + CUDA pool bound), llama.cpp's allocations (its log), NVML's growth
+after the load and at the peak. The plan holds where ``peak <= predicted``.
+
+    python bench/offload_gpu.py [--budget-mib 600] [--model PATH] [--n-ctx 4096] [--cases one-card,split-like,...]
+
+Not run in this project yet (no GPU machine was available): the figures it prints are the first
+measurement of ``sizing.gpu``'s bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sizing.devices import MIB, Device, host_memory, nvml_devices  # noqa: E402
+from sizing.device import MIB, Device  # noqa: E402
+from sizing.devices import host_memory, nvml_devices  # noqa: E402
 from sizing.gguf import probe_path  # noqa: E402
-from sizing.plan import PlanRequest, make_plan  # noqa: E402
+from sizing.plan import Plan, PlanRequest, make_plan  # noqa: E402
 from sizing.report import plan_table  # noqa: E402
 
+CASES = ("one-card", "split-like", "partial-offload", "moe-override")
 
-def measure(path: str, ngl: int, n_ctx: int, prompt_tokens: int, gen_tokens: int) -> tuple[float, float, list[str]]:
-    from llama_cpp import Llama
 
-    from service.engine.llama import _LogTap
+class NvmlPeak:
+    """Used memory of one GPU, sampled in a thread: the baseline, the last and the highest figure."""
 
-    _LogTap.install()
-    lines = _LogTap.start()
-    llm = Llama(model_path=path, n_gpu_layers=ngl, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=True,
-                swa_full=False, verbose=False, type_k=8, type_v=8)
-    _LogTap.stop()
-    try:
-        prompt = list(range(1000, 1000 + prompt_tokens))
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prompt)
-        prompt_tps = prompt_tokens / (time.perf_counter() - t)
-        t = time.perf_counter()
-        n = 0
-        for tok in llm.generate([2, 1000], temp=0.0, top_k=1):
-            n += 1
-            if n >= gen_tokens:
+    def __init__(self, index: int = 0, period_s: float = 0.002) -> None:
+        import pynvml  # type: ignore[import-untyped]
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.period_s = period_s
+        self.base = self.used()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def used(self) -> int:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.used())
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> "NvmlPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.used())
+
+
+@dataclass
+class Measured:
+    allocations: dict[str, dict[str, float]]
+    """llama.cpp's log: per buffer name, weights / kv / compute MiB."""
+    after_load_mib: float
+    peak_mib: float
+    log: list[str]
+
+
+def load_and_run(path: str, plan: Plan, prompt_tokens: int, gen_tokens: int) -> Measured:
+    """Load with the plan's exact parameters, evaluate a prompt, decode a few tokens; NVML around it all."""
+    import llama_cpp
+
+    from service.engine import loglines as L
+    from service.engine.params import apply_context_params, apply_model_params, plan_params
+
+    lines: list[str] = []
+    partial = [""]
+
+    @llama_cpp.llama_log_callback  # type: ignore[misc]
+    def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        s = partial[0] + (text.decode("utf-8", "replace") if text else "")
+        *done, partial[0] = s.split("\n")
+        lines.extend(done)
+
+    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    mp_values, cp_values = plan_params(plan)
+    with NvmlPeak() as nv:
+        mp = llama_cpp.llama_model_default_params()
+        keep = apply_model_params(mp, mp_values)
+        model = llama_cpp.llama_model_load_from_file(path.encode(), mp)
+        if not model:
+            raise RuntimeError("llama.cpp could not load the model:\n" + "\n".join(lines[-10:]))
+        cp = llama_cpp.llama_context_default_params()
+        apply_context_params(cp, cp_values)
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create the context:\n" + "\n".join(lines[-10:]))
+        after_load = nv.used()
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        tokens = [(1000 + i) % max(n_vocab - 1, 1) for i in range(prompt_tokens)]
+        n_batch = cp_values.n_batch
+        pos = 0
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            arr = (llama_cpp.llama_token * len(chunk))(*chunk)
+            batch = llama_cpp.llama_batch_get_one(arr, len(chunk))
+            if llama_cpp.llama_decode(ctx, batch) != 0:
                 break
-        decode_tps = n / (time.perf_counter() - t)
-    finally:
-        llm.close()
-    return decode_tps, prompt_tps, [ln for ln in lines if "buffer size" in ln or "offloaded" in ln]
+            pos += len(chunk)
+        for _ in range(gen_tokens):
+            arr = (llama_cpp.llama_token * 1)(2)
+            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, 1)) != 0:
+                break
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+        del keep
+    allocations: dict[str, dict[str, float]] = {}
+    for ln in lines:
+        for kind, rx in (("weights", L.MODEL_BUFFER), ("kv", L.KV_BUFFER), ("compute", L.COMPUTE_BUFFER),
+                         ("state", L.RS_BUFFER)):
+            if m := rx.search(ln):
+                allocations.setdefault(m.group(1), {}).setdefault(kind, 0.0)
+                allocations[m.group(1)][kind] += float(m.group(2))
+    return Measured(allocations, (after_load - nv.base) / MIB, (nv.peak - nv.base) / MIB, lines)
+
+
+def _print_case(name: str, plan: Plan, m: Measured) -> None:
+    est = plan.estimate
+    assert est is not None
+    print(f"\n== {name}: {plan.verdict}, n_ctx {plan.cfg.n_ctx}, {plan.cfg.type_k}, n_gpu_layers "
+          f"{plan.placement.n_gpu_layers}, n_cpu_moe {plan.placement.n_cpu_moe}")
+    print(f"{'device':<10} {'pred weights':>12} {'pred kv+st':>10} {'pred comp':>9} {'pred allow':>10} "
+          f"{'pred total':>10} | {'llama weights':>13} {'kv':>8} {'compute':>8} | {'nvml load':>9} {'nvml peak':>9}  holds")
+    gpu_devs = [d for d in est.gpus]
+    planned_total = sum(d.total_bytes for d in gpu_devs) / MIB
+    cuda = {k: v for k, v in m.allocations.items() if k.startswith("CUDA") and not k.endswith("_Host")}
+    for d in gpu_devs:
+        a = cuda.get(d.device, {}) if d.device in cuda else {}
+        print(f"{d.device:<10} {d.weights_bytes / MIB:12.1f} {(d.kv_bytes + d.state_bytes) / MIB:10.1f} "
+              f"{d.compute_bytes / MIB:9.1f} {(d.allowance_bytes + d.pool_bytes) / MIB:10.1f} {d.total_bytes / MIB:10.1f} | "
+              f"{a.get('weights', 0.0):13.1f} {a.get('kv', 0.0) + a.get('state', 0.0):8.1f} {a.get('compute', 0.0):8.1f} |")
+    llama_gpu = sum(sum(v.values()) for v in cuda.values())
+    print(f"{'all cards':<10} {'':>12} {'':>10} {'':>9} {'':>10} {planned_total:10.1f} | {llama_gpu:13.1f} {'':>8} {'':>8} | "
+          f"{m.after_load_mib:9.1f} {m.peak_mib:9.1f}  {'yes' if m.peak_mib <= planned_total else 'NO'}")
+    host = m.allocations.get("CPU", {})
+    print(f"{'host':<10} {est.host.weights_bytes / MIB:12.1f} {(est.host.kv_bytes + est.host.state_bytes) / MIB:10.1f} "
+          f"{est.host.compute_bytes / MIB:9.1f} {'':>10} {est.host.total_bytes / MIB:10.1f} | "
+          f"{host.get('weights', 0.0):13.1f} {host.get('kv', 0.0):8.1f} {host.get('compute', 0.0):8.1f} |")
+
+
+def _plan_on(spec_path: str, gpus: list[Device], req: PlanRequest) -> Plan:
+    return make_plan(probe_path(spec_path), gpus, host_memory(), req)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budget-mib", type=float, default=600.0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--candidates", type=int, default=6)
+    ap.add_argument("--budget-mib", type=float, default=600.0, help="card size for the partial-offload case")
+    ap.add_argument("--model", default=None, help="GGUF for the dense cases (default: the embedded gemma-3-270m)")
     ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=8)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the MoE fixture is written (sparse)")
     args = ap.parse_args()
     gpus = nvml_devices()
     if not gpus:
-        print("no NVIDIA GPU visible through NVML; this benchmark needs one", file=sys.stderr)
+        print("no NVIDIA GPU visible through NVML; this benchmark needs one (and a CUDA build of llama-cpp-python)",
+              file=sys.stderr)
         return 2
+    real = gpus[0]
     path = args.model
     if path is None:
         from service.models import embedded_model_path
 
         path = embedded_model_path()
+    req = PlanRequest(n_ctx=args.n_ctx, cache_types=("q8_0",), cache_type="q8_0")
+    print(f"GPU {real.name}: {real.free_mib:.0f} MiB free of {real.total_mib:.0f}")
+    cases: dict[str, Callable[[], tuple[str, Plan]]] = {
+        "one-card": lambda: (path, _plan_on(path, [real], req)),
+        "split-like": lambda: (path, _split_like(path, real, req)),
+        "partial-offload": lambda: (path, _plan_on(
+            path, [Device(0, real.name, int(args.budget_mib * MIB), real.total_bytes)], replace(req, allowance_bytes=0))),
+        "moe-override": lambda: _moe(args.dir, real, req),
+    }
+    failed = 0
+    for name in args.cases.split(","):
+        model_path, plan = cases[name]()
+        if not plan.fits:
+            print(f"\n== {name}: the plan refuses ({'; '.join(plan.reasons)}); skipped")
+            continue
+        try:
+            m = load_and_run(model_path, plan, args.prompt_tokens, args.gen_tokens)
+        except RuntimeError as exc:
+            print(f"\n== {name}: {exc}")
+            failed += 1
+            continue
+        _print_case(name, plan, m)
+        if "--verbose" in sys.argv:
+            print(plan_table(plan))
+    return 1 if failed else 0
+
+
+def _split_like(path: str, real: Device, req: PlanRequest) -> Plan:
+    """The card as two halves: the plan splits over them; the load puts both halves on the one card (the
+    translation maps the plan's second device to index 1, which llama.cpp does not have, so it is folded back)."""
+    half = real.free_bytes // 2
+    halves = [Device(0, real.name, half, real.total_bytes // 2), Device(1, real.name, half, real.total_bytes // 2)]
+    plan = _plan_on(path, halves, replace(req, gpu="all"))
+    if plan.fits:
+        # one real device: the same layers, all on it (the figures to compare are the two halves' sum)
+        plan = replace(plan, gpus=(real,), placement=replace(plan.placement, gpus=(0,), tensor_split=(1.0,)))
+    return plan
+
+
+def _moe(directory: str, real: Device, req: PlanRequest) -> tuple[str, Plan]:
+    from sizing.gguf.fixtures import write_fixture
+
+    path = write_fixture("OLMoE-1B-7B", directory, "q4_k_m")
     spec = probe_path(path)
-    real = gpus[0]
-    shrunk = Device(0, real.name, int(args.budget_mib * MIB), real.total_bytes)
-    plan = make_plan(spec, [shrunk], host_memory(), PlanRequest(n_ctx=args.n_ctx, allowance_bytes=0))
-    print(f"GPU {real.name}: {real.free_mib:.0f} MiB free, planning for a budget of {args.budget_mib:.0f} MiB")
-    print(plan_table(plan))
-    print()
-    print(f"{'candidate':<62} {'ngl':>4} {'pred dec':>9} {'meas dec':>9} {'pred pp':>9} {'meas pp':>9}")
-    rows = plan.candidates[: args.candidates] or ()
-    for c in rows:
-        dec, pp, lines = measure(path, c.placement.n_gpu_layers, args.n_ctx, 512, 64)
-        print(f"{c.description:<62} {c.placement.n_gpu_layers:>4} {c.decode_tokens_per_s:9.1f} {dec:9.1f} "
-              f"{c.prompt_tokens_per_s:9.1f} {pp:9.1f}")
-        for ln in lines:
-            print("    llama.cpp:", ln.strip())
-    return 0
+    plan = make_plan(spec, [real], host_memory(), req)
+    if plan.fits and plan.placement.n_gpu_layers:
+        from sizing.sizer import Sizer
+
+        # the experts of half the blocks in host memory, whatever fits: the override case itself
+        pinned = replace(plan.placement, n_cpu_moe=spec.n_layer // 2)
+        sz = Sizer(spec, [real], host_memory(), req, plan.cfg.type_k)
+        plan = replace(plan, placement=pinned, estimate=sz.estimate(pinned, plan.cfg.n_ctx))
+    return path, plan
 
 
 if __name__ == "__main__":

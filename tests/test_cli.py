@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -65,3 +67,28 @@ def test_probe_of_a_non_gguf_file_is_a_clean_error(tmp_path) -> None:  # type: i
     assert r.returncode == 2
     assert "magic" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("bench", ["offload_gpu", "memory_accuracy"])
+def test_the_memory_benches_import_and_offload_gpu_says_it_needs_a_gpu(bench: str) -> None:
+    """bench/offload_gpu.py cannot run here (no GPU): it must import cleanly and exit 2 with a reason."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{bench}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{bench}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    assert callable(mod.main)
+    from sizing.devices import nvml_devices
+
+    if bench == "offload_gpu" and not nvml_devices():
+        r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "needs one" in r.stderr

@@ -114,3 +114,12 @@ def test_gpt_oss_slides_every_other_layer(fixture_spec: Callable[..., ModelSpec]
     spec = fixture_spec("gpt-oss-20b")
     assert [l.is_swa for l in spec.layers[:4]] == [True, False, True, False]
     assert spec.n_swa == 128
+
+
+def test_docs_say_for_every_architecture_whether_it_is_simulated_or_measured() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines() if line.startswith("| ") and line.count("|") == 7}
+    for name, t in archs.ARCHS.items():
+        assert name in rows, f"docs/memory.md does not list {name}"
+        expected = ("no memory" if t.memory == "none" else "simulated (CPU)" if t.mirrored else "| measured |")
+        assert expected in rows[name], (name, rows[name])
