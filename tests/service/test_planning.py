@@ -192,3 +192,27 @@ def test_file_identity_changes_with_the_file(tmp_path: "pytest.TempPathFactory")
     assert FileIdentity.of([str(p)]) == a
     os.truncate(p, 128)
     assert FileIdentity.of([str(p)]) != a
+
+
+@pytest.mark.slow
+def test_the_dry_run_endpoint_answers_with_llama_cpps_figures_and_says_so(service_factory: object,
+                                                                          tmp_path: "pytest.TempPathFactory") -> None:
+    """Over HTTP: a model whose graph is not mirrored is calibrated (sources: measured), the second answer
+    comes from the cache, and the plan JSON carries every row's placement and speed."""
+    from pathlib import Path
+
+    models = Path(str(tmp_path)) / "models"
+    name = Path(write_fixture(UNMIRRORED, models)).stem  # a sparse file: a link would leave the models dir
+    svc = service_factory(GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="")  # type: ignore[operator]
+    body = {"model": name, "gpus": [{"name": "RTX 3060", "free_mib": 3000, "total_mib": 12288}]}
+    r = svc.client.post("/api/dry-run", json=body)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["figures"]["compute"] == "measured" and plan["calibration"]["backend"] == "CPU"
+    for row in plan["cache_types"]:
+        assert row["sources"]["compute"] == "measured" and row["sources"]["state"] == "measured"
+        assert row["placement"]["description"] and row["decode_tokens_per_s"] > 0
+    samples = plan["calibration"]["samples"]
+    again = svc.client.post("/api/dry-run", json=body).json()
+    assert again["calibration"]["samples"] == samples  # nothing new was measured
+    assert [c["n_ctx"] for c in again["cache_types"]] == [c["n_ctx"] for c in plan["cache_types"]]

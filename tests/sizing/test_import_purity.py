@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-CORE = ["sizing.spec", "sizing.config", "sizing.ggml", "sizing.kv", "sizing.compute", "sizing.graph_alloc", "sizing.memory",
+CORE = ["sizing.arch", "sizing.device", "sizing.reserve", "sizing.gpu", "sizing.measured", "sizing.request", "sizing.sizer",
+        "sizing.spec", "sizing.config", "sizing.ggml", "sizing.kv", "sizing.compute", "sizing.graph_alloc", "sizing.memory",
         "sizing.fit", "sizing.placement", "sizing.plan", "sizing.offload", "sizing.speed", "sizing.report"]
 FORBIDDEN = ["llama_cpp", "fastapi", "numpy", "gguf", "pynvml"]
 
