@@ -256,7 +256,8 @@ class Planner:
               req: PlanRequest, floor: int, cap: int
               ) -> dict[ModelParams, list[tuple[ConfigKey, str | None, ContextConfig]]]:
         """What to measure next: the sample points of each row not calibrated yet, and each row's chosen context
-        where it was not measured."""
+        where it was not measured. Each point is filed under its own configuration key (n_ubatch follows a
+        context shorter than n_batch)."""
         todo: dict[ModelParams, list[tuple[ConfigKey, str | None, ContextConfig]]] = {}
         for opt in plan.options:
             if opt.refusal == "INVALID_CONFIG":
@@ -266,24 +267,25 @@ class Planner:
                 flash = resolve_flash_attn(base, spec)
             except ConfigError:
                 continue
-            key = ConfigKey.of(base, flash)
             pl = opt.placement
             if backend == "CPU":
                 pkey, mp = None, ModelParams()
             else:
                 pkey = placement_key(pl.n_gpu_layers, pl.tensor_split, pl.n_cpu_moe)
                 mp = model_params(pl, [g.index for g in gpus], n_devices=len(gpus))
-            if cal.refusal(key, pkey) is not None:
-                continue
             items = todo.setdefault(mp, [])
-            got = cal.get(key, pkey)
-            if got is None:
-                items.extend((key, pkey, c) for c in points(spec, base, floor, cap))
             chosen = context_config(req, opt.cache_type, opt.n_ctx or floor)
-            cells = kv_cells(spec, chosen)
-            if (got is None or got.sampled_at(cells.full, cells.swa) is None) and not any(
-                    k == key and kv_cells(spec, c) == cells for k, _, c in items):
-                items.append((key, pkey, chosen))
+            wanted = [] if cal.get(ConfigKey.of(chosen, flash), pkey) is not None else points(spec, base, floor, cap)
+            for c in [*wanted, chosen]:
+                key = ConfigKey.of(c, flash)
+                if cal.refusal(key, pkey) is not None:
+                    continue
+                cells = kv_cells(spec, c)
+                got = cal.get(key, pkey)
+                if got is not None and got.sampled_at(cells.full, cells.swa) is not None:
+                    continue
+                if not any(k == key and p == pkey and kv_cells(spec, x) == cells for k, p, x in items):
+                    items.append((key, pkey, c))
         return {mp: items for mp, items in todo.items() if items}
 
     def _absorb(self, spec: ModelSpec, cal: Calibration, items: Sequence[tuple[ConfigKey, str | None, ContextConfig]],

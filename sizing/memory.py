@@ -190,14 +190,11 @@ def estimate(
     def layer_weights(layers: Sequence[int]) -> int:
         return sum(spec.layers[il].weights_bytes for il in layers)
 
-    # KV and state per device: the layers' own caches (offload_kqv keeps them with their layer).
-    groups = ([host_layers] if cfg.offload_kqv else [list(range(n_all))]) + [
-        (g if cfg.offload_kqv else []) for g in per_gpu_layers]
-    kv = [sum(kv_split_bytes(spec, cfg, flash, g)) if g or i == 0 else 0 for i, g in enumerate(groups)]
+    # KV and state per device (host first): each layer's cache lives with its layer (offload_kqv), else on the host.
+    groups = [host_layers, *per_gpu_layers] if cfg.offload_kqv else [list(range(n_all)), *([] for _ in per_gpu_layers)]
+    kv = [sum(kv_split_bytes(spec, cfg, flash, g)) if g else 0 for g in groups]
     state = [recurrent_state_bytes(spec, cfg, g) if g else 0 for g in groups]
-    if placement.cpu_only:
-        kv = [sum(kv_split_bytes(spec, cfg, flash)), *kv[1:]]
-        state = [recurrent_state_bytes(spec, cfg), *state[1:]]
+    sizes = [len(g) for g in groups]
     sources = FigureSources()
     out_bytes = output_buffer_bytes(spec, cfg)
     measured_cpu = figures is not None and measured_on == "CPU" and "CPU" in figures.compute_bytes
@@ -211,16 +208,17 @@ def estimate(
             exact = (abs(full_p - (figures.kv_full_bytes or 0)) <= _LOG_RESOLUTION_BYTES
                      and abs(swa_p - (figures.kv_swa_bytes or 0)) <= _LOG_RESOLUTION_BYTES)
             if not exact:
-                kv = _share(figures.kv_bytes, kv)
+                kv = _share(figures.kv_bytes, kv if any(kv) else sizes)
             src_kv = "measured"
         src_state: Source = "simulated"
         if figures.state_bytes is not None:
             if abs(sum(state) - figures.state_bytes) > _LOG_RESOLUTION_BYTES:
-                state = _share(figures.state_bytes, state)
+                state = _share(figures.state_bytes, state if any(state) else sizes)
             src_state = "measured"
         src_out: Source = "simulated"
         if figures.output_bytes is not None:
-            out_bytes = max(out_bytes, figures.output_bytes) if abs(out_bytes - figures.output_bytes) > _LOG_RESOLUTION_BYTES else out_bytes
+            if abs(out_bytes - figures.output_bytes) > _LOG_RESOLUTION_BYTES:
+                out_bytes = max(out_bytes, figures.output_bytes)
             src_out = "measured"
         src_compute: Source = "simulated"
         if measured_cpu:
