@@ -227,6 +227,8 @@ class ModelManager:
                     if not serving:
                         self.current = state
                     raise
+            # The dry-run workers hold no model, but on a GPU build a device context each: gone before the load.
+            await asyncio.to_thread(self.planner.release)
             # With the plan counting on the current model's memory, it must go first.
             must_unload_first = serving and previous is not None and not _fits_beside(plan, previous)
             self.current = state

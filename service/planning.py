@@ -379,6 +379,11 @@ class Planner:
         self.calibrator.store(ident, cal)
         return self._calibrated(spec, path, ident, backend, plan.gpus, plan.host, plan.request)
 
+    def release(self) -> None:
+        """Stop the dry-run workers (before a real load: on a GPU build each holds a device context)."""
+        if self.calibrator is not None:
+            self.calibrator.release()
+
     def close(self) -> None:
         if self.calibrator is not None:
             self.calibrator.close()

@@ -91,9 +91,14 @@ def points(spec: ModelSpec, cfg: ContextConfig, floor: int, cap: int) -> list[Co
 
 
 class Calibrator:
-    """Dry-run workers and the calibrations they measured. Thread-safe; blocking (call from a thread)."""
+    """Dry-run workers and the calibrations they measured. Thread-safe; blocking (call from a thread).
 
-    def __init__(self, *, timeout_s: float = 60.0, idle_s: float = 120.0, max_workers: int = 2) -> None:
+    A worker on a GPU build holds a device context (hundreds of MiB of VRAM) while it lives: idle workers
+    are closed after ``idle_s`` by a reaper thread, and the service closes them all before a real load
+    (``release``), so that neither the load nor the next plan's free-memory figures pay for them.
+    """
+
+    def __init__(self, *, timeout_s: float = 60.0, idle_s: float = 30.0, max_workers: int = 2) -> None:
         self.timeout_s = timeout_s
         self.idle_s = idle_s
         self.max_workers = max_workers
@@ -101,8 +106,25 @@ class Calibrator:
         self._cache: dict[tuple[FileIdentity, str], Calibration] = {}
         self._backends: dict[FileIdentity, str] = {}
         self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self._closed = threading.Event()
         self.dry_runs = 0
         """Contexts measured so far (for reports and tests: a cached answer measures none)."""
+
+    def _reap_idle(self) -> None:
+        while not self._closed.wait(max(self.idle_s / 4, 0.5)):
+            now = time.monotonic()
+            with self._lock:
+                idle = [(k, w) for k, w in self._workers.items() if now - w.last_used > self.idle_s]
+                for k, _ in idle:
+                    del self._workers[k]
+            for _, w in idle:
+                w.close()
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap_idle, name="calibration-reaper", daemon=True)
+            self._reaper.start()
 
     def _worker(self, path: str, model: ModelParams) -> DryRunWorker:
         key = (path, model)
@@ -119,6 +141,7 @@ class Calibrator:
             w = DryRunWorker(path, model, load_timeout_s=self.timeout_s)
             self._workers[key] = w
         self._workers.move_to_end(key)
+        w.last_used = now  # handed out: not idle (the reaper checks under the same lock)
         return w
 
     def measure(self, path: str, model: ModelParams, cfgs: Sequence[ContextConfig]) -> list[DryRunResult]:
@@ -126,6 +149,7 @@ class Calibrator:
         if not cfgs:
             return []
         with self._lock:
+            self._start_reaper()
             w = self._worker(path, model)
         t = time.perf_counter()
         out = w.measure(cfgs, timeout_s=self.timeout_s)
@@ -171,11 +195,16 @@ class Calibrator:
             for k in [k for k in self._cache if k[0] == ident]:
                 del self._cache[k]
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close every worker now (before a real load); the calibrations stay cached."""
         with self._lock:
             workers, self._workers = list(self._workers.values()), OrderedDict()
         for w in workers:
             w.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.release()
 
 
 def add_samples(cal: Calibration, spec: ModelSpec, key: ConfigKey, results: Sequence[DryRunResult],
