@@ -394,7 +394,8 @@ class ModelManager:
                         "compute_mib": round(a.compute_bytes / MIB, 2),
                         "output_mib": round(a.output_bytes / MIB, 2),
                     },
-                    "predicted_mib": round((predicted[a.device].total_bytes - predicted[a.device].allowance_bytes) / MIB, 2)
+                    "predicted_mib": round((predicted[a.device].total_bytes - predicted[a.device].allowance_bytes
+                                            - predicted[a.device].pool_bytes) / MIB, 2)
                     if a.device in predicted else None,
                 }
                 for a in state.report.allocations
