@@ -207,10 +207,18 @@ class ModelManager:
         The load waits up to ``load_wait_s`` for running generations (then ``Busy``, 409, and the current
         model keeps serving); ``force`` ends them instead."""
         async with self._load_lock:
-            entry, plan = await self.plan(name, opts)
-            raise_refusal(plan)
             previous = self.current
             serving = previous is not None and previous.state == "loaded"
+            if not serving:
+                # /ready says loading from the start; planning (probe, calibration) runs in a thread
+                self.current = ModelState(name=str(name)[:200], state="loading")
+            try:
+                entry, plan = await self.plan(name, opts)
+                raise_refusal(plan)
+            except BaseException:
+                if not serving:
+                    self.current = previous  # a refusal changes nothing
+                raise
             state = ModelState(name=entry.name, state="loading", plan=plan, path=entry.path)
             if not serving:
                 self.current = state  # /ready: loading (a loaded model keeps serving until the swap itself)

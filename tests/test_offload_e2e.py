@@ -10,7 +10,9 @@ from tests.conftest import EMBEDDED_NAME
 
 pytestmark = pytest.mark.slow
 
-SMALL_CARD = [{"name": "NVIDIA GeForce RTX 3060", "free_mib": 700, "total_mib": 12288}]
+# Room for some layers only: the model's 514 MiB compute buffer (a 262k-token vocabulary's logits) and the
+# CUDA pool bound every GPU plan carries (sizing.gpu) leave part of the weights on the host.
+SMALL_CARD = [{"name": "NVIDIA GeForce RTX 3060", "free_mib": 800, "total_mib": 12288}]
 
 
 def test_a_card_too_small_gives_a_partial_offload_that_serves(service_factory):  # type: ignore[no-untyped-def]
@@ -24,7 +26,7 @@ def test_a_card_too_small_gives_a_partial_offload_that_serves(service_factory): 
     assert 0 < ngl < plan["model"]["block_count"] + 1
     # What the card holds is within its free memory; the rest is on the host.
     card = next(d for d in plan["estimate"]["devices"] if d["device"] == "CUDA0")
-    assert card["total_mib"] <= 700
+    assert card["total_mib"] <= SMALL_CARD[0]["free_mib"]
     host = next(d for d in plan["estimate"]["devices"] if d["device"] == "CPU")
     assert len(card["layers"]) + len(host["layers"]) == 18
     # The engine got the planned placement (this CPU build of llama.cpp runs it on the CPU) and serves.
