@@ -54,8 +54,8 @@ from .settings import Settings
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 6
-"""Solve-and-confirm rounds before a plan is taken as it stands (each is one batch of dry runs)."""
+MAX_ROUNDS = 10
+"""Solve-and-confirm rounds (each one batch of dry runs) before the plan falls back to measured contexts only."""
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,11 @@ class Planner:
             self.calibrator.store(ident, cal)
             plan = make_plan(spec, gpus, host, req, calibration=cal)
         else:
-            log.warning("calibration of %s did not settle in %d rounds", spec.name, MAX_ROUNDS)
+            # llama.cpp's compute peak is not monotone in the context: a search can keep finding contexts not
+            # measured yet. Only measured ones may be chosen then.
+            log.warning("calibration of %s did not settle in %d rounds: choosing among measured contexts only",
+                        spec.name, MAX_ROUNDS)
+            plan = make_plan(spec, gpus, host, req, calibration=replace(cal, strict=True))
         if measured:
             log.info("calibrated %s (%s backend): %d dry runs in %.2f s, %d samples cached", spec.name, backend,
                      measured, time.perf_counter() - t0, cal.n_samples)

@@ -10,12 +10,15 @@ module only holds them and reads figures off them:
   cache is linear in its cells, the sliding-window cache in its cells, the state
   constant; one sample gives the bytes per cell (the log's 0.01 MiB rounded up).
 - compute buffer: within one graph structure every tensor's size is linear in the
-  KV cells and the allocator's peak is a maximum over the graph's phases: convex
-  and piecewise linear in the full cells (and in the sliding cells, which stop
-  growing at the window: ``sizing.kv.kv_cells``). Between two samples the chord
-  lies above a convex function, so interpolating is an upper bound; below the
-  first sample its figure bounds every shorter context; above the last sample it
-  is extrapolated along the last chord and marked so (``ComputeFigure.exact``).
+  KV cells, so the allocator's peak is piecewise linear in the full cells (and in
+  the sliding cells, which stop growing at the window: ``sizing.kv.kv_cells``).
+  It is **neither convex nor monotone**: the best-fit allocator's choices change
+  with the sizes (measured with llama.cpp: gpt-oss-20b, f16, flash attention,
+  511.00 MiB at one context and 409.63 MiB at a longer one; Jamba-Mini-1.5 and
+  Qwen3-Next 30 MiB above the chord between two samples). So a figure between two
+  samples (the chord) is an estimate for the search, and the service measures
+  every context a plan chooses (``service.planning``); with ``strict`` only
+  measured contexts count (the fallback when the search does not settle).
 
 The planner asks for a figure at a configuration (``Calibration.figures``); when
 there is none it simulates. Every estimate records which it used
@@ -154,7 +157,13 @@ class Calibrated:
         slope = max((y1 - y0) / (x1 - x0), 0.0) if x1 != x0 else 0.0
         return ComputeFigure(int(math.ceil(y1 + slope * (full_cells - x1))), False)
 
-    def figures(self, full_cells: int, swa_cells: int) -> Figures:
+    def figures(self, full_cells: int, swa_cells: int, strict: bool = False) -> Figures:
+        """The figures at these cells; with ``strict``, a context that was not measured gets no room at all
+        (a compute buffer too large for any device), so only measured contexts can be chosen."""
+        if strict and self.sampled_at(full_cells, swa_cells) is None:
+            never = 1 << 60
+            devices = sorted({d for s in self.samples for d in s.compute_bytes}) or ["CPU"]
+            return Figures(None, None, None, {d: never for d in devices}, None, exact=False)
         n_stream_full = self._per_cell("kv_full_bytes", "full_cells")
         n_stream_swa = self._per_cell("kv_swa_bytes", "swa_cells")
         devices = sorted({d for s in self.samples for d in s.compute_bytes})
@@ -190,6 +199,8 @@ class Calibration:
     configs: Mapping[tuple[ConfigKey, str | None], Calibrated] = field(default_factory=dict)
     refusals: Mapping[tuple[ConfigKey, str | None], str] = field(default_factory=dict)
     """Configurations llama.cpp refused to create, with its reason (the plan refuses them too)."""
+    strict: bool = False
+    """Only measured contexts fit (``Calibrated.figures``)."""
 
     def _k(self, key: ConfigKey, placement: str | None) -> tuple[ConfigKey, str | None]:
         return (key, placement if self.backend != "CPU" else None)
@@ -203,12 +214,12 @@ class Calibration:
     def with_config(self, cal: Calibrated, placement: str | None = None) -> "Calibration":
         configs = dict(self.configs)
         configs[self._k(cal.key, placement)] = cal
-        return Calibration(self.backend, configs, self.refusals)
+        return Calibration(self.backend, configs, self.refusals, self.strict)
 
     def with_refusal(self, key: ConfigKey, placement: str | None, reason: str) -> "Calibration":
         refusals = dict(self.refusals)
         refusals[self._k(key, placement)] = reason
-        return Calibration(self.backend, self.configs, refusals)
+        return Calibration(self.backend, self.configs, refusals, self.strict)
 
     @property
     def n_samples(self) -> int:

@@ -90,7 +90,7 @@ class Sizer:
         if c is None:
             return None
         cells = kv_cells(self.spec, cfg)
-        return c.figures(cells.full, cells.swa)
+        return c.figures(cells.full, cells.swa, strict=cal.strict)
 
     def estimate(self, placement: Placement, n_ctx: int) -> MemoryEstimate:
         labels = [self.gpus[i].label for i in placement.gpus]

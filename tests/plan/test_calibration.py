@@ -105,3 +105,27 @@ def test_a_gpu_plan_carries_the_cuda_pool_bound(model_spec: Callable[..., ModelS
     assert plan.estimate.host.pool_bytes == 0
     # FA with a quantized cache: the CUDA buffer holds F16 copies of K and V the CPU graph does not
     assert g.compute_bytes > estimate(spec, cfg).host.compute_bytes
+
+
+def test_strict_calibration_chooses_only_measured_contexts(model_spec: Callable[..., ModelSpec]) -> None:
+    """llama.cpp's compute peak is not monotone in the context, so when the search does not settle the plan
+    may only take a context llama.cpp measured."""
+    from dataclasses import replace
+
+    spec = model_spec("Qwen3-14B")
+    req = PlanRequest(cache_types=("f16",), cache_type="f16", min_ctx=4096)
+    samples = []
+    for n in (4096, 9984, 40960):
+        cfg = context_config(req, "f16", n)
+        est = estimate(spec, cfg)
+        cells = kv_cells(spec, cfg)
+        full, _ = kv_split_bytes(spec, cfg, True)
+        samples.append(Sample(n, cells.full, cells.swa, full, 0, 0, {"CPU": est.host.compute_bytes}, est.host.output_bytes))
+    key = ConfigKey.of(context_config(req, "f16", 4096), True)
+    cal = Calibration("CPU").with_config(Calibrated(key, tuple(samples)))
+    host = Device(0, "host memory", spec.weights_bytes + 4 * GIB, 64 * GIB, "host")
+    loose = make_plan(spec, [], host, req, calibration=cal)
+    strict = make_plan(spec, [], host, req, calibration=replace(cal, strict=True))
+    assert loose.cfg.n_ctx not in (4096, 9984, 40960)  # the search lands between samples
+    assert strict.cfg.n_ctx in (4096, 9984) and strict.cfg.n_ctx <= loose.cfg.n_ctx
+    assert strict.estimate is not None and strict.estimate.host.total_bytes <= host.free_bytes

@@ -8,7 +8,6 @@ figures disagree, the tensor split llama.cpp receives, and a worker that survive
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
 
 import pytest
 
@@ -22,7 +21,7 @@ from sizing.config import ContextConfig
 from sizing.device import MIB, Device
 from sizing.gguf import probe_path
 from sizing.gguf.fixtures import write_fixture
-from sizing.measured import Calibrated, Calibration, ConfigKey, Sample
+from sizing.measured import Calibrated, Calibration, ConfigKey
 from sizing.plan import make_plan
 from sizing.request import context_config
 
