@@ -63,14 +63,11 @@ def remote_limits(settings: Settings) -> Any:
 
 
 def default_engine(settings: Settings) -> Engine:
-    """llama.cpp through llama-cpp-python: one sequence at a time, or batched decoding with ``parallel`` slots."""
-    if settings.parallel > 1:
-        from .engine.batched import BatchedEngine
-
-        return BatchedEngine(n_threads=settings.n_threads)
+    """llama.cpp through llama-cpp-python: ``parallel`` slots decoded together, each keeping its prompt's KV."""
     from .engine.llama import LlamaEngine
 
-    return LlamaEngine(n_threads=settings.n_threads)
+    return LlamaEngine(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
+                       slot_prompt_similarity=settings.slot_prompt_similarity)
 
 
 def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | None") -> tuple[list[Device], Device]:

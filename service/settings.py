@@ -50,14 +50,28 @@ class Settings(BaseSettings):
     gpus_json: str | None = Field(None, description="Declared GPU inventory as JSON text.")
     tensor_split: str | None = Field(None, description="Layer split proportions, comma-separated (GGUF_TENSOR_SPLIT).")
     allow_offload: bool = Field(True, description="Let a model larger than the cards run with some layers in host memory.")
-    n_threads: int | None = Field(None, ge=1, description="CPU threads for generation (default: llama.cpp's choice).")
+    n_threads: int | None = Field(
+        None, ge=1, description="CPU threads for generation and prompt evaluation (default: the physical cores, as llama.cpp's tools)."
+    )
     queue_size: int = Field(16, ge=0, description="Requests that may wait for the model; beyond it 429.")
     parallel: int = Field(
-        1, ge=1, le=64,
-        description="Decode slots. 1: one generation at a time. >1: continuous batching (several requests decoded "
-        "in shared batches), each slot with n_ctx / parallel tokens unless kv_unified.",
+        4, ge=1, le=64,
+        description="Decode slots (llama-server's -np; its default is 4 with a unified cache): requests decoded together "
+        "in shared batches. 1: one generation at a time. Without kv_unified each slot gets n_ctx / parallel tokens.",
     )
-    kv_unified: bool = Field(False, description="With parallel > 1, one KV cache shared by all slots (llama.cpp kv_unified).")
+    kv_unified: bool = Field(
+        True, description="One KV cache shared by all slots (llama.cpp kv_unified): any one request may use the whole "
+        "context. Off: each slot has its own n_ctx / parallel cells.",
+    )
+    cache_prompt: bool = Field(
+        True, description="Keep each slot's KV after a request and evaluate only what a new prompt does not share with "
+        "a cached one (llama-server's cache_prompt). Off: every prompt is evaluated whole.",
+    )
+    slot_prompt_similarity: float = Field(
+        0.10, ge=0.0, le=1.0, description="A request goes to the idle slot whose cached tokens cover more than this "
+        "share of its prompt (the largest share wins), else to the least recently used slot (llama-server's "
+        "--slot-prompt-similarity). 0: always the least recently used.",
+    )
     confirm_loads: bool = Field(
         True, description="Before a load, confirm the plan with llama.cpp's no_alloc dry run (a subprocess) and report both figures."
     )

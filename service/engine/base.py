@@ -1,7 +1,8 @@
 """The engine protocol: what the HTTP layer needs from a model runtime.
 
-Values only here; ``service.engine.llama`` is the llama.cpp implementation
-and ``service.engine.fake`` a small fake for the paths a CPU cannot reach.
+Values only here; ``service.engine.llama`` is the llama.cpp implementation (one
+engine: continuous batching over slots that keep their prompts' KV) and
+``service.engine.fake`` a small fake for the paths a CPU cannot reach.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ class GenerationParams:
     json_schema: str | None = None
     """A JSON schema (JSON text) the output must satisfy; the engine turns it into a grammar."""
     json_object: bool = False
+    """Constrain the output to a JSON object (OpenAI ``response_format: json_object``)."""
     ignore_eos: bool = False
     """Keep generating past end-of-generation tokens (llama.cpp server's ``ignore_eos``; benchmarks)."""
-    """Constrain the output to a JSON object (OpenAI ``response_format: json_object``)."""
+    cache_prompt: bool = True
+    """Reuse a slot's cached KV for the prompt's common prefix (llama-server's ``cache_prompt``); False:
+    evaluate the whole prompt (the engine's own setting can turn reuse off for every request)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,11 @@ class Chunk:
     logprobs: tuple["TokenLogprob", ...] = ()
     """One entry per token this chunk's text came from, when requested."""
     role: str | None = None
+    cached_tokens: int = field(default=0, compare=False)
+    """Final chunk: prompt tokens whose KV came from the cache instead of being evaluated (OpenAI
+    ``usage.prompt_tokens_details.cached_tokens``). Not part of a chunk's identity, as the timings."""
     prompt_seconds: float = field(default=0.0, compare=False)
-    """Final chunk: time to evaluate the prompt and sample the first token (0: not measured).
+    """Final chunk: time to evaluate the prompt's uncached tokens and sample the first token (0: not measured).
     Timings are not part of a chunk's identity: the same generation is equal however fast it ran."""
     decode_seconds: float = field(default=0.0, compare=False)
     """Final chunk: time to decode the tokens after the first (completion_tokens - 1 of them)."""
@@ -105,14 +112,15 @@ class Cancel:
 
 
 class Engine(Protocol):
-    """A loaded model that generates. Not thread-safe: the caller serialises requests."""
+    """A loaded model that generates. ``complete``/``chat`` may be called from as many threads at once as the
+    engine has slots (the runner's workers); load and unload run alone."""
 
     @property
     def n_ctx(self) -> int: ...
 
     @property
     def kv_cells_used(self) -> int:
-        """KV cache cells holding tokens now (the last request's prompt and output)."""
+        """KV cache cells holding tokens now (running requests' and the prompts idle slots keep for reuse)."""
         ...
 
     @property

@@ -1,10 +1,47 @@
-"""The llama.cpp engine, through llama-cpp-python: the only module that imports ``llama_cpp``.
+"""The llama.cpp engine: the only module that imports ``llama_cpp`` for serving.
 
-It applies a ``Plan`` (n_ctx, type_k/type_v, flash attention, n_gpu_layers,
-tensor_split, swa_full, set explicitly since llama-cpp-python's defaults
-differ from llama-server's), parses llama.cpp's allocation log lines into
-``Allocation`` values, and generates token by token so that cancellation,
-stop strings and usage counts are exact and streaming equals non-streaming.
+One engine, built as llama-server serves (tools/server/server-context.cpp of the
+llama.cpp that llama-cpp-python 0.3.36 vendors), through llama-cpp-python's
+low-level API:
+
+- **Slots.** One context with ``n_seq_max`` = slots; slot *i* is sequence *i*.
+  A slot keeps its tokens and their KV cells after a request ends. One slot is
+  just ``parallel = 1``. With a non-unified cache every sequence has its own
+  stream of ``n_ctx_seq = PAD(n_ctx / n_seq_max, 256)`` cells (src/llama-context.cpp);
+  unified (the default, as llama-server's), all sequences share ``n_ctx`` cells,
+  so one request may use the whole context.
+- **Prefix reuse** (llama-server's ``cache_prompt``). A new request goes to the
+  idle slot whose cached tokens share the longest prefix with its prompt, when
+  that prefix is more than ``slot_prompt_similarity`` of the prompt
+  (``get_available_slot``), else to the least recently used slot. Only the rest
+  of the prompt is evaluated: the slot's cells past the common prefix are
+  dropped (``llama_memory_seq_rm``). With a unified cache a longer common prefix
+  held by another slot (busy or not) is shared instead of evaluated again
+  (``llama_memory_seq_cp``: the cells gain a sequence id, no copy). A
+  sliding-window model's SWA cache drops cells beyond the window
+  (src/llama-kv-cache.cpp ``find_slot``), so a prefix is reused only where the
+  SWA cells it needs are still there (``llama_memory_seq_pos_min``, as
+  ``update_slots`` checks; llama-server's SWA checkpoints are not built here).
+  A unified cache that runs out of cells clears idle slots, least recently used
+  first, before it fails a request (``try_clear_idle_slots``).
+- **Continuous batching.** A scheduler thread owns the context. Each step puts one
+  token for every generating sequence into the batch, then fills the rest of
+  ``n_batch`` with prompt tokens (oldest request first), in increasing sequence id.
+- **Sampling.** Each request has its own sampler chain, built as
+  ``Llama._init_sampler`` builds it (penalties, grammar, then greedy at
+  temperature 0, or top_k/typical/top_p/min_p/temp/dist(seed)).
+- **Text.** Incremental UTF-8 decoding, stop strings held back until they cannot
+  start a stop string, log probabilities, EOG handling (``ignore_eos``), and a
+  final chunk with the usage, the prompt tokens taken from the cache, and the
+  measured prompt and decode seconds.
+- **Failures.** ``llama_decode`` returning 1 (no KV slot) or -2 (allocation
+  failed) fails one request with ``InsufficientMemory`` (device, prompt tokens,
+  max_tokens) while the others go on; a long prompt's evaluation stops when its
+  client leaves (the abort callback, ``llama_decode`` = 2); a failed load is
+  ``InsufficientMemory`` or ``EngineFailure``.
+
+``generate`` may be called, and iterated, from many threads at once: each call
+has its own queue of ``Chunk`` values.
 """
 
 from __future__ import annotations
@@ -13,36 +50,44 @@ import codecs
 import collections
 import ctypes
 import logging
+import os
+import queue
 import random
 import re
 import threading
-import os
 import time
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from sizing.ggml import GGML_TYPE_IDS
 from sizing.plan import Plan
 
-from ..errors import EngineFailure, InsufficientMemory, NotReady
-from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
+from ..errors import ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from . import loglines as L
+from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .grammar import compile_grammar, grammar_logits_processor
+from .grammar import compile_grammar, grammar_sampler
+from .params import apply_context_params, apply_model_params, plan_params
 from .prompting import Prompting
-from . import params as _params
-from .params import plan_params
 
 log = logging.getLogger(__name__)
-
-ABORT_MIN_PROMPT_TOKENS = 256
-"""Prompts at least this long are evaluated with llama.cpp's abort callback set (see ``_generate``)."""
 
 # NVML lists GPUs in PCI bus order; CUDA, by default, fastest first. The plan's card
 # indexes come from NVML, so llama.cpp must see the same order (set before CUDA starts).
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
+ABORT_MIN_PROMPT_TOKENS = 256
+"""A batch feeding this many tokens of one prompt is decoded with llama.cpp's abort callback set."""
+SLOT_PROMPT_SIMILARITY = 0.10
+"""llama-server's ``--slot-prompt-similarity`` default (common/common.h)."""
+_PENALTY_LAST_N_TOKENS = 64
+"""``Llama.last_n_tokens_size``'s default: the penalty window."""
 _MIB = 1 << 20
 _RE_DEVICE = re.compile(r"device (\d+)")
+_DONE = object()
+_STOP = object()
+
+
+# ---- load log: allocations, failed devices -------------------------------------------------------
 
 
 def _device_of(buffer_name: str) -> str:
@@ -57,12 +102,13 @@ def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[i
     acc: dict[str, dict[str, float]] = {}
     offloaded = None
     for line in lines:
-        for rx, field in ((L.MODEL_BUFFER, "weights"), (L.KV_BUFFER, "kv"), (L.OUTPUT_BUFFER, "output"), (L.COMPUTE_BUFFER, "compute")):
+        for rx, kind in ((L.MODEL_BUFFER, "weights"), (L.KV_BUFFER, "kv"), (L.OUTPUT_BUFFER, "output"),
+                         (L.COMPUTE_BUFFER, "compute")):
             m = rx.search(line)
             if m:
                 dev = _device_of(m.group(1))
-                acc.setdefault(dev, {}).setdefault(field, 0.0)
-                acc[dev][field] += float(m.group(2))
+                acc.setdefault(dev, {}).setdefault(kind, 0.0)
+                acc[dev][kind] += float(m.group(2))
         m = L.OFFLOADED.search(line)
         if m:
             offloaded = (int(m.group(1)), int(m.group(2)))
@@ -139,332 +185,7 @@ class _LogTap:
         return None
 
 
-def llama_placement_kwargs(plan: Plan) -> dict[str, Any]:
-    """n_gpu_layers, tensor_split and main_gpu as ``Llama`` takes them, from the one translation
-    (``service.engine.params``): tensor_split covers every device, 0 for the cards the plan does not use."""
-    mp, _ = plan_params(plan)
-    return {"n_gpu_layers": mp.n_gpu_layers, "tensor_split": list(mp.tensor_split) or None, "main_gpu": mp.main_gpu}
-
-
-def expert_overrides(plan: Plan) -> list[str]:
-    """Tensor-name patterns the plan keeps in host memory (MoE experts of the first blocks)."""
-    return list(plan_params(plan)[0].cpu_overrides)
-
-
-_override_lock = threading.Lock()
-
-
-class tensor_overrides:
-    """Load with ``tensor_buft_overrides`` pinning tensors that match ``patterns`` to host memory.
-
-    llama-cpp-python's ``Llama`` does not expose the field, so for the duration
-    of the constructor ``llama_model_default_params`` returns params that carry it.
-    """
-
-    def __init__(self, patterns: list[str]) -> None:
-        self.patterns = patterns
-        self._keep: Any = None
-
-    def __enter__(self) -> "tensor_overrides":
-        if not self.patterns:
-            return self
-        import llama_cpp.llama as llama_mod
-
-        _override_lock.acquire()
-        buft = _params._cpu_buffer_type()
-        arr = (_params._BuftOverride * (len(self.patterns) + 1))()
-        encoded = [p.encode("utf-8") for p in self.patterns]
-        for i, pat in enumerate(encoded):
-            arr[i].pattern = pat
-            arr[i].buft = buft
-        arr[len(encoded)].pattern = None
-        arr[len(encoded)].buft = None
-        self._keep = (arr, encoded)
-        lib = llama_mod.llama_cpp
-        original = lib.llama_model_default_params
-        self._restore = (lib, original)
-
-        def params_with_overrides() -> Any:
-            params = original()
-            params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
-            return params
-
-        lib.llama_model_default_params = params_with_overrides
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.patterns:
-            return
-        lib, original = self._restore
-        lib.llama_model_default_params = original
-        _override_lock.release()
-
-
-class LlamaEngine(Prompting):
-    """A llama-cpp-python ``Llama`` behind the ``Engine`` protocol."""
-
-    def __init__(self, *, n_threads: int | None = None) -> None:
-        self._llm: Any = None
-        self._n_threads = n_threads
-        self._template: ChatTemplate | BuiltinChatTemplate | None = None
-        self._abort_cb: Any = None
-        self._device = "CPU"
-        self._running = 0
-
-    @property
-    def n_ctx(self) -> int:
-        return int(self._llm.n_ctx()) if self._llm is not None else 0
-
-    def _require(self) -> Any:
-        if self._llm is None:
-            raise NotReady("no model is loaded")
-        return self._llm
-
-    def load(self, path: str, plan: Plan) -> LoadReport:
-        from llama_cpp import Llama
-
-        _LogTap.install()
-        cfg = plan.cfg
-        p = plan.placement
-        kwargs: dict[str, Any] = dict(
-            model_path=path,
-            n_ctx=cfg.n_ctx,
-            n_batch=cfg.n_batch,
-            n_ubatch=cfg.n_ubatch,
-            n_seq_max=cfg.n_seq_max,
-            type_k=GGML_TYPE_IDS[cfg.type_k],
-            type_v=GGML_TYPE_IDS[cfg.type_v],
-            flash_attn=cfg.flash_attn == "on",
-            swa_full=cfg.swa_full,
-            offload_kqv=cfg.offload_kqv,
-            verbose=False,
-            **llama_placement_kwargs(plan),
-        )
-        if self._n_threads:
-            kwargs["n_threads"] = self._n_threads
-            kwargs["n_threads_batch"] = self._n_threads
-        lines = _LogTap.start()
-        t0 = time.perf_counter()
-        try:
-            with tensor_overrides(expert_overrides(plan)) as overrides:
-                llm = Llama(**kwargs)
-            self._overrides_keep = overrides._keep
-        except ValueError as exc:
-            text = "\n".join(lines[-20:])
-            if "out of memory" in text.lower() or "failed to allocate" in text.lower():
-                raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
-            raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
-        finally:
-            _LogTap.stop()
-        elapsed = time.perf_counter() - t0
-        self.unload()
-        self._llm = llm
-        self._template = ChatTemplate.from_llama(llm)
-        self._device = ",".join(f"CUDA{i}" for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
-        allocs, offloaded = parse_allocations(lines)
-        return LoadReport(
-            n_ctx=int(llm.n_ctx()),
-            allocations=allocs,
-            offloaded_layers=offloaded,
-            load_seconds=elapsed,
-            log_lines=tuple(lines),
-        )
-
-    def unload(self) -> None:
-        llm, self._llm = self._llm, None
-        if llm is not None:
-            llm.close()
-
-    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
-        llm = self._require()
-        return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
-
-    def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._generate(tokens, params, cancel)
-
-    def check(self, params: GenerationParams) -> None:
-        """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
-        compile_grammar(params)
-
-    @property
-    def kv_cells_used(self) -> int:
-        return int(self._llm.n_tokens) if self._llm is not None else 0
-
-    @property
-    def kv_cells_allocated(self) -> int:
-        return self.n_ctx
-
-    @property
-    def running_sequences(self) -> int:
-        return self._running
-
-
-    def _set_abort(self, cancel: Cancel | None) -> None:
-        """llama.cpp's abort callback: polled per graph node, so a long prompt evaluation stops when the client leaves.
-
-        Only set during prompt evaluation: a ctypes callback per node costs more than the
-        per-token ``Cancel`` check it would duplicate (ggml-cpu.c ``ggml_graph_compute_thread``).
-        """
-        import llama_cpp
-
-        llm = self._llm
-        if llm is None:
-            return
-        if cancel is None:
-            self._abort_cb = None
-            llama_cpp.llama_set_abort_callback(llm._ctx.ctx, llama_cpp.ggml_abort_callback(), None)
-            return
-
-        event = cancel.event
-
-        @llama_cpp.ggml_abort_callback  # type: ignore[misc]
-        def _abort(_data: ctypes.c_void_p) -> bool:
-            return event.is_set()
-
-        self._abort_cb = _abort  # keep a reference while llama.cpp holds the pointer
-        llama_cpp.llama_set_abort_callback(llm._ctx.ctx, _abort, None)
-
-    def _logprob(self, llm: Any, tok: int, k: int) -> TokenLogprob:
-        """The sampled token's log-softmax over the logits it was sampled from, and the top k alternatives."""
-        import llama_cpp
-        import numpy as np
-
-        n_vocab = llm.n_vocab()
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
-        x = logits.astype(np.float64)
-        m = x.max()
-        lse = m + np.log(np.exp(x - m).sum())
-        piece = bytes(llm.detokenize([tok]))
-        top: tuple[tuple[str, float], ...] = ()
-        if k > 0:
-            idx = np.argpartition(-x, k)[:k]
-            idx = idx[np.argsort(-x[idx])]
-            top = tuple((bytes(llm.detokenize([int(i)])).decode("utf-8", "replace"), float(x[i] - lse)) for i in idx)
-        return TokenLogprob(piece.decode("utf-8", "replace"), float(x[tok] - lse), tuple(piece), top)
-
-    def _decode_failure(self, exc: RuntimeError, n_prompt: int, params: GenerationParams, cancel: Cancel) -> Exception | None:
-        """llama_decode's return code to our errors (llama.cpp llama-context.cpp ``llama_context::decode``):
-        1 no KV slot, -2 allocation failed: out of memory; 2 aborted (our abort callback); else a failure."""
-        m = re.search(r"llama_decode returned (-?\d+)", str(exc))
-        code = int(m.group(1)) if m else None
-        if code == 2 and cancel.cancelled:
-            return None
-        if code in (1, -2) or "out of memory" in str(exc).lower():
-            device = _LogTap.failed_device() or self._device
-            return InsufficientMemory(
-                f"out of memory on {device} during generation (llama_decode returned {code}) with "
-                f"{n_prompt} prompt tokens and max_tokens {params.max_tokens}",
-                device=device, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
-            )
-        return EngineFailure(f"llama.cpp failed to decode: {exc}")
-
-    def _release(self, llm: Any) -> None:
-        """Drop the failed request's KV cells so the next request starts from an empty cache."""
-        import llama_cpp
-
-        try:
-            llm.reset()
-            mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
-            if mem is not None:
-                llama_cpp.llama_memory_clear(mem, True)
-        except Exception:  # best effort: the next request resets again
-            log.exception("clearing the KV cache after a failed request failed")
-
-    def _generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        import llama_cpp
-
-        llm = self._require()
-        n_ctx = int(llm.n_ctx())
-        n_prompt = len(tokens)
-        room = n_ctx - n_prompt
-        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        if max_new <= 0:
-            yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
-            return
-        grammar = compile_grammar(params)
-        # Start from an empty cache every request: identical inputs give identical outputs.
-        llm.reset()
-        llm.set_seed(params.seed if params.seed is not None else random.randint(0, 2**31 - 1))
-        vocab = llm._model.vocab
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        stops = [s for s in params.stop if s]
-        pending = ""
-        pending_lp: list[TokenLogprob] = []
-        n_out = 0
-        finish = "length"
-        gen = llm.generate(
-            tokens,
-            top_k=0,
-            top_p=params.top_p,
-            min_p=0.0,
-            temp=params.temperature,
-            repeat_penalty=1.0,
-            frequency_penalty=params.frequency_penalty,
-            presence_penalty=params.presence_penalty,
-            reset=True,
-            logits_processor=[grammar_logits_processor(llm._model.vocab, grammar)] if grammar is not None else None,
-        )
-        stopped = False
-        # The abort callback lets a client that leaves stop a long prompt's evaluation, but it is a
-        # Python call per graph node: for a short prompt (evaluated in tens of ms) it would cost more
-        # time to first token than it could save.
-        aborting = len(tokens) >= ABORT_MIN_PROMPT_TOKENS
-        if aborting:
-            self._set_abort(cancel)
-        first = True
-        # Measured speeds, for comparison with the plan's predictions: the prompt's evaluation
-        # (until the first token is sampled) and the decoding of every later token.
-        t_start = time.perf_counter()
-        t_first = t_last = 0.0
-        self._running = 1
-        try:
-            for tok in gen:
-                t_last = time.perf_counter()
-                if first:
-                    t_first = t_last
-                    first = False
-                if aborting:
-                    self._set_abort(None)
-                    aborting = False
-                if cancel.cancelled:
-                    finish = "cancelled"
-                    break
-                if not params.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, tok):
-                    finish = "stop"
-                    break
-                n_out += 1
-                if params.logprobs is not None:
-                    pending_lp.append(self._logprob(llm, tok, params.logprobs))
-                pending += decoder.decode(llm.detokenize([tok]))
-                emit, pending, stopped = _split_stop(pending, stops)
-                if emit:
-                    yield Chunk(text=emit, logprobs=tuple(pending_lp))
-                    pending_lp = []
-                if stopped:
-                    finish = "stop"
-                    break
-                if n_out >= max_new:
-                    finish = "length"
-                    break
-        except RuntimeError as exc:
-            self._release(llm)
-            err = self._decode_failure(exc, n_prompt, params, cancel)
-            if err is None:
-                finish = "cancelled"
-            else:
-                raise err from exc
-        finally:
-            self._running = 0
-            if aborting:
-                self._set_abort(None)
-            gen.close()
-        if not stopped:
-            pending += decoder.decode(b"", final=True)
-            if pending or pending_lp:
-                yield Chunk(text=pending, logprobs=tuple(pending_lp))
-        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out,
-                    prompt_seconds=(t_first - t_start) if t_first else 0.0,
-                    decode_seconds=(t_last - t_first) if n_out > 1 else 0.0)
+# ---- text --------------------------------------------------------------------------------------
 
 
 def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
@@ -485,3 +206,786 @@ def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
                 hold = max(hold, k)
                 break
     return text[: len(text) - hold], text[len(text) - hold :], False
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (``server_tokens::get_common_prefix``).
+
+    A binary search over slice comparisons: a few C-level list comparisons instead of a Python loop
+    over ~1,000 tokens per slot."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _ModelView:
+    """What ``ChatTemplate.from_llama`` reads from a ``Llama``, over a raw ``LlamaModel``."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.metadata: dict[str, str] = model.metadata()
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> bytes:
+        return bytes(self._model.detokenize(tokens, special=special))
+
+    def token_bos(self) -> int:
+        return int(self._model.token_bos())
+
+    def token_eos(self) -> int:
+        return int(self._model.token_eos())
+
+
+# ---- scheduler state ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One sequence of the context and what its KV cells hold (owned by the scheduler thread)."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    """The tokens whose KV this sequence holds, at positions 0..len-1."""
+    cells: list[int] = field(default_factory=list)
+    """An id per token's cell, shared with another slot after ``llama_memory_seq_cp`` (see ``_Cells``)."""
+    last_used: int = 0
+    req: "_Request | None" = None
+
+
+class _Cells:
+    """Which KV cells hold tokens: one id per cell with a count of the sequences holding it.
+
+    llama.cpp's unified cache shares a cell between sequences after ``seq_cp`` and frees it when the last
+    one removes it (src/llama-kv-cells.h ``seq_add``/``seq_rm``); counting the same way gives the cells in
+    use exactly, without a llama.cpp call (the public API has none)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}
+        self._next = 0
+
+    @property
+    def used(self) -> int:
+        return len(self._refs)
+
+    def new(self, n: int) -> list[int]:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        for i in ids:
+            self._refs[i] = 1
+        return ids
+
+    def share(self, ids: list[int]) -> list[int]:
+        for i in ids:
+            self._refs[i] += 1
+        return list(ids)
+
+    def drop(self, ids: list[int]) -> None:
+        refs = self._refs
+        for i in ids:
+            left = refs[i] - 1
+            if left:
+                refs[i] = left
+            else:
+                del refs[i]
+
+
+@dataclass(eq=False)
+class _Request:
+    """One generation's state, owned by the scheduler thread after admission."""
+
+    tokens: list[int]
+    params: GenerationParams
+    cancel: Cancel
+    max_new_tokens: int
+    grammar: Any
+    out: "queue.SimpleQueue[Any]" = field(default_factory=queue.SimpleQueue)
+    abandoned: bool = False
+    """Set by the consumer when it stops iterating (client gone, stop string seen upstream)."""
+    slot: _Slot | None = None
+    n_cached: int = 0
+    """Prompt tokens whose KV was reused instead of evaluated."""
+    next_token: int | None = None
+    """The sampled token not yet decoded (the next step's input)."""
+    sampler: Any = None
+    n_out: int = 0
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    stops: list[str] = field(default_factory=list)
+    pending: str = ""
+    pending_lp: list[TokenLogprob] = field(default_factory=list)
+    batch_take: int = 0
+    batch_logits_idx: int = -1
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    @property
+    def n_past(self) -> int:
+        return len(self.slot.tokens) if self.slot is not None else 0
+
+    @property
+    def prompting(self) -> bool:
+        return self.next_token is None and self.n_past < len(self.tokens)
+
+    @property
+    def gone(self) -> bool:
+        return self.abandoned or self.cancel.cancelled
+
+
+class LlamaEngine(Prompting):
+    """llama.cpp behind the ``Engine`` protocol: slots that remember their prompts, decoded in shared batches."""
+
+    def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
+                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY) -> None:
+        """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
+
+        ``cache_prompt``: keep each slot's KV after a request and reuse its common prefix with the next
+        prompt (off: every request is evaluated from an empty sequence).
+
+        ``batch_invariant``: load without the CPU backend's repacked weight layouts (``use_extra_bufts``
+        off). ggml-cpu's repack kernels (ggml/src/ggml-cpu/repack.cpp ``forward_mul_mat``) multiply rows in
+        groups of 4 with a gemm and the rest with a gemv, which round differently: a token's logits then
+        depend on how many other tokens share its batch (0.78 max logit difference measured with 4 rows,
+        gemma-3-270m Q4_K_M), across requests and across the chunks a prompt is evaluated in. Off, a
+        request's tokens do not depend on its neighbours; prompt processing is slower."""
+        self._n_threads = n_threads
+        self._batch_invariant = batch_invariant
+        self._cache_prompt = cache_prompt
+        self._similarity = slot_prompt_similarity
+        self._lock = threading.Lock()  # load/unload against each other
+        self._model: Any = None
+        self._ctx: Any = None
+        self._mem: Any = None
+        self._vocab: Any = None
+        self._template: ChatTemplate | BuiltinChatTemplate | None = None
+        self._device = "CPU"
+        self._n_ctx = 0
+        self._n_ctx_seq = 0
+        self._n_batch = 0
+        self._n_slots = 0
+        self._n_swa = 0
+        self._unified = False
+        self._n_vocab = 0
+        self._inbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._slots: list[_Slot] = []
+        self._cells = _Cells()
+        self._running = 0
+        self._uses = 0
+        self._batch: Any = None
+        self._keep: list[Any] = []
+        self._outbox: list[tuple[_Request, Any]] = []
+        """Chunks produced during a scheduler iteration, delivered together at its end (``_flush``)."""
+        self._piece: dict[int, bytes] = {}
+        """Token id -> its text bytes (``detokenize([tok])``), filled as tokens are seen: no ctypes call per token."""
+        self._eog: dict[int, bool] = {}
+        """Token id -> ``llama_vocab_is_eog``, filled as tokens are seen."""
+        self._abort_cb: Any = None
+        self._abort_watch: list[_Request] = []
+        """The requests whose prompt the running ``llama_decode`` evaluates, while the abort callback is set."""
+
+    # -- Engine protocol -------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens one request may hold: llama.cpp's per-sequence context (``llama_n_ctx_seq``; unified: n_ctx)."""
+        return self._n_ctx_seq
+
+    @property
+    def n_ctx_total(self) -> int:
+        """Cells of the whole cache (all sequences)."""
+        return self._n_ctx
+
+    @property
+    def slots(self) -> int:
+        """Sequences decoded together (``n_seq_max``)."""
+        return self._n_slots
+
+    @property
+    def kv_cells_used(self) -> int:
+        """Cells holding tokens: running requests' and the cached prompts of idle slots (shared cells once)."""
+        return self._cells.used
+
+    @property
+    def kv_cells_allocated(self) -> int:
+        return self._n_ctx
+
+    @property
+    def running_sequences(self) -> int:
+        return self._running
+
+    def check(self, params: GenerationParams) -> None:
+        """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
+        compile_grammar(params)
+
+    def load(self, path: str, plan: Plan) -> LoadReport:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        _LogTap.install()
+        p = plan.placement
+        mparams, cparams = plan_params(plan, use_extra_bufts=not self._batch_invariant)
+        mp = llama_cpp.llama_model_default_params()
+        keep = apply_model_params(mp, mparams)
+        mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+        cp = llama_cpp.llama_context_default_params()
+        apply_context_params(cp, cparams, n_threads=self._n_threads)
+        lines = _LogTap.start()
+        t0 = time.perf_counter()
+        model = ctx = None
+        try:
+            model = _internals.LlamaModel(path_model=path, params=mp, verbose=False)
+            ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
+        except ValueError as exc:
+            if model is not None:
+                model.close()
+            text = "\n".join(lines[-20:]).lower()
+            if "out of memory" in text or "failed to allocate" in text:
+                raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
+            raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
+        finally:
+            _LogTap.stop()
+        elapsed = time.perf_counter() - t0
+        self.unload()
+        with self._lock:
+            self._model, self._ctx = model, ctx
+            self._mem = llama_cpp.llama_get_memory(ctx.ctx)
+            self._vocab = model.vocab
+            self._keep = keep
+            self._piece, self._eog = {}, {}
+            self._n_vocab = int(model.n_vocab())
+            self._n_ctx = int(llama_cpp.llama_n_ctx(ctx.ctx))
+            self._n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(ctx.ctx))
+            self._n_batch = int(llama_cpp.llama_n_batch(ctx.ctx))
+            self._n_slots = int(llama_cpp.llama_n_seq_max(ctx.ctx))
+            self._n_swa = int(llama_cpp.llama_model_n_swa(model.model))
+            self._unified = bool(cparams.kv_unified) or self._n_slots == 1
+            self._slots = [_Slot(i) for i in range(self._n_slots)]
+            self._cells = _Cells()
+            self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+
+            @llama_cpp.ggml_abort_callback  # type: ignore[misc]
+            def _abort(_data: ctypes.c_void_p) -> bool:
+                watch = self._abort_watch
+                return bool(watch) and all(r.gone for r in watch)
+
+            self._abort_cb = _abort  # kept: llama.cpp holds the pointer
+            self._template = ChatTemplate.from_llama(_ModelView(model))
+            self._device = ",".join(f"CUDA{i}" for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
+            self._inbox = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, args=(self._inbox,), name="llama-scheduler", daemon=True)
+            self._thread.start()
+        allocs, offloaded = parse_allocations(lines)
+        log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s",
+                 self._n_slots, "unified" if cparams.kv_unified else "per-sequence", self._n_ctx, self._n_ctx_seq,
+                 self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off")
+        return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
+                          load_seconds=elapsed, log_lines=tuple(lines))
+
+    def unload(self) -> None:
+        """Stop the scheduler (requests still queued or running fail with ``NotReady``), free the context."""
+        import llama_cpp
+
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._inbox.put(_STOP)
+                thread.join()
+            if self._batch is not None:
+                llama_cpp.llama_batch_free(self._batch)
+                self._batch = None
+            ctx, model = self._ctx, self._model
+            self._ctx = self._model = self._vocab = self._mem = None
+            self._template = None
+            self._n_ctx = self._n_ctx_seq = self._n_slots = 0
+            self._slots = []
+            self._cells = _Cells()
+            self._running = 0
+            if ctx is not None:
+                ctx.close()
+            if model is not None:
+                model.close()
+            self._keep = []
+            self._abort_cb = None
+
+    def _require(self) -> Any:
+        model = self._model
+        if model is None:
+            raise NotReady("no model is loaded")
+        return model
+
+    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        return list(self._require().tokenize(text.encode("utf-8"), add_bos, True))
+
+    def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self.generate(tokens, params, cancel)
+
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        """The chunks of one generation; safe to call (and iterate) from many threads at once."""
+        self._require()
+        n_prompt = len(tokens)
+        n_ctx_seq = self._n_ctx_seq
+        if n_prompt >= n_ctx_seq:
+            # The service checks this first (``_check_context`` with ``n_ctx``); direct callers get the same error.
+            raise ContextLengthExceeded(
+                f"the prompt has {n_prompt} tokens; a sequence holds {n_ctx_seq} "
+                f"({self._n_slots} slots share {self._n_ctx} cells)",
+                param="prompt", prompt_tokens=n_prompt, n_ctx=n_ctx_seq,
+            )
+        room = n_ctx_seq - n_prompt
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        if max_new <= 0:
+            yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
+            return
+        req = _Request(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
+                       grammar=compile_grammar(params), stops=[s for s in params.stop if s])
+        self._inbox.put(req)
+        out = req.out
+        try:
+            while True:
+                item = out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            req.abandoned = True
+
+    def forget(self) -> None:
+        """Drop every idle slot's cached prompt (the next requests start from empty sequences)."""
+        if self._thread is None:
+            return
+        done = threading.Event()
+        self._inbox.put(done)
+        done.wait()
+
+    # -- scheduler thread ------------------------------------------------
+
+    def _run(self, inbox: "queue.SimpleQueue[Any]") -> None:
+        waiting: collections.deque[_Request] = collections.deque()
+        active: list[_Request] = []
+        try:
+            while True:
+                # Block only when idle; else take what has arrived and go on decoding.
+                items = [inbox.get()] if not active and not waiting else []
+                while True:
+                    try:
+                        items.append(inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = False
+                for it in items:
+                    if it is _STOP:
+                        stop = True
+                    elif isinstance(it, threading.Event):
+                        for s in self._slots:
+                            if s.req is None:
+                                self._clear_slot(s)
+                        it.set()
+                    else:
+                        waiting.append(it)
+                if stop:
+                    break
+                for r in [r for r in waiting if r.gone]:
+                    waiting.remove(r)
+                    self._finish(r, "cancelled", active)
+                while waiting:
+                    slot = self._pick_slot(waiting[0])
+                    if slot is None:
+                        break
+                    self._admit(waiting.popleft(), slot, active)
+                for r in [r for r in active if r.gone]:
+                    self._finish(r, "cancelled", active)
+                if active:
+                    self._step(active)
+                self._running = len(active)
+                self._flush()
+        except BaseException as exc:  # a bug here must not leave clients waiting forever
+            log.exception("llama scheduler failed")
+            err = EngineFailure(f"the batch scheduler failed: {type(exc).__name__}: {exc}")
+            for r in list(active):
+                self._fail(r, err, active)
+            self._flush()
+            for r in waiting:
+                r.out.put(err)
+                r.out.put(_DONE)
+            waiting.clear()
+        gone = NotReady("the model was unloaded")
+        for r in list(active):
+            self._fail(r, gone, active)
+        self._flush()
+        for r in waiting:
+            r.out.put(gone)
+            r.out.put(_DONE)
+        while True:
+            try:
+                it = inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(it, _Request):
+                it.out.put(gone)
+                it.out.put(_DONE)
+            elif isinstance(it, threading.Event):
+                it.set()
+
+    def _send(self, r: _Request, item: Any) -> None:
+        self._outbox.append((r, item))
+
+    def _flush(self) -> None:
+        """Deliver the iteration's chunks, after all of its sampling and just before the next ``llama_decode``.
+
+        Each ``put`` wakes a consumer thread, which then wants the GIL. Woken in the middle of the step, they
+        took it whenever the scheduler released it for a ctypes call (every sample, detokenize, EOG test)
+        and the scheduler waited for each of them to give it back; woken here, they run while
+        ``llama_decode`` (which releases the GIL) computes."""
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            for r, item in out:
+                r.out.put(item)
+
+    def _pick_slot(self, r: _Request) -> _Slot | None:
+        """llama-server's ``get_available_slot``: the idle slot whose cached tokens cover the largest share of the
+        prompt (more than ``slot_prompt_similarity``), else the least recently used one (lowest id first)."""
+        idle = [s for s in self._slots if s.req is None]
+        if not idle:
+            return None
+        if self._cache_prompt and r.params.cache_prompt and self._similarity > 0:
+            best, f_best = None, 0.0
+            for s in idle:
+                if not s.tokens:
+                    continue
+                f = common_prefix(s.tokens, r.tokens) / len(r.tokens)
+                if f > f_best and f > self._similarity:
+                    best, f_best = s, f
+            if best is not None:
+                return best
+        return min(idle, key=lambda s: (s.last_used, s.id))
+
+    def _swa_holds(self, slot: _Slot, n_keep: int) -> bool:
+        """Whether the sequence still holds the KV a token at position ``n_keep`` attends to.
+
+        A sliding-window layer attends to the ``n_swa`` positions before a token (``is_masked_swa``); the SWA
+        cache reuses cells beyond the window (src/llama-kv-cache.cpp ``find_slot``) and keeps every position
+        from ``seq_pos_min`` on. llama-server's test (``update_slots``): reusable when the smallest position
+        still held is at most ``n_keep - n_swa``. Models without SWA hold every position (``pos_min`` 0)."""
+        import llama_cpp
+
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot.id))
+        return 0 <= pos_min <= max(0, n_keep - self._n_swa)
+
+    def _admit(self, r: _Request, slot: _Slot, active: list[_Request]) -> None:
+        """Give ``r`` the slot: keep the longest usable common prefix of its KV, drop the rest."""
+        import llama_cpp
+
+        n = len(r.tokens)
+        n_keep = 0
+        if self._cache_prompt and r.params.cache_prompt:
+            # At least the prompt's last token is evaluated: its logits give the first token.
+            n_keep = min(common_prefix(slot.tokens, r.tokens), n - 1)
+            if n_keep and not self._swa_holds(slot, n_keep):
+                n_keep = 0
+            if self._unified and self._n_slots > 1:
+                src, n_src = self._longer_prefix(slot, r.tokens, n_keep)
+                if src is not None:
+                    self._clear_slot(slot)
+                    llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
+                    slot.tokens = src.tokens[:n_src]
+                    slot.cells = self._cells.share(src.cells[:n_src])
+                    n_keep = n_src
+        self._truncate(slot, n_keep)
+        slot.req, r.slot = slot, slot
+        r.n_cached = n_keep
+        seed = r.params.seed if r.params.seed is not None else random.randint(0, 2**31 - 1)
+        r.sampler = _sampler_chain(self._model, self._n_vocab, r.params, r.grammar, seed)
+        r.t_start = time.perf_counter()
+        active.append(r)
+
+    def _longer_prefix(self, slot: _Slot, tokens: list[int], n_keep: int) -> tuple[_Slot | None, int]:
+        """Another slot whose cells hold a longer prefix of ``tokens`` than ``slot`` keeps, and its length."""
+        best, n_best = None, n_keep
+        for other in self._slots:
+            if other is slot or len(other.tokens) <= n_best:
+                continue
+            k = min(common_prefix(other.tokens, tokens), len(tokens) - 1)
+            if k > n_best and self._swa_holds(other, k):
+                best, n_best = other, k
+        return best, n_best
+
+    def _truncate(self, slot: _Slot, n_keep: int) -> None:
+        """Drop the slot's cells from position ``n_keep`` on (``llama_memory_seq_rm`` of the tail)."""
+        import llama_cpp
+
+        if n_keep < len(slot.tokens) or n_keep == 0:
+            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, n_keep, -1)
+            self._cells.drop(slot.cells[n_keep:])
+            del slot.tokens[n_keep:]
+            del slot.cells[n_keep:]
+
+    def _clear_slot(self, slot: _Slot) -> None:
+        self._truncate(slot, 0)
+
+    def _release(self, r: _Request, active: list[_Request], *, keep: bool = True) -> None:
+        """End ``r``'s hold on its slot; the slot keeps its tokens for the next request unless ``keep`` is off."""
+        import llama_cpp
+
+        slot = r.slot
+        if slot is not None:
+            if not (keep and self._cache_prompt):
+                self._clear_slot(slot)
+            self._uses += 1
+            slot.last_used = self._uses
+            slot.req = None
+            r.slot = None
+        if r.sampler is not None:
+            llama_cpp.llama_sampler_free(r.sampler)
+            r.sampler = None
+        if r in active:
+            active.remove(r)
+
+    def _finish(self, r: _Request, finish: str, active: list[_Request], *, stopped: bool = False) -> None:
+        """The last chunks: flush the decoder (unless a stop string ended the text), then reason, usage, timings."""
+        self._release(r, active)
+        if not stopped:
+            r.pending += r.decoder.decode(b"", final=True)
+            if r.pending or r.pending_lp:
+                self._send(r, Chunk(text=r.pending, logprobs=tuple(r.pending_lp)))
+        self._send(r, Chunk(
+            finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,
+            prompt_seconds=(r.t_first - r.t_start) if r.t_first else 0.0,
+            decode_seconds=(r.t_last - r.t_first) if r.n_out > 1 else 0.0,
+        ))
+        self._send(r, _DONE)
+
+    def _fail(self, r: _Request, err: ServiceError, active: list[_Request]) -> None:
+        self._release(r, active, keep=False)
+        self._send(r, err)
+        self._send(r, _DONE)
+
+    def _step(self, active: list[_Request]) -> None:
+        """One ``llama_decode``: a token for each generating sequence, then prompt chunks up to n_batch.
+
+        In batch-invariant mode only one prompt is fed per step: with a non-unified cache llama.cpp splits a
+        batch into ubatches holding the same number of tokens of every sequence (``split_equal``,
+        src/llama-batch.cpp), so several prompts in one step are processed interleaved, token by token,
+        and their greedy outputs were seen to differ from one-at-a-time runs."""
+        import llama_cpp
+
+        batch = self._batch
+        b_token, b_pos, b_nseq, b_seq, b_logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        members: list[_Request] = []
+        room = self._n_batch
+        for r in active:
+            r.batch_take, r.batch_logits_idx = 0, -1
+            if r.next_token is not None and room > 0:
+                r.batch_take = 1
+                room -= 1
+                members.append(r)
+        for r in active:  # oldest first: admission order
+            if room <= 0:
+                break
+            if r.prompting:
+                r.batch_take = min(room, len(r.tokens) - r.n_past)
+                room -= r.batch_take
+                members.append(r)
+                if self._batch_invariant:
+                    break  # one prompt per step: prompts never share a ubatch (see the docstring)
+        # Laid out in increasing sequence id. With a non-unified cache llama.cpp puts into one ubatch only a run
+        # of consecutive sequence ids in batch order (src/llama-batch.cpp ``split_equal``, ``sequential``): out
+        # of order, 4 generating sequences were decoded as up to 4 ubatches, each a full pass over the weights,
+        # and the graph was rebuilt every step (2x the step time measured with 8 slots). llama-server adds its
+        # slots in slot-id order (server-context.cpp ``update_slots``).
+        members.sort(key=lambda r: r.slot.id)  # type: ignore[union-attr]
+        n = 0
+        watch: list[_Request] = []
+        for r in members:
+            seq = r.slot.id  # type: ignore[union-attr]
+            p0 = r.n_past
+            if r.next_token is not None:
+                r.batch_logits_idx = n
+                b_token[n], b_pos[n], b_nseq[n], b_logits[n] = r.next_token, p0, 1, 1
+                b_seq[n][0] = seq
+                n += 1
+                continue
+            last = len(r.tokens) - 1
+            toks = r.tokens
+            for i in range(p0, p0 + r.batch_take):
+                b_token[n], b_pos[n], b_nseq[n], b_logits[n] = toks[i], i, 1, 0
+                b_seq[n][0] = seq
+                if i == last:
+                    b_logits[n] = 1
+                    r.batch_logits_idx = n
+                n += 1
+            if r.batch_take >= ABORT_MIN_PROMPT_TOKENS:
+                watch.append(r)
+        batch.n_tokens = n
+        self._flush()  # e.g. the chunks of requests cancelled this iteration: delivered while the batch computes
+        ctx = self._ctx.ctx
+        # The abort callback lets a client that leaves stop a long prompt's evaluation, but it is a Python call
+        # per graph node (ggml-cpu.c ``ggml_graph_compute_thread``): only for batches that evaluate a long prompt.
+        if watch:
+            self._abort_watch = [r for r in members if r.next_token is None]
+            llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
+        try:
+            ret = int(llama_cpp.llama_decode(ctx, batch))
+        finally:
+            if watch:
+                llama_cpp.llama_set_abort_callback(ctx, llama_cpp.ggml_abort_callback(), None)
+                self._abort_watch = []
+        if ret != 0:
+            self._decode_failed(ret, members, active)
+            return
+        for r in members:
+            slot = r.slot
+            assert slot is not None
+            if r.next_token is not None:
+                slot.tokens.append(r.next_token)
+                r.next_token = None
+            else:
+                p0 = len(slot.tokens)
+                slot.tokens.extend(r.tokens[p0:p0 + r.batch_take])
+            slot.cells.extend(self._cells.new(r.batch_take))
+            if r.batch_logits_idx >= 0:
+                self._on_logits(r, r.batch_logits_idx, ctx, active)
+
+    def _on_logits(self, r: _Request, idx: int, ctx: Any, active: list[_Request]) -> None:
+        """Sample this sequence's next token and turn it into text."""
+        import llama_cpp
+
+        lp = self._logprob(ctx, idx, r.params.logprobs) if r.params.logprobs is not None else None
+        tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
+        now = time.perf_counter()
+        if not r.t_first:
+            r.t_first = now
+        r.t_last = now
+        eog = self._eog.get(tok)
+        if eog is None:
+            eog = self._eog[tok] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, tok))
+        if eog and not r.params.ignore_eos:
+            self._finish(r, "stop", active)
+            return
+        r.n_out += 1
+        if lp is not None:
+            r.pending_lp.append(lp(tok))
+        r.pending += r.decoder.decode(self._token_bytes(tok))
+        if r.stops:
+            emit, r.pending, stopped = _split_stop(r.pending, r.stops)
+        else:
+            emit, r.pending, stopped = r.pending, "", False
+        if emit:
+            self._send(r, Chunk(text=emit, logprobs=tuple(r.pending_lp)))
+            r.pending_lp = []
+        if stopped:
+            self._finish(r, "stop", active, stopped=True)
+        elif r.n_out >= r.max_new_tokens:
+            self._finish(r, "length", active)
+        else:
+            r.next_token = tok
+
+    def _token_bytes(self, tok: int) -> bytes:
+        """``detokenize([tok])``: a function of the token id alone, so computed once per id."""
+        piece = self._piece.get(tok)
+        if piece is None:
+            piece = self._piece[tok] = bytes(self._model.detokenize([tok]))
+        return piece
+
+    def _logprob(self, ctx: Any, idx: int, k: int) -> Any:
+        """A function of the sampled token: its log-softmax over row ``idx``'s logits, and the top k."""
+        import llama_cpp
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
+        x = logits.astype(np.float64)
+        m = x.max()
+        lse = m + np.log(np.exp(x - m).sum())
+        top: tuple[tuple[str, float], ...] = ()
+        if k > 0:
+            ids = np.argpartition(-x, k)[:k]
+            ids = ids[np.argsort(-x[ids])]
+            top = tuple((self._token_bytes(int(i)).decode("utf-8", "replace"), float(x[i] - lse))
+                        for i in ids)
+
+        def of(tok: int) -> TokenLogprob:
+            piece = self._token_bytes(tok)
+            return TokenLogprob(piece.decode("utf-8", "replace"), float(x[tok] - lse), tuple(piece), top)
+
+        return of
+
+    def _decode_failed(self, code: int, members: list[_Request], active: list[_Request]) -> None:
+        """llama_decode's codes (llama.h): 1 no KV slot, -2 allocation failed, 2 aborted (our callback).
+
+        1 with idle slots holding cells: the least recently used is cleared and the step retried
+        (llama-server's ``try_clear_idle_slots``). 1 or -2 otherwise: out of memory for one request, which
+        fails while the others go on. 2: the requests whose client left end, the others retry. Anything
+        else fails the whole batch. A partly processed batch is rolled back for the survivors: llama.cpp
+        removes the failed ubatch's positions, the processed ones remain (llama.h)."""
+        import llama_cpp
+
+        for r in members:
+            if r.slot is not None:
+                llama_cpp.llama_memory_seq_rm(self._mem, r.slot.id, r.n_past, -1)
+        idle = [s for s in self._slots if s.req is None and s.tokens]
+        if code == 1 and idle and self._unified:
+            victim_slot = min(idle, key=lambda s: s.last_used)
+            log.info("KV cache full: clearing idle slot %d (%d cached tokens)", victim_slot.id, len(victim_slot.tokens))
+            self._clear_slot(victim_slot)
+        elif code == 2:
+            for r in members:
+                if r.gone:
+                    self._finish(r, "cancelled", active)
+        elif code in (1, -2) and members:
+            # The request asking for new cells in bulk (a prompt chunk) is the one that does not fit;
+            # among generating ones, the largest. Ties: the newest.
+            ordered = [r for r in active if r in members]  # admission order (members are in sequence-id order)
+            prompting = [r for r in ordered if r.next_token is None]
+            pool = prompting or ordered
+            victim = max(reversed(pool), key=lambda r: r.n_past + r.batch_take)
+            device = _LogTap.failed_device() or self._device
+            max_tokens = victim.params.max_tokens
+            err = InsufficientMemory(
+                f"out of memory on {device} during generation (llama_decode returned {code}) with "
+                f"{len(victim.tokens)} prompt tokens and max_tokens {max_tokens}: the KV cache has no room "
+                f"for this sequence beside {len(active) - 1} others ({self._n_ctx} cells, {self._n_slots} slots)",
+                device=device, prompt_tokens=len(victim.tokens), max_tokens=max_tokens,
+            )
+            log.warning("decode: %s", err.message)
+            self._fail(victim, err, active)
+        else:
+            err2 = EngineFailure(f"llama.cpp failed to decode a batch (llama_decode returned {code})")
+            for r in members:
+                self._fail(r, err2, active)
+
+
+def _sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: Any, seed: int) -> Any:
+    """A sampler chain built as llama-cpp-python 0.3.36 ``Llama._init_sampler`` builds it for these arguments
+    (top_k 0, min_p 0, typical 1, repeat_penalty 1)."""
+    import llama_cpp
+
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+
+    def add(s: Any) -> None:
+        llama_cpp.llama_sampler_chain_add(chain, s)
+
+    add(llama_cpp.llama_sampler_init_penalties(n_vocab, _PENALTY_LAST_N_TOKENS, 1.0,
+                                               params.frequency_penalty, params.presence_penalty))
+    if grammar is not None:
+        add(grammar_sampler(model.vocab, grammar))
+    temp = params.temperature
+    if temp < 0.0:
+        add(llama_cpp.llama_sampler_init_dist(seed))
+    elif temp == 0.0:
+        add(llama_cpp.llama_sampler_init_greedy())
+    else:
+        add(llama_cpp.llama_sampler_init_top_k(0))
+        add(llama_cpp.llama_sampler_init_typical(1.0, 1))
+        add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+        add(llama_cpp.llama_sampler_init_min_p(0.0, 1))
+        add(llama_cpp.llama_sampler_init_temp(temp))
+        add(llama_cpp.llama_sampler_init_dist(seed))
+    return chain
