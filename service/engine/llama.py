@@ -79,6 +79,12 @@ ABORT_MIN_PROMPT_TOKENS = 256
 """A batch feeding this many tokens of one prompt is decoded with llama.cpp's abort callback set."""
 SLOT_PROMPT_SIMILARITY = 0.10
 """llama-server's ``--slot-prompt-similarity`` default (common/common.h)."""
+INVARIANT_MIN_ROWS = 8
+"""Batch-invariant mode: the fewest rows with which a batch computes a token as a cold prompt evaluation does.
+ggml-cpu's mul_mat leaves batches of one row to ``vec_dot`` and gives larger ones to llamafile's tinyBLAS for
+Q8_0/Q5_0/Q4_0 weights (ggml/src/ggml-cpu/llamafile/sgemm.cpp: "only enable sgemm for prompt processing"); on
+gemma-3-270m Q4_K_M (x86 AVX2, 2 threads) a prompt's last logits came out bit-identical to a cold evaluation
+for every tail of 8 to 100 tokens evaluated over a cached prefix, and different for tails of 1 to 7."""
 _PENALTY_LAST_N_TOKENS = 64
 """``Llama.last_n_tokens_size``'s default: the penalty window."""
 _MIB = 1 << 20
@@ -255,6 +261,12 @@ class _Slot:
     """The tokens whose KV this sequence holds, at positions 0..len-1."""
     cells: list[int] = field(default_factory=list)
     """An id per token's cell, shared with another slot after ``llama_memory_seq_cp`` (see ``_Cells``)."""
+    n_canon: int = 0
+    """Batch-invariant mode: leading tokens computed as a cold evaluation computes them (``INVARIANT_MIN_ROWS``)."""
+    logits: Any = None
+    """The logits after ``tokens[:logits_at]``: the last prompt evaluation's, so that the same prompt again
+    samples its first token from the very logits the first run used instead of re-evaluating a token."""
+    logits_at: int = 0
     last_used: int = 0
     req: "_Request | None" = None
 
@@ -313,6 +325,8 @@ class _Request:
     """Prompt tokens whose KV was reused instead of evaluated."""
     next_token: int | None = None
     """The sampled token not yet decoded (the next step's input)."""
+    first_logits: Any = None
+    """The whole prompt was cached with its logits: the first token is sampled from these."""
     sampler: Any = None
     n_out: int = 0
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
@@ -386,6 +400,8 @@ class LlamaEngine(Prompting):
         """Token id -> its text bytes (``detokenize([tok])``), filled as tokens are seen: no ctypes call per token."""
         self._eog: dict[int, bool] = {}
         """Token id -> ``llama_vocab_is_eog``, filled as tokens are seen."""
+        self._cand: Any = None
+        """A reusable ``llama_token_data`` array for sampling from saved logits."""
         self._abort_cb: Any = None
         self._abort_watch: list[_Request] = []
         """The requests whose prompt the running ``llama_decode`` evaluates, while the abort callback is set."""
@@ -469,6 +485,7 @@ class LlamaEngine(Prompting):
             self._slots = [_Slot(i) for i in range(self._n_slots)]
             self._cells = _Cells()
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+            self._cand = None
 
             @llama_cpp.ggml_abort_callback  # type: ignore[misc]
             def _abort(_data: ctypes.c_void_p) -> bool:
@@ -684,13 +701,9 @@ class LlamaEngine(Prompting):
         """Give ``r`` the slot: keep the longest usable common prefix of its KV, drop the rest."""
         import llama_cpp
 
-        n = len(r.tokens)
         n_keep = 0
         if self._cache_prompt and r.params.cache_prompt:
-            # At least the prompt's last token is evaluated: its logits give the first token.
-            n_keep = min(common_prefix(slot.tokens, r.tokens), n - 1)
-            if n_keep and not self._swa_holds(slot, n_keep):
-                n_keep = 0
+            n_keep = self._reusable(slot, r.tokens)
             if self._unified and self._n_slots > 1:
                 src, n_src = self._longer_prefix(slot, r.tokens, n_keep)
                 if src is not None:
@@ -698,6 +711,8 @@ class LlamaEngine(Prompting):
                     llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
                     slot.tokens = src.tokens[:n_src]
                     slot.cells = self._cells.share(src.cells[:n_src])
+                    slot.n_canon = min(src.n_canon, n_src)
+                    slot.logits, slot.logits_at = (src.logits, src.logits_at) if src.logits_at <= n_src else (None, 0)
                     n_keep = n_src
         self._truncate(slot, n_keep)
         slot.req, r.slot = slot, slot
@@ -706,15 +721,37 @@ class LlamaEngine(Prompting):
         r.sampler = _sampler_chain(self._model, self._n_vocab, r.params, r.grammar, seed)
         r.t_start = time.perf_counter()
         active.append(r)
+        if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
+            r.first_logits = slot.logits
+            self._on_logits(r, -1, None, active)
+
+    def _reusable(self, slot: _Slot, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the slot's KV can stand for.
+
+        The common prefix, less the prompt's last token (its logits give the first token) unless the slot kept
+        the logits after exactly this prompt; in batch-invariant mode only tokens computed as a cold evaluation
+        computes them, and at least ``INVARIANT_MIN_ROWS`` tokens left to evaluate; none when a sliding-window
+        cache no longer holds what the next token attends to."""
+        n = len(tokens)
+        lcp = common_prefix(slot.tokens, tokens)
+        if lcp == n and slot.logits_at == n and slot.logits is not None:
+            k = n
+        else:
+            k = min(lcp, n - 1)
+            if self._batch_invariant:
+                k = min(k, slot.n_canon, n - INVARIANT_MIN_ROWS)
+        if k <= 0 or not self._swa_holds(slot, k):
+            return 0
+        return k
 
     def _longer_prefix(self, slot: _Slot, tokens: list[int], n_keep: int) -> tuple[_Slot | None, int]:
-        """Another slot whose cells hold a longer prefix of ``tokens`` than ``slot`` keeps, and its length."""
+        """Another slot whose cells hold a longer usable prefix of ``tokens`` than ``slot`` keeps, and its length."""
         best, n_best = None, n_keep
         for other in self._slots:
             if other is slot or len(other.tokens) <= n_best:
                 continue
-            k = min(common_prefix(other.tokens, tokens), len(tokens) - 1)
-            if k > n_best and self._swa_holds(other, k):
+            k = self._reusable(other, tokens)
+            if k > n_best:
                 best, n_best = other, k
         return best, n_best
 
@@ -727,6 +764,9 @@ class LlamaEngine(Prompting):
             self._cells.drop(slot.cells[n_keep:])
             del slot.tokens[n_keep:]
             del slot.cells[n_keep:]
+        slot.n_canon = min(slot.n_canon, n_keep)
+        if slot.logits_at > n_keep:
+            slot.logits, slot.logits_at = None, 0
 
     def _clear_slot(self, slot: _Slot) -> None:
         self._truncate(slot, 0)
@@ -791,7 +831,10 @@ class LlamaEngine(Prompting):
             if room <= 0:
                 break
             if r.prompting:
-                r.batch_take = min(room, len(r.tokens) - r.n_past)
+                left = len(r.tokens) - r.n_past
+                r.batch_take = min(room, left)
+                if self._batch_invariant and 0 < left - r.batch_take < INVARIANT_MIN_ROWS:
+                    r.batch_take = max(1, left - INVARIANT_MIN_ROWS)  # no short last chunk (see INVARIANT_MIN_ROWS)
                 room -= r.batch_take
                 members.append(r)
                 if self._batch_invariant:
@@ -841,25 +884,44 @@ class LlamaEngine(Prompting):
         if ret != 0:
             self._decode_failed(ret, members, active)
             return
+        canon = n >= INVARIANT_MIN_ROWS
         for r in members:
             slot = r.slot
             assert slot is not None
+            p0 = len(slot.tokens)
             if r.next_token is not None:
                 slot.tokens.append(r.next_token)
                 r.next_token = None
             else:
-                p0 = len(slot.tokens)
                 slot.tokens.extend(r.tokens[p0:p0 + r.batch_take])
             slot.cells.extend(self._cells.new(r.batch_take))
+            if canon and slot.n_canon == p0:
+                slot.n_canon += r.batch_take
             if r.batch_logits_idx >= 0:
                 self._on_logits(r, r.batch_logits_idx, ctx, active)
 
     def _on_logits(self, r: _Request, idx: int, ctx: Any, active: list[_Request]) -> None:
-        """Sample this sequence's next token and turn it into text."""
+        """Sample this sequence's next token (from batch row ``idx``, or the saved logits) and turn it into text."""
         import llama_cpp
+        import numpy as np
 
-        lp = self._logprob(ctx, idx, r.params.logprobs) if r.params.logprobs is not None else None
-        tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
+        saved, r.first_logits = r.first_logits, None
+        if saved is None and not r.t_first and self._cache_prompt:
+            # The prompt's logits, kept with the slot for the same prompt again (a copy: the context reuses the buffer).
+            slot = r.slot
+            assert slot is not None
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
+            slot.logits, slot.logits_at = row.copy(), len(slot.tokens)
+        if r.params.logprobs is not None:
+            logits = saved if saved is not None else np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
+            lp = self._logprob(logits, r.params.logprobs)
+        else:
+            lp = None
+        if saved is not None:
+            tok = self._sample_saved(r.sampler, saved)
+        else:
+            tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
         now = time.perf_counter()
         if not r.t_first:
             r.t_first = now
@@ -895,12 +957,28 @@ class LlamaEngine(Prompting):
             piece = self._piece[tok] = bytes(self._model.detokenize([tok]))
         return piece
 
-    def _logprob(self, ctx: Any, idx: int, k: int) -> Any:
-        """A function of the sampled token: its log-softmax over row ``idx``'s logits, and the top k."""
+    def _sample_saved(self, sampler: Any, logits: Any) -> int:
+        """``llama_sampler_sample`` over saved logits (src/llama-sampler.cpp: the candidates, apply, accept)."""
         import llama_cpp
         import numpy as np
 
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
+        cand = self._cand
+        if cand is None:
+            cand = self._cand = np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        cand["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = llama_cpp.llama_token_data_array(
+            data=cand.ctypes.data_as(llama_cpp.llama_token_data_p), size=self._n_vocab, selected=-1, sorted=False)
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(arr))
+        tok = int(cand["id"][arr.selected])
+        llama_cpp.llama_sampler_accept(sampler, tok)
+        return tok
+
+    def _logprob(self, logits: Any, k: int) -> Any:
+        """A function of the sampled token: its log-softmax over ``logits`` (one row), and the top k."""
+        import numpy as np
+
         x = logits.astype(np.float64)
         m = x.max()
         lse = m + np.log(np.exp(x - m).sum())
