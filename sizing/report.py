@@ -155,6 +155,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "flash_attn": plan.cfg.flash_attn,
             "n_ubatch": plan.cfg.n_ubatch,
             "n_seq_max": plan.cfg.n_seq_max,
+            "kv_unified": plan.cfg.kv_unified,
             "swa_full": plan.cfg.swa_full,
             "n_gpu_layers": plan.placement.n_gpu_layers,
             "tensor_split": list(plan.placement.tensor_split),

@@ -87,7 +87,10 @@ def test_stream_ends_with_done_and_equals_the_plain_answer(served, route):  # ty
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
         expected = plain["choices"][0]["message"]["content"]
     assert text == expected
-    assert usage == plain["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: usage[k] for k in counts} == {k: plain["usage"][k] for k in counts}
+    # The same prompt again: its slot kept the KV and the logits its first token was sampled from.
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
     assert chunks[-2]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
 
 

@@ -102,8 +102,9 @@ class Metrics:
         self._prompt_tokens.inc(last.prompt_tokens)
         self._completion_tokens.inc(last.completion_tokens)
         with self._lock:
-            if last.prompt_seconds > 0:
-                self._prompt_tokens_timed += last.prompt_tokens
+            evaluated = last.prompt_tokens - getattr(last, "cached_tokens", 0)  # a cached prefix is not evaluated
+            if last.prompt_seconds > 0 and evaluated > 0:
+                self._prompt_tokens_timed += evaluated
                 self._prompt_seconds += last.prompt_seconds
             if last.decode_seconds > 0:
                 self._decode_tokens_timed += last.completion_tokens - 1

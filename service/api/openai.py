@@ -105,6 +105,7 @@ class _Common(BaseModel):
     function_call: Any = Field(None, description="Not supported yet: anything but null or \"none\" is a 400.")
     logit_bias: Any = Field(None, description="Not supported: anything but null or {} is a 400.")
     parallel_tool_calls: bool | None = None
+    cache_prompt: bool = Field(True, description="llama.cpp server extension: reuse a slot's cached prefix of the prompt.")
 
     @field_validator("stop")
     @classmethod
@@ -146,6 +147,7 @@ class _Common(BaseModel):
             top_p=self.top_p, stop=stop, seed=None if self.seed == -1 else self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object, ignore_eos=self.ignore_eos,
+            cache_prompt=self.cache_prompt,
         )
 
     def requested_max_tokens(self) -> int | None:
@@ -301,11 +303,12 @@ class _Timer:
         self.last = now
 
 
-def _usage(last: Chunk) -> dict[str, int]:
+def _usage(last: Chunk) -> dict[str, Any]:
     return {
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "total_tokens": last.prompt_tokens + last.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
     }
 
 

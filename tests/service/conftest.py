@@ -38,6 +38,8 @@ def fake_factory(tmp_path: Path, embedded_model: str) -> Iterator[Callable[..., 
         engine = engine or FakeEngine()
         # The fake engine runs no llama.cpp: confirming its plans with llama.cpp's dry run only costs time.
         overrides.setdefault("confirm_loads", False)
+        # One generation at a time, as the fake engine serves (the real engine's default is 4 slots).
+        overrides.setdefault("parallel", 1)
         port = free_port()
         models_dir = tmp_path / f"models-{port}"
         models_dir.mkdir()

@@ -12,7 +12,8 @@ import pytest
 from sizing.device import MIB, Device
 from sizing.gguf import probe_path
 from sizing.plan import PlanRequest, make_plan
-from service.engine.llama import LlamaEngine, expert_overrides, llama_placement_kwargs
+from service.engine.llama import LlamaEngine
+from service.engine.params import plan_params
 from service.manager import credit_current, ModelState
 from tests.conftest import EMBEDDED_NAME
 from tests.prom import value
@@ -24,23 +25,31 @@ def test_tensor_split_covers_every_device_with_zeros_for_unused(embedded_model: 
     spec = probe_path(embedded_model)
     cards = [Device(0, "A", 1 * GIB_, 24 * GIB_), Device(1, "B", 20 * GIB_, 24 * GIB_), Device(2, "C", 20 * GIB_, 24 * GIB_)]
     plan = make_plan(spec, cards, Device(0, "host", 20 * GIB_, 24 * GIB_, "host"), PlanRequest(gpu=2))
-    kw = llama_placement_kwargs(plan)
-    assert kw["n_gpu_layers"] == spec.n_layer_all + 1
-    assert kw["tensor_split"] == [0.0, 0.0, 1.0]
-    assert kw["main_gpu"] == 2
+    mp, _ = plan_params(plan)
+    assert mp.n_gpu_layers == spec.n_layer_all + 1
+    assert mp.tensor_split == (0.0, 0.0, 1.0)
+    assert mp.main_gpu == 2
     cpu = make_plan(spec, [], Device(0, "host", 20 * GIB_, 24 * GIB_, "host"), PlanRequest())
-    assert llama_placement_kwargs(cpu) == {"n_gpu_layers": 0, "tensor_split": None, "main_gpu": 0}
+    mp, _ = plan_params(cpu)
+    assert (mp.n_gpu_layers, mp.tensor_split, mp.main_gpu) == (0, (), 0)
 
 
 @pytest.mark.slow
 def test_expert_override_reaches_llama_cpp(embedded_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tensor_buft_overrides the plan asks for are what llama.cpp's loader applies (its log says so)."""
+    from dataclasses import replace
+
     import service.engine.llama as llama_mod
 
     spec = probe_path(embedded_model)
     plan = make_plan(spec, [], Device(0, "host", 20 * GIB_, 24 * GIB_, "host"), PlanRequest(n_ctx=1024))
-    assert expert_overrides(plan) == []  # a dense model keeps no experts anywhere
-    monkeypatch.setattr(llama_mod, "expert_overrides", lambda plan: [r"^blk\.(0|1)\.ffn_up"])
+    assert plan_params(plan)[0].cpu_overrides == ()  # a dense model keeps no experts anywhere
+
+    def with_overrides(plan: Any, **kw: Any) -> Any:
+        mp, cp = plan_params(plan, **kw)
+        return replace(mp, cpu_overrides=(r"^blk\.(0|1)\.ffn_up",)), cp
+
+    monkeypatch.setattr(llama_mod, "plan_params", with_overrides)
     engine = LlamaEngine()
     try:
         report = engine.load(embedded_model, plan)
@@ -118,10 +127,11 @@ def test_load_is_confirmed_by_llamas_dry_run(service_factory: Any) -> None:
 
 @pytest.mark.slow
 def test_parallel_slots_decode_concurrent_requests(service_factory: Any) -> None:
-    svc = service_factory(GGUF_PARALLEL="2", GGUF_CONTEXT_LENGTH="4096", GGUF_CONFIRM_LOADS="false")
+    svc = service_factory(GGUF_PARALLEL="2", GGUF_KV_UNIFIED="false", GGUF_CONTEXT_LENGTH="4096",
+                          GGUF_CONFIRM_LOADS="false")
     svc.wait_ready()
     ready = svc.client.get("/ready").json()
-    assert ready["n_ctx"] == 2048  # each of the 2 slots gets half of the 4096-token context
+    assert ready["n_ctx"] == 2048  # not unified: each of the 2 slots gets half of the 4096-token context
     models = svc.client.get("/api/models").json()["models"]
     plan = next(m for m in models if m["name"] == EMBEDDED_NAME)["plan"]
     assert plan["chosen"]["n_seq_max"] == 2
@@ -187,37 +197,3 @@ def test_dry_run_of_a_remote_file_reads_its_header_only(fake_factory: Any, range
     assert r.status_code == 400
     r = served.client.post("/api/dry-run", json={"url": "file:///etc/passwd"})
     assert r.status_code == 400
-
-
-@pytest.mark.slow
-def test_a_long_prompt_is_abandoned_mid_evaluation_when_its_client_leaves(embedded_model: str) -> None:
-    """Prompts of ABORT_MIN_PROMPT_TOKENS or more run with llama.cpp's abort callback: a cancel stops the
-    evaluation itself (llama_decode returns 2), not only the tokens after it."""
-    import time
-
-    from service.engine.base import Cancel, GenerationParams
-    from service.engine.llama import ABORT_MIN_PROMPT_TOKENS
-
-    spec = probe_path(embedded_model)
-    plan = make_plan(spec, [], Device(0, "host", 20 * GIB_, 24 * GIB_, "host"), PlanRequest(n_ctx=4096))
-    engine = LlamaEngine(n_threads=2)
-    engine.load(embedded_model, plan)
-    try:
-        prompt = "the quick brown fox jumps over the lazy dog " * 200
-        assert engine.count_tokens(prompt) >= 4 * ABORT_MIN_PROMPT_TOKENS
-        params = GenerationParams(max_tokens=1, temperature=0.0)
-        t = time.perf_counter()
-        full = list(engine.complete(prompt, params, Cancel()))
-        full_s = time.perf_counter() - t
-        assert full[-1].completion_tokens == 1
-        gone = Cancel()
-        gone.set()
-        t = time.perf_counter()
-        aborted = list(engine.complete(prompt, params, gone))
-        aborted_s = time.perf_counter() - t
-        assert aborted[-1].finish_reason == "cancelled" and aborted[-1].completion_tokens == 0
-        assert aborted_s < 0.5 * full_s, (aborted_s, full_s)
-        # The engine serves on afterwards.
-        assert list(engine.complete("Hello", GenerationParams(max_tokens=2, temperature=0.0), Cancel()))[-1].completion_tokens > 0
-    finally:
-        engine.unload()
