@@ -1,168 +1,328 @@
-"""Serving overhead: a 256-token generation streamed over HTTP vs the same generation on ``llama_cpp.Llama``.
+"""The service against llama-server, both on their defaults, side by side in one run.
 
-    .venv/bin/python bench/serving_bench.py [--runs 5] [--tokens 256] [--model PATH]
+    python bench/serving_bench.py [--rounds 3] [--tokens 128] [--llama-server PATH] [--scenarios ...]
 
-Both sides load the embedded model with the same n_ctx, cache type, flash
-attention and thread count, greedy sampling from an empty cache, and an
-end-of-generation token ignored so that every run is exactly ``--tokens`` long.
-Prints the median tokens/s of each, their ratio (target >= 0.97) and the
-time-to-first-token overhead of the server (target < 10 ms).
+Both load the embedded gemma-3-270m (or ``--model``): the service as ``make run`` starts it (``python -m
+service``, nothing set but the port and a models directory holding the file), llama-server as ``llama-server
+-m MODEL`` (its defaults: 4 slots, unified KV, prompt cache, threads = physical cores), built once from the
+llama.cpp that llama-cpp-python vendors (``bench/llama_server.py``). Both are loaded the whole time and take
+turns (order reversed every round), so neither runs while the other measures and a drifting machine load
+falls on both alike. Figures are medians over the rounds.
 
-The server runs in a subprocess (``python -m service``); both sides are loaded
-and their runs alternate (order flipped every round), so the two never share the
-CPU at the same time and a drifting load slows both alike.
+Scenarios (``--scenarios``, comma-separated):
+
+- ``one``: one client, ``--tokens`` greedy tokens (``ignore_eos``), a fresh prompt every run (a unique first
+  word: no cached prefix on either side): tokens/s streamed (after the first token) and not streamed (the
+  whole request), and the time to first token. Targets: tokens/s >= 0.95x llama-server's; TTFT overhead < 10 ms.
+- ``four``: four concurrent streaming clients, fresh prompts: aggregate tokens/s (all tokens / wall time) against
+  llama-server's and against one client's (the same measure with one client). Targets: >= 0.9x llama-server's,
+  >= 1.32x one client's.
+- ``turns``: a multi-turn chat (``/v1/chat/completions``; ``--turns-route completions`` for raw text) whose
+  history is about ``--history-tokens`` tokens: the time to first token of the next turns against a cold prompt
+  of the same length (a fresh first word) and against llama-server's next turns. Targets: <= 0.15x cold,
+  <= 1.5x llama-server's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from llama_server import find_or_build, free_port, serve  # noqa: E402
+
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
+SENTENCES = (
+    "The keeper climbed the stairs at dusk and lit the lamp.",
+    "Ships passed far out on the grey water, their lights small and steady.",
+    "He wrote the wind, the swell and the names of the boats in his log.",
+    "In winter the storms came from the north and the windows rattled all night.",
+    "His daughter brought bread and news from the village every Sunday.",
+    "Once a fishing boat ran onto the rocks and he rowed out to fetch the crew.",
+)
+QUESTIONS = ("What did the keeper do at dusk?", "Who visited him?", "What happened in winter?",
+             "Tell me about the rescue.", "What did he write in the log?")
 
 
-class InProcess:
-    """The same generation on ``llama_cpp.Llama`` directly, as the service plans it."""
-
-    def __init__(self, model: str, n_ctx: int, threads: int, tokens: int) -> None:
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                                   n_threads_batch=threads, type_k=8, type_v=8, flash_attn=True, swa_full=False,
-                                   verbose=False)  # as the service plans it: q8_0 cache, flash attention, swa_full off
-        self.prompt = self.llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
-        self.tokens = tokens
-
-    def run(self) -> tuple[float, float]:
-        llm = self.llm
-        llm.reset()
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        for tok in llm.generate(self.prompt, top_k=0, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            llm.detokenize([tok])
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-            if n >= self.tokens:
-                break
-        t1 = time.perf_counter()
-        assert first is not None
-        return (n - 1) / (t1 - first), first - t0
-
-    def close(self) -> None:
-        self.llm.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Served:
-    """The service in a subprocess, streaming the same generation over HTTP."""
-
-    def __init__(self, model_name: str, models_dir: str, n_ctx: int, threads: int, tokens: int) -> None:
-        port = _free_port()
-        env = {**os.environ, "GGUF_PORT": str(port), "GGUF_DEFAULT_MODEL": "", "GGUF_MODELS_DIR": models_dir,
-               "GGUF_N_THREADS": str(threads), "GGUF_LOG_LEVEL": "warning"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-        for _ in range(300):
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        r = self.client.post("/api/models/load", json={"model": model_name, "n_ctx": n_ctx, "cache_type": "q8_0",
-                                                       "flash_attn": "on"})
-        r.raise_for_status()
-        self.body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-        self.tokens = tokens
-
-    def run(self) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        first = None
-        with self.client.stream("POST", "/v1/completions", json=self.body) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if ev["choices"] and ev["choices"][0]["text"] and first is None:
-                    first = time.perf_counter()
-        t1 = time.perf_counter()
-        assert first is not None
-        # every run is exactly ``tokens`` long (ignore_eos): the rate over the tokens after the first
-        return (self.tokens - 1) / (t1 - first), first - t0
-
-    def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--n-ctx", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded gemma-3-270m)")
-    args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from service.models import embedded_model_path
-
-    model = args.model or embedded_model_path()
-    models_dir = Path(tempfile.mkdtemp(prefix="serving-bench-"))
-    link = models_dir / "bench.gguf"
+@contextlib.contextmanager
+def service(model: str) -> Iterator[str]:
+    """``python -m service`` on its defaults, serving ``model`` from a models directory of its own."""
+    models = Path(tempfile.mkdtemp(prefix="serving-bench-"))
+    link = models / "bench.gguf"
     try:
         os.link(model, link)
     except OSError:
         shutil.copyfile(model, link)
-
-    # Both loaded, runs interleaved (the idle side uses no CPU), so that a machine whose load drifts
-    # during the benchmark slows both alike; the first run of each warms up.
-    direct_side = InProcess(model, args.n_ctx, args.threads, args.tokens)
-    served_side = Served("bench", str(models_dir), args.n_ctx, args.threads, args.tokens)
-    direct: list[float] = []
-    direct_ttft: list[float] = []
-    http: list[float] = []
-    http_ttft: list[float] = []
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
+    env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning")
+    log = open(models / "service.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        for i in range(args.runs + 1):
-            order = [(direct_side, direct, direct_ttft), (served_side, http, http_ttft)]
-            if i % 2:
-                order.reverse()
-            for side, rates, ttfts in order:
-                rate, ttft = side.run()
-                if i:
-                    rates.append(rate)
-                    ttfts.append(ttft)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                raise SystemExit(f"the service exited with {proc.returncode}: {(models / 'service.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        else:
+            raise SystemExit("the service did not become ready")
+        yield url
     finally:
-        served_side.close()
-        direct_side.close()
-        shutil.rmtree(models_dir, ignore_errors=True)
-    d, h = statistics.median(direct), statistics.median(http)
-    dt, ht = statistics.median(direct_ttft), statistics.median(http_ttft)
-    print(f"model {model}, {args.tokens} tokens, n_ctx {args.n_ctx}, {args.threads} threads, median of {args.runs} runs")
-    print(f"in-process llama_cpp.Llama : {d:8.2f} tokens/s   first token {dt * 1000:7.2f} ms   runs {[round(x, 1) for x in direct]}")
-    print(f"HTTP streaming (service)   : {h:8.2f} tokens/s   first token {ht * 1000:7.2f} ms   runs {[round(x, 1) for x in http]}")
-    print(f"ratio HTTP / in-process    : {h / d:8.3f}   (target >= 0.97)")
-    print(f"time-to-first-token overhead: {(ht - dt) * 1000:7.2f} ms (target < 10 ms)")
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(models, ignore_errors=True)
+
+
+@dataclass
+class Run:
+    tokens: int
+    ttft_s: float
+    total_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.tokens - 1) / (self.total_s - self.ttft_s) if self.tokens > 1 and self.total_s > self.ttft_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
+
+
+def request(client: httpx.Client, route: str, body: dict[str, Any]) -> Run:
+    """One request; streaming: time to the first content and the token count from the usage chunk."""
+    t0 = time.perf_counter()
+    if not body.get("stream"):
+        r = client.post(route, json=body)
+        r.raise_for_status()
+        return Run(int(r.json()["usage"]["completion_tokens"]), 0.0, time.perf_counter() - t0)
+    first = None
+    usage = pieces = 0
+    with client.stream("POST", route, json={**body, "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = int(ev["usage"]["completion_tokens"])
+            for ch in ev.get("choices") or ():
+                text = ch.get("text") or (ch.get("delta") or {}).get("content")
+                if text:
+                    pieces += 1
+                    if first is None:
+                        first = time.perf_counter()
+    t1 = time.perf_counter()
+    return Run(usage or pieces, (first or t1) - t0, t1 - t0)
+
+
+def fresh(text: str) -> str:
+    """``text`` behind a word no earlier prompt began with: no cached prefix to reuse, on either side."""
+    return f"[{uuid.uuid4().hex[:8]}] {text}"
+
+
+def one_client(url: str, tokens: int, stream: bool) -> Run:
+    body = {"prompt": fresh(PROMPT), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    with httpx.Client(base_url=url, timeout=600) as c:
+        return request(c, "/v1/completions", body)
+
+
+def clients(url: str, n: int, tokens: int) -> tuple[float, list[Run]]:
+    """``n`` concurrent streaming clients with fresh prompts: the wall time and each run."""
+    out: list[Any] = [None] * n
+    barrier = threading.Barrier(n)
+
+    def go(i: int) -> None:
+        body = {"prompt": fresh(PROMPT), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=600) as c:
+            barrier.wait()
+            out[i] = request(c, "/v1/completions", body)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, out
+
+
+def history_text(n_tokens: int) -> str:
+    """About ``n_tokens`` tokens of a story (about 14 tokens a sentence)."""
+    return " ".join(SENTENCES[i % len(SENTENCES)] for i in range(max(1, n_tokens // 14)))
+
+
+@dataclass
+class Turns:
+    next_ttft_s: list[float] = field(default_factory=list)
+    cold_ttft_s: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+
+
+def conversation(url: str, route: str, history_tokens: int, turns: int, reply_tokens: int) -> Turns:
+    """A conversation: a ~``history_tokens`` history, then ``turns`` questions, each answered in ``reply_tokens``;
+    every next turn's TTFT, and a cold prompt of the same length's (the same text behind a fresh word)."""
+    out = Turns()
+    history = fresh(history_text(history_tokens))
+    messages: list[dict[str, str]] = [{"role": "system", "content": history}]
+    text = history
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for i in range(turns + 1):
+            q = QUESTIONS[i % len(QUESTIONS)]
+            body: dict[str, Any] = {"max_tokens": reply_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            if route == "chat":
+                messages.append({"role": "user", "content": q})
+                body["messages"] = messages
+            else:
+                text += f"\nUser: {q}\nAssistant:"
+                body["prompt"] = text
+            t0 = time.perf_counter()
+            first = None
+            reply = ""
+            with c.stream("POST", f"/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for ch in json.loads(line[6:]).get("choices") or ():
+                        piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                        if piece and first is None:
+                            first = time.perf_counter()
+                        reply += piece
+            if i:  # turn 0 is the history's cold start
+                out.next_ttft_s.append((first or time.perf_counter()) - t0)
+            if route == "chat":
+                messages.append({"role": "assistant", "content": reply})
+            else:
+                text += reply
+        # A cold prompt as long as the last turn's: the whole conversation behind a fresh word.
+        body = {"max_tokens": 1, "temperature": 0, "stream": True}
+        if route == "chat":
+            cold_messages = [dict(m) for m in messages]
+            cold_messages[0]["content"] = fresh(cold_messages[0]["content"])
+            body["messages"] = cold_messages
+            out.cold_ttft_s.append(request(c, "/v1/chat/completions", body).ttft_s)
+        else:
+            body["prompt"] = fresh(text)
+            out.cold_ttft_s.append(request(c, "/v1/completions", body).ttft_s)
+        usage_body = dict(body, stream=False)
+        r = c.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=usage_body)
+        out.prompt_tokens.append(int(r.json()["usage"]["prompt_tokens"]))
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a GGUF path (default: the embedded gemma-3-270m)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per request (one and four clients)")
+    ap.add_argument("--scenarios", default="one,four,turns")
+    ap.add_argument("--history-tokens", type=int, default=1500)
+    ap.add_argument("--turns", type=int, default=3, help="next turns per conversation")
+    ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--turns-route", choices=("chat", "completions"), default="chat")
+    ap.add_argument("--llama-server", help="a llama-server binary (default: built once into ~/.cache/gguf-bench)")
+    ap.add_argument("--llama-server-args", default="", help="extra llama-server arguments (default: none)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    from service.models import embedded_model_path
+
+    model = args.model or embedded_model_path()
+    scenarios = set(args.scenarios.split(","))
+    binary = find_or_build(args.llama_server)
+    figures: dict[str, dict[str, Any]] = {"service": {}, "llama-server": {}}
+    print(f"model {Path(model).name}; {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}", flush=True)
+    with service(model) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
+        sides = {"service": svc_url, "llama-server": ls_url}
+        for url in sides.values():  # warm-up
+            one_client(url, 8, True)
+        acc: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
+
+        def add(side: str, key: str, value: float) -> None:
+            acc[side].setdefault(key, []).append(value)
+
+        for rnd in range(args.rounds):
+            order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            for side in order:
+                url = sides[side]
+                if "one" in scenarios or "four" in scenarios:
+                    s = one_client(url, args.tokens, True)
+                    add(side, "one_stream_tok_s", s.decode_tokens_per_s)
+                    add(side, "one_ttft_ms", s.ttft_s * 1000)
+                    add(side, "one_stream_total_tok_s", s.tokens_per_s)
+                    if "one" in scenarios:
+                        add(side, "one_plain_tok_s", one_client(url, args.tokens, False).tokens_per_s)
+                if "four" in scenarios:
+                    wall, runs = clients(url, 4, args.tokens)
+                    add(side, "four_tok_s", sum(r.tokens for r in runs) / wall)
+                    add(side, "four_ttft_ms", statistics.mean(r.ttft_s for r in runs) * 1000)
+                if "turns" in scenarios:
+                    t = conversation(url, args.turns_route, args.history_tokens, args.turns, args.reply_tokens)
+                    add(side, "turn_next_ttft_ms", med(t.next_ttft_s) * 1000)
+                    add(side, "turn_cold_ttft_ms", med(t.cold_ttft_s) * 1000)
+                    add(side, "turn_prompt_tokens", float(t.prompt_tokens[0]))
+                print(f"  round {rnd + 1} {side:12s} " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in acc[side].items()),
+                      flush=True)
+    for side in sides:
+        figures[side] = {k: round(med(v), 2) for k, v in acc[side].items()}
+        figures[side]["rounds"] = {k: [round(x, 1) for x in v] for k, v in acc[side].items()}
+    s, ls = figures["service"], figures["llama-server"]
+
+    def row(label: str, key: str, target: str = "", ratio: Callable[[float, float], float] = lambda a, b: a / b) -> None:
+        if key in s and key in ls:
+            print(f"{label:42s} {s[key]:10.1f} {ls[key]:14.1f} {ratio(s[key], ls[key]):8.3f}   {target}")
+
+    print(f"\nmodel {Path(model).name}, {args.tokens} tokens per request, medians of {args.rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'':42s} {'service':>10s} {'llama-server':>14s} {'ratio':>8s}   target")
+    row("one client, streamed tokens/s", "one_stream_tok_s", ">= 0.95")
+    row("one client, not streamed tokens/s", "one_plain_tok_s", ">= 0.95")
+    row("one client, time to first token ms", "one_ttft_ms", "overhead < 10 ms (difference)",
+        ratio=lambda a, b: a - b)
+    row("four clients, aggregate tokens/s", "four_tok_s", ">= 0.9")
+    for side, f in (("service", s), ("llama-server", ls)):
+        if "four_tok_s" in f and "one_stream_total_tok_s" in f:
+            print(f"  {side}: four clients / one client = {f['four_tok_s'] / f['one_stream_total_tok_s']:.3f}"
+                  + ("   (target >= 1.32)" if side == "service" else ""))
+    row("next turn, time to first token ms", "turn_next_ttft_ms", "<= 1.5")
+    row("cold prompt of that length, TTFT ms", "turn_cold_ttft_ms")
+    for side, f in (("service", s), ("llama-server", ls)):
+        if "turn_next_ttft_ms" in f:
+            print(f"  {side}: next turn / cold = {f['turn_next_ttft_ms'] / f['turn_cold_ttft_ms']:.3f} "
+                  f"({f['turn_prompt_tokens']:.0f} prompt tokens)" + ("   (target <= 0.15)" if side == "service" else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     return 0
 
 
