@@ -1,20 +1,21 @@
 """Throughput under concurrency: 1, 2, 4, 8 streaming clients against three servers of one model.
 
-    (a) single   this service's single-sequence engine (``LlamaEngine``), requests one after another
+    (a) single   this service's engine with one slot (``parallel = 1``), requests one after another
                  as the service's runner serialises them;
-    (b) batched  this service's ``BatchedEngine``: the clients' sequences decoded together;
+    (b) batched  the same engine with one slot per client: the clients' sequences decoded together;
     (c) server   llama.cpp's ``llama-server`` built from the same vendored llama.cpp source, over HTTP.
 
-(a) and (b) run in-process through the Engine API (the service does not choose the batched engine yet);
-with ``--service-url`` they are driven over HTTP instead (the OpenAI streaming route), for a service
-started with ``GGUF_PARALLEL`` set. ``GGUF_PARALLEL`` also gives (b)'s slot count here (default: the
-largest client count). Prints aggregate completion tokens/s and per-request time to first token.
+(a) and (b) run in-process through the Engine API; with ``--service-url`` they are driven over HTTP instead
+(the OpenAI streaming route), for a running service. ``GGUF_PARALLEL`` gives (b)'s slot count here (default:
+the largest client count). All three shapes are set alike (per-slot context, non-unified cache, threads, flash
+attention) and every request is evaluated whole (``cache_prompt`` off on every side): this measures decoding
+under concurrency, not prompt reuse (``bench/serving_bench.py`` compares both servers on their defaults).
+Prints aggregate completion tokens/s and per-request time to first token.
 
     python bench/concurrency_bench.py [--llama-server PATH] [--clients 1,2,4,8] [--max-tokens 64]
 
-Without ``--llama-server`` it builds one (cmake, ``-DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON``) into
-``~/.cache/gguf-bench/llama-server`` from the llama.cpp source vendored in the llama-cpp-python sdist
-(``--llama-src``); that takes many minutes on few cores.
+Without ``--llama-server`` it builds one into ``~/.cache/gguf-bench/llama-server`` from the llama.cpp source
+vendored in the llama-cpp-python sdist (``bench/llama_server.py``; many minutes on few cores).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,10 @@ from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CACHE = Path.home() / ".cache" / "gguf-bench"
-DEFAULT_SRC = "/tmp/build/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llama_server import CACHE, find_or_build, free_port  # noqa: E402
+
 TOPICS = ("a lighthouse keeper", "a dragon who hates gold", "the first city on Mars", "a lost violin",
           "a robot learning to cook", "two rival bakers", "a storm at sea", "an old library")
 
@@ -51,25 +52,6 @@ class Result:
 
 def prompt_for(i: int) -> str:
     return f"Write a long story about {TOPICS[i % len(TOPICS)]}. Once upon a time,"
-
-
-def build_llama_server(src: str, jobs: int) -> Path:
-    out = CACHE / "llama-server"
-    if out.exists():
-        return out
-    build = CACHE / "build"
-    subprocess.run(["cmake", "-S", src, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True)
-    shutil.copy2(build / "bin" / "llama-server", out)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_clients(n: int, one: Callable[[int], Result]) -> tuple[float, list[Result]]:
@@ -164,7 +146,7 @@ def llama_server(args: Any, path: str, slots: int) -> Iterator[str]:
     """llama-server on a free port with the same model, slots, context per slot, threads and flash attention."""
     import httpx
 
-    binary = Path(args.llama_server) if args.llama_server else build_llama_server(args.llama_src, args.threads)
+    binary = find_or_build(args.llama_server, args.llama_src, args.threads)
     port = free_port()
     cmd = [str(binary), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx_per_slot * slots),
            "-np", str(slots), "-t", str(args.threads), "-tb", str(args.threads), "-fa", args.flash_attn,
@@ -199,7 +181,7 @@ def main() -> None:
     ap.add_argument("--modes", default="single,batched,server")
     ap.add_argument("--batch-invariant", action="store_true", help="(b) without repacked CPU weights")
     ap.add_argument("--llama-server", help="a llama-server binary (else built into ~/.cache/gguf-bench)")
-    ap.add_argument("--llama-src", default=DEFAULT_SRC)
+    ap.add_argument("--llama-src", help="llama.cpp sources to build llama-server from (default: the vendored ones)")
     ap.add_argument("--service-url", help="drive (a)/(b) over HTTP: a running service (GGUF_PARALLEL decides which)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every mode per client count, interleaved")
     ap.add_argument("--json", help="write the rows here")
@@ -215,7 +197,7 @@ def main() -> None:
     clients = [int(x) for x in args.clients.split(",")]
     slots = int(os.environ.get("GGUF_PARALLEL", "0") or 0) or max(clients)
     modes = args.modes.split(",")
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=0.0, cache_prompt=False)
     spec = probe_path(path)
 
     def plan(n_seq: int) -> Any:
@@ -233,9 +215,9 @@ def main() -> None:
             svc = f"svc-{os.environ.get('GGUF_PARALLEL', '1')}"
             runners[svc] = lambda n: run_clients(n, http_client(args.service_url, args.max_tokens, None))
             modes = [m for m in modes if m == "server"]
-        if "single" in modes:
-            from service.engine.llama import LlamaEngine
+        from service.engine.llama import LlamaEngine
 
+        if "single" in modes:
             eng = LlamaEngine(n_threads=args.threads)
             eng.load(path, plan(1))
             stack.callback(eng.unload)
@@ -243,9 +225,7 @@ def main() -> None:
             run_clients(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
             runners["single"] = lambda n: run_clients(n, engine_client(eng, params, lock))
         if "batched" in modes:
-            from service.engine.batched import BatchedEngine
-
-            beng = BatchedEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
+            beng = LlamaEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
             beng.load(path, plan(slots))
             stack.callback(beng.unload)
             run_clients(1, engine_client(beng, replace(params, max_tokens=8), None))
