@@ -49,6 +49,7 @@ def _plan(args: argparse.Namespace) -> int:
         n_ubatch=args.ubatch,
         n_batch=max(args.ubatch, 512),
         n_seq_max=args.parallel,
+        kv_unified=not args.no_kv_unified,
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
@@ -113,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--ctx-ceiling", type=int, default=None)
     pl.add_argument("--min-ctx", type=int, default=4096)
     pl.add_argument("--ubatch", type=int, default=512)
-    pl.add_argument("--parallel", type=int, default=1)
+    pl.add_argument("--parallel", type=int, default=4, help="slots (default 4 with a unified cache: the service's)")
+    pl.add_argument("--no-kv-unified", action="store_true", help="a stream of n_ctx / parallel cells per slot")
     pl.add_argument("--swa-full", action="store_true")
     pl.add_argument("--no-offload", action="store_true", help="refuse instead of keeping layers in host memory")
     pl.add_argument("--json", action="store_true")
