@@ -1,9 +1,8 @@
 """Generations in order: a bounded FIFO in front of the engine's worker threads.
 
-llama-cpp-python's ``Llama`` is not thread-safe, so with one slot a single
-worker thread owns every call into the engine. With ``workers > 1`` (the
-batched engine, which batches concurrent calls itself) that many generations
-run at once; loads and unloads still run alone (an exclusive call waits for
+One worker thread per engine slot (``GGUF_PARALLEL``): that many generations
+run at once (the engine's scheduler thread batches them); loads and unloads
+run alone (an exclusive call waits for
 running generations and holds new ones back). Requests wait in a FIFO of bounded length
 (beyond it: ``QueueFull``, 429); a running generation is never interrupted
 by a new request. Chunks cross back to the event loop with
@@ -49,7 +48,7 @@ class Job:
 
 
 class Runner:
-    """The single worker that runs engine calls in FIFO order."""
+    """The workers that run engine calls in FIFO order."""
 
     def __init__(self, max_waiting: int, workers: int = 1) -> None:
         self._max_waiting = max_waiting

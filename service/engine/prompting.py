@@ -1,7 +1,6 @@
-"""Prompts as the engines take them: text or chat messages to tokens, then a generation.
+"""Prompts as the engine takes them: text or chat messages to tokens, then a generation.
 
-Shared by the single-sequence engine (``service.engine.llama``) and the batched one
-(``service.engine.batched``); each provides how to tokenize and how to generate from tokens.
+The engine (``service.engine.llama``) provides how to tokenize and how to generate from tokens.
 
 Turn markers are the template's, never the client's: a rendered chat prompt is tokenized with
 control tokens parsed (``special``), except the messages' own text. A message whose text holds a
