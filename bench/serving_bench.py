@@ -14,6 +14,8 @@ Scenarios (``--scenarios``, comma-separated):
 - ``one``: one client, ``--tokens`` greedy tokens (``ignore_eos``), a fresh prompt every run (a unique first
   word: no cached prefix on either side): tokens/s streamed (after the first token) and not streamed (the
   whole request), and the time to first token. Targets: tokens/s >= 0.95x llama-server's; TTFT overhead < 10 ms.
+  With ``--in-process`` a third side runs the same generation on the service's engine in this process (the
+  plan of ``make run``'s defaults, no HTTP): what the HTTP layer, the runner and the event loop add.
 - ``four``: four concurrent streaming clients, fresh prompts: aggregate tokens/s (all tokens / wall time) against
   llama-server's and against one client's (the same measure with one client). Targets: >= 0.9x llama-server's,
   >= 1.32x one client's.
@@ -174,6 +176,40 @@ def clients(url: str, n: int, tokens: int) -> tuple[float, list[Run]]:
     return time.perf_counter() - t0, out
 
 
+class InProcess:
+    """The service's engine in this process, loaded with the plan the service makes on its defaults."""
+
+    def __init__(self, model: str) -> None:
+        from service.engine.llama import LlamaEngine
+        from service.manager import LoadOptions, plan_request
+        from service.settings import Settings
+        from sizing.devices import host_memory
+        from sizing.gguf import probe_path
+        from sizing.plan import make_plan
+
+        settings = Settings()
+        plan = make_plan(probe_path(model), [], host_memory(), plan_request(settings, LoadOptions()))
+        self.engine = LlamaEngine(cache_prompt=settings.cache_prompt)
+        self.engine.load(model, plan)
+
+    def one_client(self, tokens: int) -> Run:
+        from service.engine.base import Cancel, GenerationParams
+
+        params = GenerationParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        first = None
+        last = None
+        for c in self.engine.complete(fresh(PROMPT), params, Cancel()):
+            if c.text and first is None:
+                first = time.perf_counter()
+            last = c
+        t1 = time.perf_counter()
+        return Run(last.completion_tokens if last else 0, (first or t1) - t0, t1 - t0)
+
+    def close(self) -> None:
+        self.engine.unload()
+
+
 def history_text(n_tokens: int) -> str:
     """About ``n_tokens`` tokens of a story (about 14 tokens a sentence)."""
     return " ".join(SENTENCES[i % len(SENTENCES)] for i in range(max(1, n_tokens // 14)))
@@ -254,6 +290,7 @@ def main() -> int:
     ap.add_argument("--turns-route", choices=("chat", "completions"), default="chat")
     ap.add_argument("--llama-server", help="a llama-server binary (default: built once into ~/.cache/gguf-bench)")
     ap.add_argument("--llama-server-args", default="", help="extra llama-server arguments (default: none)")
+    ap.add_argument("--in-process", action="store_true", help="also run 'one' on the engine in this process")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     from service.models import embedded_model_path
@@ -262,6 +299,7 @@ def main() -> int:
     scenarios = set(args.scenarios.split(","))
     binary = find_or_build(args.llama_server)
     figures: dict[str, dict[str, Any]] = {"service": {}, "llama-server": {}}
+    engine = InProcess(model) if args.in_process and "one" in scenarios else None
     print(f"model {Path(model).name}; {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}", flush=True)
     with service(model) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
         sides = {"service": svc_url, "llama-server": ls_url}
@@ -274,6 +312,12 @@ def main() -> int:
 
         for rnd in range(args.rounds):
             order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            if engine is not None:
+                e = engine.one_client(args.tokens)
+                acc.setdefault("engine", {}).setdefault("one_stream_tok_s", []).append(e.decode_tokens_per_s)
+                acc["engine"].setdefault("one_ttft_ms", []).append(e.ttft_s * 1000)
+                print(f"  round {rnd + 1} {'engine':12s} one_stream_tok_s {e.decode_tokens_per_s:.1f}  "
+                      f"one_ttft_ms {e.ttft_s * 1000:.1f}", flush=True)
             for side in order:
                 url = sides[side]
                 if "one" in scenarios or "four" in scenarios:
@@ -294,7 +338,9 @@ def main() -> int:
                     add(side, "turn_prompt_tokens", float(t.prompt_tokens[0]))
                 print(f"  round {rnd + 1} {side:12s} " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in acc[side].items()),
                       flush=True)
-    for side in sides:
+    if engine is not None:
+        engine.close()
+    for side in acc:
         figures[side] = {k: round(med(v), 2) for k, v in acc[side].items()}
         figures[side]["rounds"] = {k: [round(x, 1) for x in v] for k, v in acc[side].items()}
     s, ls = figures["service"], figures["llama-server"]
@@ -310,6 +356,11 @@ def main() -> int:
     row("one client, not streamed tokens/s", "one_plain_tok_s", ">= 0.95")
     row("one client, time to first token ms", "one_ttft_ms", "overhead < 10 ms (difference)",
         ratio=lambda a, b: a - b)
+    if "engine" in figures:
+        e = figures["engine"]
+        print(f"  in-process engine (no HTTP): {e['one_stream_tok_s']:.1f} tokens/s, first token "
+              f"{e['one_ttft_ms']:.1f} ms; service / engine = {s['one_stream_tok_s'] / e['one_stream_tok_s']:.3f}, "
+              f"TTFT +{s['one_ttft_ms'] - e['one_ttft_ms']:.1f} ms")
     row("four clients, aggregate tokens/s", "four_tok_s", ">= 0.9")
     for side, f in (("service", s), ("llama-server", ls)):
         if "four_tok_s" in f and "one_stream_total_tok_s" in f:

@@ -327,6 +327,8 @@ class _Request:
     """The sampled token not yet decoded (the next step's input)."""
     first_logits: Any = None
     """The whole prompt was cached with its logits: the first token is sampled from these."""
+    greedy: bool = False
+    """Temperature 0, no penalty, no grammar: the token is the row's argmax (see ``_on_logits``)."""
     sampler: Any = None
     n_out: int = 0
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
@@ -560,8 +562,11 @@ class LlamaEngine(Prompting):
         if max_new <= 0:
             yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
             return
+        grammar = compile_grammar(params)
         req = _Request(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
-                       grammar=compile_grammar(params), stops=[s for s in params.stop if s])
+                       grammar=grammar, stops=[s for s in params.stop if s],
+                       greedy=(params.temperature == 0.0 and grammar is None and params.frequency_penalty == 0.0
+                               and params.presence_penalty == 0.0))
         self._inbox.put(req)
         out = req.out
         try:
@@ -906,19 +911,21 @@ class LlamaEngine(Prompting):
         import numpy as np
 
         saved, r.first_logits = r.first_logits, None
+        row = saved
+        if row is None and (r.greedy or r.params.logprobs is not None or (not r.t_first and self._cache_prompt)):
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
         if saved is None and not r.t_first and self._cache_prompt:
             # The prompt's logits, kept with the slot for the same prompt again (a copy: the context reuses the buffer).
             slot = r.slot
             assert slot is not None
-            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
             slot.logits, slot.logits_at = row.copy(), len(slot.tokens)
-        if r.params.logprobs is not None:
-            logits = saved if saved is not None else np.ctypeslib.as_array(
-                llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
-            lp = self._logprob(logits, r.params.logprobs)
-        else:
-            lp = None
-        if saved is not None:
+        lp = self._logprob(row, r.params.logprobs) if r.params.logprobs is not None else None
+        if r.greedy:
+            # The chain is penalties (all zero: a no-op, llama-sampler.cpp ``llama_sampler_penalties_apply``) then
+            # greedy (the first largest logit): argmax over the row, without llama_sampler_sample copying all
+            # n_vocab candidates (0.4 ms a token for gemma-3's 262,144, measured; 3% at 75 tokens/s).
+            tok = int(np.argmax(row))
+        elif saved is not None:
             tok = self._sample_saved(r.sampler, saved)
         else:
             tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
