@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from .engine.base import Cancel, Chunk
+from .engine.base import Cancel, Chunk, direct_delivery
 from .errors import Busy, EngineFailure, NotReady, QueueFull, ServiceError
 
 _GATE_POLL_S = 0.1
@@ -211,9 +211,17 @@ class Runner:
             except RuntimeError:  # the loop is closed (shutdown)
                 pass
             return
+
+        def deliver(item: Any) -> None:  # from the engine's thread (engine.base.direct_delivery)
+            try:
+                job.loop.call_soon_threadsafe(put, item)
+            except RuntimeError:  # the loop is closed (shutdown)
+                pass
+
         try:
-            for chunk in job.work():
-                job.loop.call_soon_threadsafe(put, chunk)
+            with direct_delivery(deliver):
+                for chunk in job.work():
+                    job.loop.call_soon_threadsafe(put, chunk)
         except ServiceError as exc:
             job.loop.call_soon_threadsafe(put, exc)
         except Exception as exc:  # an engine bug must not kill the worker; it becomes ours (500 engine_error)

@@ -7,9 +7,10 @@ engine: continuous batching over slots that keep their prompts' KV) and
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from sizing.plan import Plan
 
@@ -95,6 +96,27 @@ class TokenLogprob:
     logprob: float
     bytes_: tuple[int, ...] = ()
     top: tuple[tuple[str, float], ...] = ()
+
+
+_delivery = threading.local()
+
+
+@contextlib.contextmanager
+def direct_delivery(deliver: Callable[[Any], None]) -> Iterator[None]:
+    """While a runner worker runs one job in this thread: an engine may hand that job's chunks (and a failure
+    during generation) to ``deliver`` from its own thread instead of yielding them through the worker, whose
+    generation iterator then only returns at the end. One thread wake-up a token instead of two
+    (service/runner.py). Engines that do not look (the fake) yield as usual."""
+    _delivery.fn = deliver
+    try:
+        yield
+    finally:
+        _delivery.fn = None
+
+
+def current_delivery() -> Callable[[Any], None] | None:
+    """The ``direct_delivery`` of the job this thread runs, if any."""
+    return getattr(_delivery, "fn", None)
 
 
 @dataclass
