@@ -347,3 +347,41 @@ def test_a_long_prompt_is_abandoned_mid_evaluation_when_its_client_leaves(embedd
         assert list(eng.complete("Hello", GenerationParams(max_tokens=2, temperature=0.0), Cancel()))[-1].completion_tokens > 0
     finally:
         eng.unload()
+
+
+def test_greedy_argmax_equals_the_sampler_chain(embedded_model: str, unified: LlamaEngine) -> None:
+    """Greedy requests without penalties or grammar take the logits' argmax instead of llama_sampler_sample:
+    the same tokens as the chain (penalties at zero, then greedy)."""
+
+    class Chain(LlamaEngine):
+        def _on_logits(self, r: Any, idx: int, ctx: Any, active: Any) -> None:
+            r.greedy = False
+            super()._on_logits(r, idx, ctx, active)
+
+    params = replace(COLD, max_tokens=40)
+    fast = [list(unified.complete(p, params, Cancel())) for p in PROMPTS[:2]]
+    chain = Chain()
+    chain.load(embedded_model, _plan(embedded_model, 4096, 4, unified=True))
+    try:
+        slow = [list(chain.complete(p, params, Cancel())) for p in PROMPTS[:2]]
+    finally:
+        chain.unload()
+    assert fast == slow
+
+
+def test_direct_delivery_hands_the_chunks_to_the_runner_from_the_engine_thread(unified: LlamaEngine) -> None:
+    from service.engine.base import direct_delivery
+
+    delivered: list[Any] = []
+    threads: set[str] = set()
+
+    def deliver(item: Any) -> None:
+        threads.add(threading.current_thread().name)
+        delivered.append(item)
+
+    with direct_delivery(deliver):
+        through_iterator = list(unified.complete(PROMPTS[0], COLD, Cancel()))
+    assert through_iterator == []  # everything went to the sink, the iterator only ended
+    assert threads == {"llama-scheduler"}
+    assert delivered[-1].finish_reason == "length" and delivered[-1].completion_tokens == 16
+    assert "".join(c.text for c in delivered) == _run(unified.complete(PROMPTS[0], COLD, Cancel()))[0]
