@@ -411,7 +411,7 @@ class LlamaEngine(Prompting):
         self._cand: Any = None
         """A reusable ``llama_token_data`` array for sampling from saved logits."""
         self._tok_lock = threading.Lock()
-        self._tok_memo: "collections.OrderedDict[tuple[str, bool], list[int]]" = collections.OrderedDict()
+        self._tok_memo: "collections.OrderedDict[tuple[str, bool, bool], list[int]]" = collections.OrderedDict()
         self._abort_cb: Any = None
         self._abort_watch: list[_Request] = []
         """The requests whose prompt the running ``llama_decode`` evaluates, while the abort callback is set."""
@@ -551,15 +551,16 @@ class LlamaEngine(Prompting):
             raise NotReady("no model is loaded")
         return model
 
-    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        """llama.cpp's tokenizer, remembering the last few prompts: the API counts a prompt's tokens before it
-        generates from the same text (2.9 ms a time for 1,500 tokens, measured)."""
-        key = (text, add_bos)
+    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
+        """llama.cpp's tokenizer (``special``: control-token spellings become control tokens), remembering the
+        last few prompts: the API counts a prompt's tokens before it generates from the same text (2.9 ms a
+        time for 1,500 tokens, measured)."""
+        key = (text, add_bos, special)
         with self._tok_lock:
             hit = self._tok_memo.get(key)
         if hit is not None:
             return list(hit)
-        tokens = list(self._require().tokenize(text.encode("utf-8"), add_bos, True))
+        tokens = list(self._require().tokenize(text.encode("utf-8"), add_bos, special))
         if len(text) > _TOKENIZE_MEMO_MAX_CHARS:
             return tokens
         with self._tok_lock:

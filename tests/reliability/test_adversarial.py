@@ -3,7 +3,7 @@
 Each case is sent to ``python -m service`` with the embedded model (llama.cpp on the CPU); the
 answer must be a 4xx in the OpenAI error shape with a string ``code`` (and ``param`` where a field
 is at fault), and afterwards the same process (same PID) still answers a completion. Structured
-output runs on both engines (one slot: ``LlamaEngine``; two: ``BatchedEngine``).
+output runs with one slot and with two (the one engine, ``GGUF_PARALLEL``).
 """
 
 from __future__ import annotations
