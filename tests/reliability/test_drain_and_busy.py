@@ -44,7 +44,8 @@ def _post(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
 @pytest.mark.timeout(180)
 def test_past_the_drain_timeout_streams_end_with_an_error_event_and_queued_requests_get_503(
         service_factory: Callable[..., ServiceProcess], capsys: pytest.CaptureFixture[str]) -> None:
-    svc = service_factory(GGUF_DRAIN_TIMEOUT_S="2", GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="2048")
+    svc = service_factory(GGUF_DRAIN_TIMEOUT_S="2", GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="2048",
+                          GGUF_PARALLEL="1")  # one slot, so that the second request queues behind the stream
     svc.wait_ready()
     long = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
     first, streamed = threading.Event(), {}

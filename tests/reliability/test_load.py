@@ -111,7 +111,9 @@ def _load_round(svc: ServiceProcess, alone: dict[str, str]) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def small_queue(service_factory: Callable[..., ServiceProcess]) -> tuple[ServiceProcess, dict[str, str]]:
-    svc = service_factory(GGUF_QUEUE_SIZE="4", **BASE_ENV)
+    # One slot: each answer must equal its prompt's answer alone, exactly. With several slots a request's logits
+    # depend on the batch it shares and on a reused prefix (docs/batching.md), so greedy texts may differ.
+    svc = service_factory(GGUF_QUEUE_SIZE="4", GGUF_PARALLEL="1", **BASE_ENV)
     svc.wait_ready()
     alone = {}
     for p in PROMPTS:
