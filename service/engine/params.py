@@ -125,8 +125,13 @@ def context_params(cfg: ContextConfig) -> ContextParams:
     slots = max(1, cfg.n_seq_max)
     # Llama(n_batch=...) clamps n_batch to n_ctx and n_ubatch to n_batch; a batch holds one token per sequence.
     n_batch = max(min(cfg.n_batch, cfg.n_ctx), slots)
+    # llama.cpp clamps n_batch to the unpadded n_ctx and aborts when that leaves fewer outputs than sequences
+    # (src/llama-context.cpp: ``GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)`` in output_reserve), so a
+    # context below the slot count (n_ctx 1 with 4 slots) would kill the process. Below 256 the cache is padded
+    # to 256 cells either way: raising n_ctx to the slot count allocates the same.
+    n_ctx = max(cfg.n_ctx, slots)
     return ContextParams(
-        n_ctx=cfg.n_ctx, n_batch=n_batch, n_ubatch=min(cfg.n_ubatch, n_batch), n_seq_max=slots,
+        n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(cfg.n_ubatch, n_batch), n_seq_max=slots,
         kv_unified=cfg.kv_unified, type_k=GGML_TYPE_IDS[cfg.type_k], type_v=GGML_TYPE_IDS[cfg.type_v],
         flash_attn_type=_FLASH_ATTN[cfg.flash_attn], swa_full=cfg.swa_full, offload_kqv=cfg.offload_kqv,
     )

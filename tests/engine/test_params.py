@@ -76,3 +76,10 @@ def test_plan_params_use_the_plans_device_indexes(embedded_model: str) -> None:
     mp, cp = plan_params(plan)
     assert mp.tensor_split == (0.0, 0.0, 1.0) and mp.main_gpu == 2 and mp.n_gpu_layers == spec.n_layer_all + 1
     assert cp.n_ctx == plan.cfg.n_ctx and cp.flash_attn_type in (LLAMA_FLASH_ATTN_TYPE_ENABLED, LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+
+def test_a_context_below_the_slot_count_is_raised_to_it() -> None:
+    """llama.cpp aborts (output_reserve's assert) when n_batch, clamped to n_ctx, is below n_seq_max."""
+    cp = context_params(ContextConfig(n_ctx=1, n_seq_max=4, kv_unified=True))
+    assert cp.n_ctx >= cp.n_seq_max == 4 and cp.n_batch >= 4
+    assert context_params(ContextConfig(n_ctx=4096, n_seq_max=4)).n_ctx == 4096
