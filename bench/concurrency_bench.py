@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_server import CACHE, find_or_build, free_port  # noqa: E402
+from llama_server import CACHE, find_or_build, free_port, wait_until_answers  # noqa: E402
 
 TOPICS = ("a lighthouse keeper", "a dragon who hates gold", "the first city on Mars", "a lost violin",
           "a robot learning to cook", "two rival bakers", "a storm at sea", "an old library")
@@ -144,8 +144,6 @@ def report(label: str, n: int, wall: float, res: list[Result], quiet: bool = Fal
 @contextlib.contextmanager
 def llama_server(args: Any, path: str, slots: int) -> Iterator[str]:
     """llama-server on a free port with the same model, slots, context per slot, threads and flash attention."""
-    import httpx
-
     binary = find_or_build(args.llama_server, args.llama_src, args.threads)
     port = free_port()
     cmd = [str(binary), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx_per_slot * slots),
@@ -154,16 +152,7 @@ def llama_server(args: Any, path: str, slots: int) -> Iterator[str]:
     log = open(CACHE / "llama-server.log", "wb") if CACHE.exists() else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
-            time.sleep(0.2)
+        wait_until_answers(proc, f"http://127.0.0.1:{port}/health", 120, f"llama-server ({' '.join(cmd)})")
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

@@ -63,30 +63,34 @@ def find_or_build(binary: str | None = None, src: str | None = None, jobs: int |
     return out
 
 
+def wait_until_answers(proc: "subprocess.Popen[bytes]", url: str, timeout_s: float, what: str) -> None:
+    """Poll ``url`` until it answers 200; SystemExit when ``proc`` exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        time.sleep(0.2)
+    raise SystemExit(f"{what} did not answer {url} within {timeout_s:.0f} s")
+
+
 @contextlib.contextmanager
 def serve(binary: Path, model: str, *args: str, log_name: str = "llama-server.log") -> Iterator[str]:
     """llama-server on a free loopback port with ``args`` (none: its defaults); yields the base URL."""
-    import httpx
-
     port = free_port()
     cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "--no-webui", *args]
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / log_name, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None:
-                    raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)} "
-                                     f"(log: {CACHE / log_name})")
-                time.sleep(0.2)
-            else:
-                raise SystemExit(f"llama-server did not become healthy: {' '.join(cmd)}")
+            wait_until_answers(proc, f"http://127.0.0.1:{port}/health", 180,
+                               f"llama-server ({' '.join(cmd)}; log: {CACHE / log_name})")
             yield f"http://127.0.0.1:{port}"
         finally:
             proc.terminate()

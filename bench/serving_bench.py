@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from llama_server import find_or_build, free_port, serve  # noqa: E402
+from llama_server import find_or_build, free_port, serve, wait_until_answers  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 SENTENCES = (
@@ -80,18 +80,7 @@ def service(model: str) -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(f"the service exited with {proc.returncode}: {(models / 'service.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        else:
-            raise SystemExit("the service did not become ready")
+        wait_until_answers(proc, f"{url}/ready", 300, f"the service (log: {models / 'service.log'})")
         yield url
     finally:
         proc.terminate()
