@@ -65,8 +65,9 @@ QUESTIONS = ("What did the keeper do at dusk?", "Who visited him?", "What happen
 
 
 @contextlib.contextmanager
-def service(model: str) -> Iterator[str]:
-    """``python -m service`` on its defaults, serving ``model`` from a models directory of its own."""
+def service(model: str, **settings: str) -> Iterator[str]:
+    """``python -m service`` on its defaults (but ``settings``, GGUF_* names), serving ``model`` from a models
+    directory of its own."""
     models = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     link = models / "bench.gguf"
     try:
@@ -75,7 +76,8 @@ def service(model: str) -> Iterator[str]:
         shutil.copyfile(model, link)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
-    env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning")
+    env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning",
+               **settings)
     log = open(models / "service.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -206,7 +206,8 @@ def test_a_client_that_leaves_stops_its_generation_within_a_token(fake_factory):
     t0 = time.monotonic()
     r = svc.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 200
-    assert time.monotonic() - t0 < 1
+    # Generous: 3 tokens take 0.06 s; had the abandoned 5000-token generation run on, 100 s.
+    assert time.monotonic() - t0 < 20
 
 
 def test_metrics_count_requests_tokens_and_latency(fake):  # type: ignore[no-untyped-def]
