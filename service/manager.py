@@ -1,65 +1,64 @@
-"""The loaded model's lifecycle: plan first, then load; state for /ready and /api/models.
+"""Residency and lifecycle: the models loaded at once, each with its own engine, plan and queue.
 
-States: unloaded -> loading -> loaded | failed. A new load is planned and
-checked before anything is unloaded, so a refusal leaves the current model
-serving. Planning itself (settings to a request, crediting the current model's
-memory, calibration with llama.cpp's figures, the load's confirmation) is
-``service.planning``; it runs off the event loop.
+States per model: unloaded -> loading -> loaded | failed; a loaded model goes
+back to unloaded when it is unloaded, evicted or idle past its keep_alive.
+
+A load is planned beside the loaded models on the memory they leave
+(``service.planning.Planner.place``, off the event loop). When it does not fit
+there, the smallest set of idle, unpinned models whose memory makes it fit is
+chosen, least recently used first, before anything is unloaded; busy models
+(a request queued or running) and pinned ones are never evicted, so a refusal
+(507 with every card's figures and the residents holding them; 409 when only
+busy models hold the memory) leaves every model serving. Then llama.cpp's dry
+run confirms the plan, the chosen models are unloaded, and the new one loads
+into an engine of its own (``EngineFactory``) behind a runner of its own. A
+load that fails after unloading anything loads those models again.
+
+A request goes to the model its ``model`` names (or an alias's model):
+``acquire`` returns a ``Lease`` that keeps the model busy until its generation
+ends. With ``GGUF_LOAD_ON_DEMAND`` a request for a model that is not loaded
+loads it; concurrent requests for it wait on one load, within
+``GGUF_LOAD_ON_DEMAND_WAIT_S``. Idle models are unloaded after their keep_alive
+(the model's, or the last request's; Ollama's semantics).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, Union
 
 from sizing.device import MIB, Device
 from sizing.devices import host_memory, inventory
-from sizing.errors import ProbeError, SizingError, UnsupportedModelError
+from sizing.errors import ProbeError, UnsupportedModelError
 from sizing.gguf import probe_path
 from sizing.plan import Plan
 from sizing.report import plan_json, plan_table
+from sizing.residency import Holding, available, held_bytes
 from sizing.spec import ModelSpec
 
+from .downloads import Download, Downloads, remote_limits
 from .engine.base import Engine, LoadReport
 from .engine.calibrate import Calibrator
-from .errors import BadRequest, InsufficientMemory, ModelNotFound, ServiceError, SplitNotHonoured, Upstream
+from .errors import BadRequest, Busy, InsufficientMemory, NotReady, ServiceError, SplitNotHonoured, Upstream
+from .keepalive import keep_alive_json, parse_keep_alive
 from .models import ModelEntry, Registry
-from .planning import LoadOptions, Planner, credit, plan_request
+from .planning import LoadOptions, Placed, Planner, SetPlan, plan_request
 from .runner import Runner
 from .settings import Settings
 
-__all__ = ["LoadOptions", "ModelManager", "ModelState", "credit_current", "default_engine", "plan_request",
-           "raise_refusal", "remote_limits"]
+__all__ = ["Download", "EngineFactory", "Lease", "LoadOptions", "ModelManager", "ModelState", "credit_current",
+           "default_engine", "plan_request", "raise_refusal", "remote_limits"]
 
 log = logging.getLogger(__name__)
 
-State = Literal["unloaded", "loading", "loaded", "failed"]
+State = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
 
-
-@dataclass
-class ModelState:
-    name: str
-    state: State = "unloaded"
-    plan: Plan | None = None
-    report: LoadReport | None = None
-    error: str | None = None
-    since: float = field(default_factory=time.time)
-    path: str | None = None
-    confirmation: dict[str, Any] | None = None
-    """llama.cpp's dry-run figures for the plan, beside the predicted ones."""
-
-
-def remote_limits(settings: Settings) -> Any:
-    """What a remote probe for a client may do (``sizing.gguf.remote.ProbeLimits``): public addresses only,
-    unless ``remote_allow_hosts`` names them; one deadline and byte budget."""
-    from sizing.gguf.remote import ProbeLimits, parse_allow_hosts
-
-    return ProbeLimits(deadline_s=settings.remote_timeout_s, max_bytes=settings.remote_max_bytes, public_only=True,
-                       allow_hosts=parse_allow_hosts(settings.remote_allow_hosts))
+EngineFactory = Callable[[Settings], Engine]
+"""Builds one engine per loaded model, from the settings (``parallel`` set to the model's slots)."""
 
 
 def default_engine(settings: Settings) -> Engine:
@@ -70,94 +69,164 @@ def default_engine(settings: Settings) -> Engine:
                        slot_prompt_similarity=settings.slot_prompt_similarity)
 
 
-def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | None") -> tuple[list[Device], Device]:
-    """Free memory as it will be once the loaded model is unloaded (``service.planning.credit``)."""
-    if current is None or current.state != "loaded" or current.plan is None or current.plan.estimate is None:
-        return list(gpus), host
-    return credit(gpus, host, [current.plan.estimate])
+@dataclass(eq=False)
+class ModelState:
+    """One model's state; while loaded, its engine, runner, plan and what llama.cpp allocated."""
 
-
-@dataclass
-class Download:
-    """A GGUF file being fetched from Hugging Face into the models directory."""
-
-    repo_id: str
-    filename: str
-    revision: str | None
-    state: Literal["downloading", "done", "failed"] = "downloading"
-    bytes_done: int = 0
-    bytes_total: int | None = None
+    name: str
+    state: State = "unloaded"
+    plan: Plan | None = None
+    report: LoadReport | None = None
     error: str | None = None
-    started: float = field(default_factory=time.time)
+    since: float = field(default_factory=time.time)
+    path: str | None = None
+    confirmation: dict[str, Any] | None = None
+    """llama.cpp's dry-run figures for the plan, beside the predicted ones."""
+    entry: ModelEntry | None = None
+    engine: Engine | None = None
+    runner: Runner | None = None
+    pinned: bool = False
+    keep_alive_s: float = math.inf
+    """Idle seconds before it is unloaded (the model's; ``math.inf``: never)."""
+    next_keep_alive_s: float | None = None
+    """The last finished request's keep_alive, for this idle period (None: the model's)."""
+    last_used: float = field(default_factory=time.monotonic)
+    leases: int = 0
+    """Requests routed to it and not finished: while any, it is busy and never evicted."""
+    expires_at: float | None = None
+    """Wall-clock time its keep_alive unloads it (None: it stays)."""
+    unloaded_why: str | None = None
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def busy(self) -> bool:
+        return self.leases > 0
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "loaded" and self.engine is not None and self.runner is not None and not self.runner.closed
+
+    def holding(self) -> Holding | None:
+        if self.plan is None or self.plan.estimate is None:
+            return None
+        return Holding(self.name, self.plan.estimate, self.last_used, self.busy, self.pinned)
+
+
+class Lease:
+    """A request's hold on a loaded model: busy (never evicted) until ``release``, which the runner calls when the
+    generation ends (or the route, when the request ends before it was queued). Idempotent."""
+
+    def __init__(self, manager: "ModelManager", state: ModelState) -> None:
+        assert state.engine is not None and state.runner is not None
+        self._manager = manager
+        self.state = state
+        self.engine: Engine = state.engine
+        self.runner: Runner = state.runner
+        self.keep_alive_s: float | None = None
+        """This request's keep_alive (None: the model's)."""
+        self.queued = False
+        """Set once the generation is queued: from then on the runner releases the lease when it ends."""
+        self._released = False
+        state.leases += 1
+        state.last_used = time.monotonic()
+        if state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+            state.expires_at = None
 
     @property
     def name(self) -> str:
-        """The model name it is served under once downloaded."""
-        return self.filename.rsplit("/", 1)[-1].removesuffix(".gguf")
+        return self.state.name
 
-    def to_json(self) -> dict[str, Any]:
-        return {"repo_id": self.repo_id, "filename": self.filename, "revision": self.revision, "name": self.name,
-                "state": self.state, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
-                "progress": round(self.bytes_done / self.bytes_total, 4) if self.bytes_total else None,
-                "error": self.error}
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._manager._released(self.state, self.keep_alive_s)
 
 
-def _progress_class(dl: Download) -> type:
-    """A tqdm class for huggingface_hub that records progress on ``dl`` and logs every 10%."""
-    from tqdm.std import tqdm
-
-    class Progress(tqdm):  # type: ignore[misc,type-arg]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-            total = kwargs.get("total")
-            if isinstance(total, (int, float)) and total:
-                dl.bytes_total = int(total)
-            dl.bytes_done = int(kwargs.get("initial") or 0)
-            self._logged = -1
-
-        def update(self, n: float | None = 1) -> bool | None:
-            dl.bytes_done += int(n or 0)
-            if dl.bytes_total:
-                tenth = int(10 * dl.bytes_done / dl.bytes_total)
-                if tenth != self._logged:
-                    self._logged = tenth
-                    log.info("downloading %s/%s: %d%% of %.1f MiB", dl.repo_id, dl.filename, 10 * tenth,
-                             dl.bytes_total / MIB)
-            return None
-
-    return Progress
+def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | None") -> tuple[list[Device], Device]:
+    """Live free memory as it will be once ``current`` is unloaded (``sizing.residency.available``)."""
+    if current is None or current.state != "loaded" or current.plan is None or current.plan.estimate is None:
+        return list(gpus), host
+    return available(gpus, host, (), [current.plan.estimate], live=True)
 
 
 class ModelManager:
-    """Owns the engine, the current model's state and plan."""
+    """Owns the loaded models (each with its engine and runner), their states and plans, and the load lock."""
 
-    def __init__(self, settings: Settings, registry: Registry, engine: Engine, runner: Runner,
-                 devices: Callable[[], tuple[list[Device], Device]] | None = None) -> None:
+    def __init__(self, settings: Settings, registry: Registry, engines: Union[EngineFactory, Engine],
+                 devices: Callable[[], tuple[list[Device], Device]] | None = None, *, live: bool | None = None,
+                 max_models: int | None = None) -> None:
+        """``engines``: a factory (one engine per loaded model) or one engine instance, which then serves one
+        model at a time (a load replaces the loaded model, as in a single-model server). ``devices`` and
+        ``live``: an inventory other than the settings' (tests), and whether its figures are live."""
         self.settings = settings
         self.registry = registry
-        self.engine = engine
-        self.runner = runner
-        self.current: ModelState | None = None
+        single = hasattr(engines, "load") and not isinstance(engines, type)
+        self._engine_factory: EngineFactory = (lambda _s: engines) if single else engines  # type: ignore[assignment,return-value]
+        self.max_models = 1 if single else (max_models or settings.max_loaded_models)
+        self.models: dict[str, ModelState] = {}
+        """Every model that has a state (loaded, loading, failed, unloaded after being loaded)."""
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
         self._load_lock = asyncio.Lock()
-        self.downloads: dict[str, Download] = {}
+        self._pending: dict[str, asyncio.Task[ModelState]] = {}
+        """On-demand loads in progress, one per model: concurrent requests wait on the same one."""
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.loads = 0
+        """Engine loads done (each model load, restores included): what load-on-demand counts."""
         self.host_bandwidth_bytes_per_s: float | None = None
         if settings.host_bandwidth_gbps is None:
             from sizing.devices import measure_host_bandwidth
 
             self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
         self.planner = Planner(settings, lambda: self._devices(), Calibrator(timeout_s=settings.calibrate_timeout_s),
-                               self.host_bandwidth_bytes_per_s)
+                               self.host_bandwidth_bytes_per_s, live=live)
+        self.downloads = Downloads(settings, registry, self.planner, self._kept_estimates)
+        self.default_keep_alive_s = parse_keep_alive(settings.keep_alive, param="GGUF_KEEP_ALIVE")
 
     def _live_devices(self) -> tuple[list[Device], Device]:
         gpus = inventory(declared_path=self.settings.gpus_file, declared_json=self.settings.gpus_json)
         return gpus, host_memory()
 
+    # -- views
+
+    def loaded(self) -> list[ModelState]:
+        """The models serving now, in the order they were loaded."""
+        return [s for s in self.models.values() if s.serving]
+
     @property
     def ready(self) -> bool:
-        return self.current is not None and self.current.state == "loaded"
+        return bool(self.loaded())
+
+    def resident(self, name: str) -> ModelState | None:
+        st = self.models.get(self.registry.canonical(name))
+        return st if st is not None and st.serving else None
+
+    def not_ready_state(self) -> tuple[str, str | None]:
+        """Why nothing serves: ``loading``, ``failed`` (with the error) or ``no model``."""
+        if any(s.state == "loading" for s in self.models.values()):
+            return "loading", None
+        if self.last_failed is not None and self.last_failed.state == "failed":
+            return "failed", self.last_failed.error
+        return "no model", None
+
+    def _holdings(self, states: Sequence[ModelState] | None = None) -> list[Holding]:
+        out = []
+        for s in self.loaded() if states is None else states:
+            h = s.holding()
+            if h is not None:
+                out.append(h)
+        return out
+
+    def _kept_estimates(self) -> list[Any]:
+        return [h.estimate for h in self._holdings()]
+
+    def inventory(self) -> tuple[list[Device], Device]:
+        """The devices as read now (live or declared), before any resident is counted. Blocking (NVML)."""
+        gpus, host, _ = self.planner.inventory()
+        return gpus, host
 
     def probe(self, entry: ModelEntry) -> ModelSpec:
         try:
@@ -165,230 +234,365 @@ class ModelManager:
         except (ProbeError, UnsupportedModelError) as exc:
             raise BadRequest(f"model '{entry.name}' cannot be read: {exc}", param="model") from exc
 
-    async def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
-        """Plan a model on the live (or declared, or hypothetical) devices; nothing is loaded. Off the event loop
-        (probing, and llama.cpp's dry runs where the plan is calibrated)."""
-        return await asyncio.to_thread(self.plan_blocking, name, opts)
+    def options_for(self, entry: ModelEntry, opts: LoadOptions) -> LoadOptions:
+        """A request's options over the model's own (models file) over the settings'."""
+        c = entry.config
+        return replace(opts, cache_type=opts.cache_type or c.cache_type, n_seq_max=opts.n_seq_max or c.slots,
+                       ctx_ceiling=opts.ctx_ceiling or c.context_length)
 
-    def plan_blocking(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Plan]:
+    # -- planning (off the event loop)
+
+    async def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Placed]:
+        """Where a load of ``name`` would go beside the loaded models, and whom it would evict; nothing is
+        loaded or unloaded. Off the event loop (probing, llama.cpp's dry runs where the plan is calibrated)."""
+        holdings = self._holdings()
+        return await asyncio.to_thread(self._place, name, opts, holdings, False)
+
+    def _place(self, name: str, opts: LoadOptions, holdings: Sequence[Holding], force: bool
+               ) -> tuple[ModelEntry, Placed]:
         entry = self.registry.resolve(name)
-        return entry, self.plan_spec(self.probe(entry), opts, path=entry.path)
+        spec = self.probe(entry)
+        replacing = entry.name if any(h.name == entry.name for h in holdings) else None
+        placed = self.planner.place(spec, self.options_for(entry, opts), path=entry.path, residents=holdings,
+                                    replacing=replacing, max_models=self.max_models, force=force)
+        return entry, placed
 
-    def plan_remote(self, location: str, opts: LoadOptions) -> Plan:
-        """Plan a model that is not here: an http(s) URL or ``hf://owner/repo/file.gguf``, read by its header only.
+    async def plan_remote(self, location: str, opts: LoadOptions, run: Callable[..., Any] | None = None) -> Placed:
+        """Where a model that is not here would go (an http(s) URL or ``hf://owner/repo/file.gguf``, read by its
+        header only), beside the loaded models. ``run`` runs the blocking probe (the remote probes' threads)."""
+        holdings = self._holdings()
 
-        Blocking (network): call from a thread.
-        """
-        from sizing.errors import RemoteError
-        from sizing.gguf.remote import probe_location
+        def work() -> Placed:
+            from sizing.errors import RemoteError
+            from sizing.gguf.remote import probe_location
 
-        try:
-            spec = probe_location(location, remote_limits(self.settings))
-        except RemoteError as exc:
-            raise Upstream(f"{location[:300]}: {exc.reason}") from exc
-        except (ProbeError, UnsupportedModelError) as exc:
-            raise BadRequest(f"{location[:300]} cannot be read: {exc}", param="url") from exc
-        return self.plan_spec(spec, opts)
+            try:
+                spec = probe_location(location, remote_limits(self.settings))
+            except RemoteError as exc:
+                raise Upstream(f"{location[:300]}: {exc.reason}") from exc
+            except (ProbeError, UnsupportedModelError) as exc:
+                raise BadRequest(f"{location[:300]} cannot be read: {exc}", param="url") from exc
+            return self.planner.place(spec, opts, residents=holdings, max_models=self.max_models)
 
-    def plan_spec(self, spec: ModelSpec, opts: LoadOptions, *, path: str | None = None) -> Plan:
-        """The plan for a probed model (calibrated by llama.cpp when ``path`` is given and the model needs it),
-        as if the current model were unloaded (live figures include it); a refusal still leaves it serving."""
-        current = self.current
-        replacing = ([current.plan.estimate] if current is not None and current.state == "loaded"
-                     and current.plan is not None and current.plan.estimate is not None else [])
-        return self.planner.plan(spec, opts, path=path, replacing=replacing)
+        if run is not None:
+            return await run(work)  # type: ignore[no-any-return]
+        return await asyncio.to_thread(work)
 
-    async def load(self, name: str, opts: LoadOptions = LoadOptions(), *, force: bool = False) -> ModelState:
-        """Plan, refuse with figures if it cannot fit, confirm with llama.cpp, then load (replacing the current model).
+    async def plan_set(self, items: Sequence[tuple[str, LoadOptions]], opts: LoadOptions, *,
+                       beside_residents: bool = False) -> SetPlan:
+        """Whether these models fit together (``Planner.plan_set``): on the devices as they would be with none of
+        the loaded models, or beside them all (``beside_residents``)."""
+        holdings = self._holdings()
 
-        The load waits up to ``load_wait_s`` for running generations (then ``Busy``, 409, and the current
-        model keeps serving); ``force`` ends them instead."""
+        def work() -> SetPlan:
+            resolved = []
+            for name, o in items:
+                entry = self.registry.resolve(name)
+                resolved.append((entry.name, self.probe(entry), self.options_for(entry, o), entry.path))
+            names = [r[0] for r in resolved]
+            if len(set(names)) != len(names):
+                raise BadRequest("a set dry-run names each model once", param="models")
+            kept, freed = (holdings, []) if beside_residents else ([], holdings)
+            return self.planner.plan_set(resolved, opts, kept=kept, freed=freed)
+
+        return await asyncio.to_thread(work)
+
+    # -- loading
+
+    async def load(self, name: str, opts: LoadOptions = LoadOptions(), *, force: bool = False,
+                   keep_alive_s: float | None = None) -> ModelState:
+        """Plan beside the loaded models, refuse with figures if it cannot fit (evicting idle ones if it must),
+        confirm with llama.cpp, then load into an engine of its own.
+
+        Loading a model that is loaded reloads it with the new options: that waits up to ``load_wait_s`` for its
+        running generations (then ``Busy``, 409, and it keeps serving); ``force`` ends them instead, and makes
+        busy models eviction candidates too."""
         async with self._load_lock:
-            previous = self.current
-            serving = previous is not None and previous.state == "loaded"
-            if not serving:
-                # /ready says loading from the start; planning (probe, calibration) runs in a thread
-                self.current = ModelState(name=str(name)[:200], state="loading")
-            try:
-                entry, plan = await self.plan(name, opts)
-                raise_refusal(plan)
-            except BaseException:
-                if not serving:
-                    self.current = previous  # a refusal changes nothing
-                raise
-            state = ModelState(name=entry.name, state="loading", plan=plan, path=entry.path)
-            if not serving:
-                self.current = state  # /ready: loading (a loaded model keeps serving until the swap itself)
-            if opts.confirm if opts.confirm is not None else self.settings.confirm_loads:
-                try:
-                    conf = await asyncio.to_thread(self.planner.confirm, plan, entry.path, entry.name)
-                    state.confirmation = conf.to_json()
-                    if conf.status == "replanned":
-                        plan = state.plan = conf.plan
-                        raise_refusal(plan)
-                except ServiceError as exc:
-                    state.state, state.error = "failed", exc.message
-                    self.last_failed = state
-                    if not serving:
-                        self.current = state
-                    raise
-            # The dry-run workers hold no model, but on a GPU build a device context each: gone before the load.
-            await asyncio.to_thread(self.planner.release)
-            # With the plan counting on the current model's memory, it must go first.
-            must_unload_first = serving and previous is not None and not _fits_beside(plan, previous)
-            self.current = state
-            log.info("loading %s with plan:\n%s", entry.name, plan_table(plan))
+            return await self._load_locked(name, opts, force, keep_alive_s)
 
-            def do_load() -> LoadReport:
-                if must_unload_first:
-                    self.engine.unload()
-                return self.engine.load(entry.path, plan)
-
+    async def _load_locked(self, name: str, opts: LoadOptions, force: bool, keep_alive_s: float | None) -> ModelState:
+        entry = await asyncio.to_thread(self.registry.resolve, name)
+        key = entry.name
+        previous = self.models.get(key)
+        replacing = previous if previous is not None and previous.serving else None
+        placeholder = None
+        if replacing is None:  # /api/models and /ready say loading from the start; planning runs in a thread
+            placeholder = ModelState(name=key, state="loading", entry=entry, path=entry.path)
+            self.models[key] = placeholder
+        try:
+            for attempt in range(3):
+                holdings = self._holdings()
+                _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
+                raise_refusal(placed)
+                victims = [self.models[n] for n in placed.evict if n in self.models]
+                if force or not any(v.busy or not v.serving for v in victims):
+                    break
+                if attempt == 2:  # a victim became busy while the plan was made, three times over
+                    raise Busy(f"the models this load would unload became busy: "
+                               f"{', '.join(v.name for v in victims if v.busy)}; retry")
+        except BaseException:
+            if placeholder is not None:  # a refusal changes nothing
+                self._put_back(key, previous)
+            raise
+        plan = placed.plan
+        config = entry.config
+        state = ModelState(name=key, state="loading", plan=plan, path=entry.path, entry=entry, pinned=config.pinned,
+                           keep_alive_s=config.keep_alive_s if config.keep_alive_s is not None
+                           else self.default_keep_alive_s)
+        if placeholder is not None:
+            self.models[key] = state
+        if opts.confirm if opts.confirm is not None else self.settings.confirm_loads:
             try:
-                report = await self.runner.exclusive(do_load, wait_s=self.settings.load_wait_s, force=force)
-            except Exception as exc:
-                state.state = "failed"
-                state.error = exc.message if isinstance(exc, ServiceError) else str(exc)
+                conf = await asyncio.to_thread(self.planner.confirm, plan, entry.path, entry.name)
+                state.confirmation = conf.to_json()
+                if conf.status == "replanned":
+                    plan = state.plan = conf.plan
+                    raise_refusal(replace(placed, plan=plan))
+            except ServiceError as exc:
+                state.state, state.error = "failed", exc.message
                 self.last_failed = state
-                self.current = state
-                if serving and previous is not None:
-                    if must_unload_first:
-                        await self._restore(previous)
-                    else:
-                        self.current = previous
+                if placeholder is not None:
+                    self.models[key] = state
                 raise
-            state.report = report
-            state.state = "loaded"
-            state.since = time.time()
-            log.info(
-                "loaded %s: n_ctx %d in %.2f s; llama.cpp allocated %s",
-                entry.name, report.n_ctx, report.load_seconds,
-                ", ".join(f"{a.device} {a.total_bytes / MIB:.1f} MiB" for a in report.allocations),
-            )
-            return state
+            except BaseException:
+                if placeholder is not None:
+                    self._put_back(key, previous)
+                raise
+        # The dry-run workers hold no model, but on a GPU build a device context each: gone before the load.
+        await asyncio.to_thread(self.planner.release)
+        evicted: list[ModelState] = []
+        if replacing is not None:  # the one that may wait for its generations (then 409, nothing unloaded)
+            await self._unload_state(replacing, force=force, wait_s=self.settings.load_wait_s, why="reloaded")
+            self.models[key] = state
+        for v in victims:
+            await self._unload_state(v, force=force, wait_s=self.settings.load_wait_s, why=f"evicted for {key}")
+            evicted.append(v)
+        if evicted:
+            log.info("evicted %s (least recently used, idle) to load %s", ", ".join(v.name for v in evicted), key)
+        log.info("loading %s with plan:\n%s", key, plan_table(plan))
+        try:
+            await self._start(state, plan)
+        except Exception as exc:
+            state.state = "failed"
+            state.error = exc.message if isinstance(exc, ServiceError) else str(exc)
+            self.last_failed = self.models[key] = state
+            for old in ([replacing] if replacing is not None else []) + evicted:
+                await self._restore(old)
+            raise
+        self.models[key] = state
+        self._idle(state, keep_alive_s)
+        assert state.report is not None
+        log.info("loaded %s: n_ctx %d in %.2f s; llama.cpp allocated %s", key, state.report.n_ctx,
+                 state.report.load_seconds,
+                 ", ".join(f"{a.device} {a.total_bytes / MIB:.1f} MiB" for a in state.report.allocations))
+        return state
+
+    async def _start(self, state: ModelState, plan: Plan) -> None:
+        """A fresh engine and runner for ``state``, and the load (raises what the engine raised)."""
+        assert state.path is not None
+        slots = max(1, plan.cfg.n_seq_max)
+        engine = self._engine_factory(self.settings.model_copy(update={"parallel": slots}))
+        runner = Runner(max_waiting=self.settings.queue_size, workers=slots, name=state.name)
+        path = state.path
+        try:
+            report: LoadReport = await runner.call(lambda: engine.load(path, plan), exclusive=True)
+        except BaseException:
+            runner.stop()
+            raise
+        self.loads += 1
+        state.engine, state.runner, state.report, state.plan = engine, runner, report, plan
+        state.state, state.error, state.since, state.last_used = "loaded", None, time.time(), time.monotonic()
+        state.unloaded_why = None
 
     async def _restore(self, previous: ModelState) -> None:
-        """Reload the model a failed swap unloaded, so the service keeps what it served."""
+        """Reload a model that a failed load unloaded, with its plan, so the service keeps what it served."""
         if previous.path is None or previous.plan is None:
             return
-        plan, path = previous.plan, previous.path
+        state = replace(previous, state="loading", engine=None, runner=None, report=None, leases=0, timer=None,
+                        expires_at=None)
         try:
-            report = await self.runner.call(lambda: self.engine.load(path, plan), exclusive=True)
-        except Exception as exc:  # nothing left to serve: /ready says so
+            await self._start(state, previous.plan)
+        except Exception as exc:  # nothing to serve it with: /api/models says so
             log.error("could not reload %s after a failed load: %s", previous.name, exc)
             return
-        self.current = replace(previous, report=report, since=time.time())
+        self.models[previous.name] = state
+        self._idle(state, None)
+
+    def _put_back(self, key: str, previous: ModelState | None) -> None:
+        if previous is not None:
+            self.models[key] = previous
+        else:
+            self.models.pop(key, None)
+
+    async def _unload_state(self, st: ModelState, *, force: bool, wait_s: float | None, why: str) -> None:
+        """Unload one model after its running generations (``wait_s``, then ``Busy`` and it keeps serving);
+        anything still queued for it then gets 503."""
+        runner, engine = st.runner, st.engine
+        if runner is None or engine is None:
+            st.state = "unloaded"
+            return
+        st.state = "unloading"
+        try:
+            await runner.exclusive(engine.unload, wait_s=wait_s, force=force)
+        except BaseException:
+            st.state = "loaded"
+            raise
+        runner.interrupt(NotReady(f"model '{st.name}' was unloaded ({why})", retry_after_s=1))
+        runner.stop()
+        if st.timer is not None:
+            st.timer.cancel()
+        st.state, st.report, st.engine, st.runner, st.timer, st.expires_at = "unloaded", None, None, None, None, None
+        st.unloaded_why = why
+        log.info("unloaded %s (%s)", st.name, why)
+
+    async def unload(self, name: str | None = None, *, force: bool = False, limited: bool = True) -> list[str]:
+        """Unload ``name`` (every loaded model when None), after its running generations (up to ``load_wait_s``,
+        then ``Busy``; ``force`` ends them). ``limited=False``: wait as long as they run (shutdown, which has its
+        own limit). Returns the names unloaded."""
+        async with self._load_lock:
+            if name is not None:
+                entry = await asyncio.to_thread(self.registry.resolve, name)
+                targets = [s for s in self.loaded() if s.name == entry.name]
+            else:
+                targets = self.loaded()
+            wait_s = self.settings.load_wait_s if limited else None
+            for st in targets:
+                await self._unload_state(st, force=force, wait_s=wait_s, why="unloaded on request")
+            return [s.name for s in targets]
 
     def close(self) -> None:
         """Stop the calibration workers (at shutdown)."""
         self.planner.close()
 
-    async def unload(self, *, force: bool = False, limited: bool = True) -> None:
-        """Unload, after the running generations (up to ``load_wait_s``, then ``Busy``; ``force`` ends them).
-        ``limited=False``: wait as long as they run (shutdown, which has its own limit)."""
-        async with self._load_lock:
-            wait_s = self.settings.load_wait_s if limited else None
-            await self.runner.exclusive(self.engine.unload, wait_s=wait_s, force=force)
-            if self.current is not None:
-                self.current = replace(self.current, state="unloaded", report=None)
+    # -- routing, load on demand, keep_alive
 
-    def pull(self, repo_id: str, filename: str, revision: str | None = None) -> Download:
-        """Start fetching a GGUF from Hugging Face into the models directory (a background thread).
+    def route(self, requested: str | None) -> str:
+        """The model a request's ``model`` names: an alias's model, a name; None goes to the default model when
+        it is loaded (or loads on demand), else to the only loaded model. Raises 404 for an unknown name."""
+        if requested is None:
+            loaded = self.loaded()
+            default = self.registry.canonical(self.settings.default_model) if self.settings.default_model else None
+            if default is not None and any(s.name == default for s in loaded):
+                return default
+            if len(loaded) == 1:
+                return loaded[0].name
+            if loaded:
+                raise BadRequest(f"model is required: {len(loaded)} models are loaded "
+                                 f"({', '.join(s.name for s in loaded)[:300]})", param="model")
+            if default is not None and self.settings.load_on_demand:
+                return default
+            state, error = self.not_ready_state()
+            raise NotReady("the model is not loaded yet" if state in ("loading", "no model") else
+                           f"the model is {state}", state=state)
+        name = self.registry.canonical(requested)
+        st = self.models.get(name)
+        if st is not None and st.serving:
+            return name
+        return self.registry.resolve(requested).name  # 404 for an unknown name
 
-        ``huggingface_hub`` honours HF_ENDPOINT, HF_TOKEN and, with HF_HUB_OFFLINE=1, answers from
-        the files already there. Progress shows in the log and in ``GET /api/models``.
-        """
-        import os
-        import threading
+    async def acquire(self, requested: str | None) -> Lease:
+        """A lease on the loaded model a request goes to; loads it first with ``load_on_demand``."""
+        for _ in range(3):
+            name = self.route(requested)
+            st = self.models.get(name)
+            if st is not None and st.serving:
+                return Lease(self, st)
+            if not self.settings.load_on_demand:
+                if st is not None and st.state in ("loading", "unloading"):
+                    raise NotReady(f"model '{name}' is {st.state}; retry shortly", param="model", retry_after_s=2,
+                                   state=st.state)
+                raise NotReady(f"model '{name}' is not loaded; load it with POST /api/models/load", param="model")
+            await self._on_demand(name)
+        raise NotReady(f"model '{name}' was unloaded again before the request could use it; retry", retry_after_s=1)
 
-        if "/" in filename or "\\" in filename or not filename.endswith(".gguf") or filename.startswith("."):
-            raise BadRequest("filename must be a .gguf file at the top of the repo", param="filename")
-        key = f"{repo_id}/{filename}@{revision or 'main'}"
-        running = self.downloads.get(key)
-        if running is not None and running.state == "downloading":
-            return running
-        dl = Download(repo_id, filename, revision)
-        self.downloads[key] = dl
-        models_dir = self.settings.models_dir
+    async def _on_demand(self, name: str) -> None:
+        task = self._pending.get(name)
+        if task is None:
+            task = asyncio.create_task(self.load(name))
+            self._pending[name] = task
 
-        def fetch() -> None:
-            from huggingface_hub import hf_hub_download
+            def done(t: "asyncio.Task[ModelState]") -> None:
+                if self._pending.get(name) is t:
+                    del self._pending[name]
+                if not t.cancelled():
+                    t.exception()  # retrieved here: every waiter may have stopped waiting
 
-            try:
-                os.makedirs(models_dir, exist_ok=True)
-                path = hf_hub_download(repo_id, filename, revision=revision, local_dir=models_dir,
-                                       endpoint=os.environ.get("HF_ENDPOINT") or None, tqdm_class=_progress_class(dl))
-                self.registry.resolve(dl.name)  # the file is a GGUF the registry will serve
-                dl.bytes_done = dl.bytes_total = os.path.getsize(str(path))
-                dl.state = "done"
-                log.info("downloaded %s/%s as model '%s'", repo_id, filename, dl.name)
-            except ServiceError as exc:
-                dl.state, dl.error = "failed", f"the downloaded file is not a servable GGUF: {exc.message}"
-                try:  # leave nothing behind that looks like a model
-                    os.remove(os.path.join(models_dir, filename))
-                except OSError:
-                    pass
-            except Exception as exc:  # the hub's and the network's errors end here, reported in the status
-                dl.state, dl.error = "failed", f"{type(exc).__name__}: {exc}"
-                log.warning("download of %s/%s failed: %s", repo_id, filename, dl.error)
-
-        threading.Thread(target=fetch, name=f"download-{filename}", daemon=True).start()
-        return dl
-
-    def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
-        """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.
-
-        Blocking (network): call from a thread. Headers only (``sizing.gguf.remote.probe_hf``:
-        range requests); a split model is probed and planned once, from its first shard.
-        """
-        import re as _re
-
-        from huggingface_hub import HfApi
-        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
-
-        from sizing.errors import RemoteError
-        from sizing.gguf.remote import probe_hf
-
+            task.add_done_callback(done)
         try:
-            info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
-        except RepositoryNotFoundError as exc:
-            raise ModelNotFound(f"no Hugging Face repo '{repo_id}'", param="repo_id") from exc
-        except (OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
-            raise Upstream(f"the Hugging Face hub did not answer for '{repo_id}': {exc}") from exc
-        except Exception as exc:  # huggingface_hub's transport errors (httpx2) are not ours: convert them here
-            raise Upstream(f"the Hugging Face hub could not be reached for '{repo_id}': {type(exc).__name__}: {exc}") from exc
-        groups: dict[str, list[tuple[str, int]]] = {}
-        for sib in info.siblings or []:
-            if not sib.rfilename.endswith(".gguf"):
-                continue
-            key = _re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", sib.rfilename)
-            groups.setdefault(key, []).append((sib.rfilename, int(sib.size or 0)))
-        gpus, host = self._devices()
-        req = self.planner.request(LoadOptions())
-        files = []
-        for key, parts in sorted(groups.items()):
-            parts.sort()
-            entry: dict[str, Any] = {"file": parts[0][0], "shards": len(parts), "size_bytes": sum(n for _, n in parts)}
+            await asyncio.wait_for(asyncio.shield(task), timeout=self.settings.load_on_demand_wait_s)
+        except TimeoutError:
+            raise NotReady(f"model '{name}' is still loading after {self.settings.load_on_demand_wait_s:g} s; "
+                           "retry shortly", param="model", retry_after_s=5, state="loading") from None
+
+    def _released(self, st: ModelState, keep_alive_s: float | None) -> None:
+        st.leases -= 1
+        st.last_used = time.monotonic()
+        if keep_alive_s is not None:
+            st.next_keep_alive_s = keep_alive_s
+        if st.leases == 0:
+            self._idle(st, None)
+
+    def _idle(self, st: ModelState, keep_alive_s: float | None) -> None:
+        """The model went idle: start its keep_alive (the given one, the last request's, or the model's)."""
+        if keep_alive_s is not None:
+            st.next_keep_alive_s = keep_alive_s
+        if st.timer is not None:
+            st.timer.cancel()
+            st.timer = None
+        ka = st.next_keep_alive_s if st.next_keep_alive_s is not None else st.keep_alive_s
+        st.next_keep_alive_s = None
+        st.expires_at = None
+        if not st.serving or st.pinned or st.busy or math.isinf(ka):
+            return
+        st.expires_at = time.time() + ka
+        st.timer = asyncio.get_running_loop().call_later(ka, self._expire, st)
+
+    def _expire(self, st: ModelState) -> None:
+        st.timer = None
+        fut = asyncio.ensure_future(self._unload_idle(st))
+        self._tasks.add(fut)
+        fut.add_done_callback(self._tasks.discard)
+
+    async def _unload_idle(self, st: ModelState) -> None:
+        async with self._load_lock:
+            if self.models.get(st.name) is not st or not st.serving or st.busy or st.expires_at is None \
+                    or st.expires_at > time.time() + 0.05:
+                return
+            idle_s = time.monotonic() - st.last_used
             try:
-                spec = probe_hf(repo_id, parts[0][0], revision, limits=remote_limits(self.settings))
-                entry["plan"] = plan_json(self.planner.plan_on(spec, gpus, host, req))
-            except (RemoteError, ProbeError, UnsupportedModelError, SizingError) as exc:
-                entry["error"] = str(exc)
-            files.append(entry)
-        return {"repo_id": repo_id, "revision": revision, "files": files}
+                await self._unload_state(st, force=False, wait_s=self.settings.load_wait_s,
+                                         why=f"keep_alive: idle {idle_s:.1f} s")
+            except ServiceError as exc:  # a request came in meanwhile: it stays
+                log.info("keep_alive unload of %s skipped: %s", st.name, exc.message)
+
+    # -- descriptions
 
     def describe(self, state: ModelState | None) -> dict[str, Any] | None:
         if state is None:
             return None
         out: dict[str, Any] = {"name": state.name, "state": state.state, "error": state.error}
+        if state.entry is not None:
+            out["origin"] = state.entry.origin
+        out["aliases"] = self.registry.aliases_of(state.name)
+        out["pinned"] = state.pinned
         if state.plan is not None:
             out["plan"] = plan_json(state.plan)
         if state.confirmation is not None:
             out["confirmation"] = state.confirmation
-        if state.report is not None:
-            predicted = {d.device: d for d in state.plan.estimate.devices} if state.plan and state.plan.estimate else {}
+        if state.unloaded_why is not None and state.state == "unloaded":
+            out["unloaded"] = state.unloaded_why
+        if state.serving and state.report is not None and state.plan is not None:
+            est = state.plan.estimate
+            predicted = {d.device: d for d in est.devices} if est is not None else {}
+            held = held_bytes(est) if est is not None else {}
             out["n_ctx"] = state.report.n_ctx
             out["load_seconds"] = round(state.report.load_seconds, 3)
+            out["devices"] = [d.device for d in est.devices if held.get(d.device)] if est is not None else []
+            out["in_flight"] = state.leases
+            out["busy"] = state.busy
+            out["idle_s"] = round(max(0.0, time.monotonic() - state.last_used), 3)
+            out["keep_alive_s"] = keep_alive_json(state.keep_alive_s)
+            out["expires_in_s"] = None if state.expires_at is None else round(max(0.0, state.expires_at - time.time()), 3)
             out["memory"] = [
                 {
                     "device": a.device,
@@ -402,15 +606,35 @@ class ModelManager:
                     "predicted_mib": round((predicted[a.device].total_bytes - predicted[a.device].allowance_bytes
                                             - predicted[a.device].pool_bytes) / MIB, 2)
                     if a.device in predicted else None,
+                    "held_mib": round(held[a.device] / MIB, 2) if a.device in held else None,
                 }
                 for a in state.report.allocations
             ]
         return out
 
+    def devices_json(self) -> list[dict[str, Any]]:
+        """Each device as read now, and what each loaded model holds there (its plan's bytes less the allowance).
+        Blocking (NVML)."""
+        try:
+            gpus, host = self.inventory()
+        except ServiceError:
+            return []
+        holdings = self._holdings()
+        out = []
+        for dev in (*gpus, host):
+            shares = [{"model": h.name, "held_mib": round(n / MIB, 2), "pinned": h.pinned, "busy": h.busy}
+                      for h in holdings if (n := held_bytes(h.estimate).get(dev.label, 0))]
+            out.append({"device": dev.label, "name": dev.name, "total_mib": round(dev.total_bytes / MIB, 2),
+                        "free_mib": round(dev.free_bytes / MIB, 2), "live": self.planner.live or dev.kind == "host",
+                        "models": shares})
+        return out
 
-def _refusal_message(plan: Plan) -> str:
+
+def _refusal_message(plan: Plan, placed: Placed | None = None) -> str:
     est = plan.estimate
-    parts = [f"model '{plan.model.name}' does not fit at {plan.cfg.n_ctx} tokens ({plan.cfg.type_k} cache)"]
+    parts = [f"model '{plan.model.name}' does not fit at {plan.cfg.n_ctx} tokens ({plan.cfg.type_k} cache)"
+             + (f" beside {', '.join(placed.beside)}" if placed is not None and placed.beside else "")]
+    held = placed.held if placed is not None else {}
     if est is not None:
         by_label = {g.label: g for g in plan.gpus}
         for d in est.devices:
@@ -418,24 +642,30 @@ def _refusal_message(plan: Plan) -> str:
             free = dev.free_bytes if dev is not None else 0
             missing = max(d.total_bytes - free, 0)
             label = f"{d.device} ({dev.name})" if dev is not None and d.device != "CPU" else d.device
+            holders = held.get(d.device, {})
             parts.append(
                 f"{label}: needs {d.total_bytes / MIB:.0f} MiB (weights {d.weights_bytes / MIB:.0f}, KV {d.kv_bytes / MIB:.0f}, "
                 f"compute {d.compute_bytes / MIB:.0f}, allowance {d.allowance_bytes / MIB:.0f}), free {free / MIB:.0f} MiB"
                 + (f", missing {missing / MIB:.0f} MiB" if missing else "")
+                + (" (held by " + ", ".join(f"{n} {b / MIB:.0f} MiB" + (" pinned" if placed and n in placed.pinned else "")
+                                             for n, b in holders.items()) + ")" if holders else "")
             )
     return "; ".join(parts)
 
 
-def _fits_beside(plan: Plan, current: ModelState) -> bool:
-    """Whether the new plan fits without the current model's memory being given back (CPU-only plans always do:
-    host weights are mmapped and the kernel evicts them as needed)."""
-    if plan.placement.cpu_only and (current.plan is None or current.plan.placement.cpu_only):
-        return True
-    return current.plan is None or current.plan.estimate is None or not current.plan.estimate.gpus
-
-
-def raise_refusal(plan: Plan) -> None:
-    """A plan that does not fit becomes the domain error its refusal names (one place decides the status)."""
+def raise_refusal(placed: Placed | Plan) -> None:
+    """A placement that cannot be loaded becomes the domain error its refusal names (one place decides the
+    status): 409 when busy models hold the memory, 507 with every card's figures and the residents holding them."""
+    p = placed if isinstance(placed, Placed) else Placed(placed)
+    plan = p.plan
+    details: dict[str, Any] = {"residents": p.to_json()} if p.beside or p.busy else {}
+    if p.busy:
+        raise Busy(f"the memory '{plan.model.name}' needs is held by models generating now: {', '.join(p.busy)}; "
+                   "retry when they finish, or send force: true to end them", plan=plan_json(plan), **details)
+    if plan.fits and p.count_limited:
+        raise InsufficientMemory(
+            f"{len(p.beside)} models are loaded (GGUF_MAX_LOADED_MODELS) and none of them may be unloaded "
+            f"(pinned: {', '.join(p.pinned) or 'none'}; the others are busy)", plan=plan_json(plan), **details)
     if plan.fits:
         return
     reason = "; ".join(plan.reasons) or "the model does not fit"
@@ -444,4 +674,4 @@ def raise_refusal(plan: Plan) -> None:
     if plan.refusal == "INVALID_CONFIG":
         param = "gpu" if "gpu" in reason or "tensor_split" in reason else "cache_type"
         raise BadRequest(reason, param=param)
-    raise InsufficientMemory(_refusal_message(plan), plan=plan_json(plan))
+    raise InsufficientMemory(_refusal_message(plan, p), plan=plan_json(plan), **details)

@@ -21,8 +21,13 @@ engine's parameters (``service.engine.params``). When its figures exceed the
 plan's on a device, the measurement joins the calibration and the plan is solved
 again; a refusal comes only when no arrangement fits. Both figures are reported.
 
-Blocking (subprocesses): call from a thread. The API is typed for a caller that
-plans several residents at once (``credit`` / ``Planner.devices``).
+Several models on the same devices (``Planner.place``): the plan is made on the
+memory left beside the residents (``sizing.residency.available``); when it does not
+fit there, the smallest set of idle, unpinned residents whose memory makes it fit
+is chosen (least recently used first) before anything is unloaded. ``plan_set``
+answers whether several models fit together, and how.
+
+Blocking (subprocesses): call from a thread.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from sizing.measured import Calibration, ConfigKey, placement_key
 from sizing.memory import MemoryEstimate, resolve_flash_attn
 from sizing.plan import Plan, PlanRequest, make_plan
 from sizing.request import context_config, ctx_cap, ctx_floor
+from sizing.residency import Holding, available, choose_eviction, decision_request, held_bytes, held_summary, lru
+from sizing.report import plan_json
 from sizing.spec import ModelSpec
 
 from .engine.calibrate import Calibrator, FileIdentity, add_samples, points
@@ -73,6 +80,8 @@ class LoadOptions:
     """Hypothetical cards (dry-run only): [{name, free_mib, total_mib}]."""
     confirm: bool | None = None
     """Confirm the plan with llama.cpp's dry run before loading (None: the setting)."""
+    ctx_ceiling: int | None = None
+    """This model's ceiling on n_ctx (its models-file ``context_length``; None: GGUF_CONTEXT_LENGTH)."""
 
 
 def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None) -> PlanRequest:
@@ -89,7 +98,7 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         cache_types=tuple(t.strip() for t in settings.cache_types.split(",") if t.strip()),
         cache_type=cache,
         flash_attn=opts.flash_attn or settings.flash_attention,
-        ctx_ceiling=settings.context_length,
+        ctx_ceiling=opts.ctx_ceiling or settings.context_length,
         min_ctx=settings.min_context,
         n_ubatch=settings.n_ubatch,
         n_batch=settings.n_batch,
@@ -108,22 +117,9 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
 
 
 def credit(gpus: Sequence[Device], host: Device, estimates: Sequence[MemoryEstimate]) -> tuple[list[Device], Device]:
-    """Free memory as it will be once the models behind ``estimates`` are unloaded: their bytes added back.
-
-    The per-card allowance (CUDA context) stays held by the process; host weights are mmapped file pages and are
-    not credited.
-    """
-    out = list(gpus)
-    for est in estimates:
-        by_label = {d.device: d for d in est.gpus}
-        for i, g in enumerate(out):
-            d = by_label.get(g.label)
-            if d is not None:
-                out[i] = replace(g, free_bytes=min(g.total_bytes, g.free_bytes + d.total_bytes - d.allowance_bytes))
-        h = est.host
-        host = replace(host, free_bytes=min(host.total_bytes, host.free_bytes + h.kv_bytes + h.state_bytes
-                                            + h.compute_bytes + h.output_bytes))
-    return out, host
+    """Live free memory as it will be once the models behind ``estimates`` are unloaded
+    (``sizing.residency.available``: the one arithmetic)."""
+    return available(gpus, host, (), estimates, live=True)
 
 
 def needs_calibration(spec: ModelSpec, backend: str) -> bool:
@@ -164,44 +160,235 @@ class Confirmation:
         return out
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a load goes beside the residents: its plan, whom it is planned beside, whom it unloads first."""
+
+    plan: Plan
+    beside: tuple[str, ...] = ()
+    """Residents the plan was made beside (they keep their memory)."""
+    evict: tuple[str, ...] = ()
+    """Residents to unload before the load, least recently used first (idle and unpinned, unless forced)."""
+    busy: tuple[str, ...] = ()
+    """Set when the plan fits only with the memory of residents that are generating now (a 409 unless forced)."""
+    held: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Device -> resident -> bytes, for the residents the plan was made beside (a refusal's figures)."""
+    pinned: tuple[str, ...] = ()
+    """Residents that may not be evicted because they are pinned."""
+    count_limited: bool = False
+    """The plan fits in memory but ``max_loaded_models`` models are loaded and none of them may go."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"beside": list(self.beside), "evict": list(self.evict), "busy": list(self.busy),
+                "pinned": list(self.pinned),
+                "held_mib": {d: {n: round(b / MIB, 2) for n, b in by.items()} for d, by in self.held.items()}}
+
+
+@dataclass(frozen=True)
+class SetMember:
+    """One model of a set dry-run: its name, plan and what it holds per device."""
+
+    name: str
+    plan: Plan
+    held: dict[str, int]
+
+
+@dataclass(frozen=True)
+class SetPlan:
+    """Whether several models fit together on these devices, and how (``Planner.plan_set``)."""
+
+    fits: bool
+    members: tuple[SetMember, ...]
+    gpus: tuple[Device, ...]
+    host: Device
+    how: Literal["largest_contexts", "smallest_contexts", "refused"]
+    """``largest_contexts``: each model got the largest context that leaves the later ones their smallest;
+    ``smallest_contexts``: they fit only at their smallest contexts; ``refused``: not even then."""
+    refused: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Per card (and the host): each model's weights, KV, state, compute and output, and what is left."""
+        devices = []
+        for dev in (*self.gpus, self.host):
+            label = dev.label
+            models = []
+            for m in self.members:
+                est = m.plan.estimate
+                d = next((x for x in est.devices if x.device == label), None) if est is not None else None
+                if d is None or not m.held.get(label):
+                    continue
+                models.append({"model": m.name, "weights_mib": round(d.weights_bytes / MIB, 2),
+                               "kv_mib": round(d.kv_bytes / MIB, 2), "state_mib": round(d.state_bytes / MIB, 2),
+                               "compute_mib": round(d.compute_bytes / MIB, 2),
+                               "output_mib": round(d.output_bytes / MIB, 2),
+                               "gpu_pool_mib": round(d.pool_bytes / MIB, 2),
+                               "total_mib": round(m.held[label] / MIB, 2)})
+            allowance = max((g.allowance_bytes for m in self.members if m.plan.estimate is not None
+                             for g in m.plan.estimate.gpus if g.device == label), default=0)
+            used = sum(m.held.get(label, 0) for m in self.members) + allowance
+            devices.append({"device": label, "name": dev.name, "total_mib": round(dev.total_bytes / MIB, 2),
+                            "free_mib": round(dev.free_bytes / MIB, 2), "models": models,
+                            "allowance_mib": round(allowance / MIB, 2),
+                            "left_mib": round((dev.free_bytes - used) / MIB, 2)})
+        return {"fits": self.fits, "how": self.how, "refused": list(self.refused),
+                "models": [{"model": m.name, "verdict": m.plan.verdict, "n_ctx": m.plan.cfg.n_ctx,
+                            "cache_type": m.plan.cfg.type_k, "plan": plan_json(m.plan)} for m in self.members],
+                "devices": devices}
+
+
 class Planner:
-    """Plans for the service: devices (live, declared or hypothetical), settings, calibration, confirmation."""
+    """Plans for the service: devices (live, declared or hypothetical), settings, calibration, confirmation,
+    and residency (beside loaded models, eviction)."""
 
     def __init__(self, settings: Settings, devices: Callable[[], tuple[list[Device], Device]],
-                 calibrator: Calibrator | None = None, host_bandwidth_bytes_per_s: float | None = None) -> None:
+                 calibrator: Calibrator | None = None, host_bandwidth_bytes_per_s: float | None = None,
+                 *, live: bool | None = None) -> None:
         self.settings = settings
         self._devices = devices
         self.calibrator = calibrator
         self.host_bandwidth_bytes_per_s = host_bandwidth_bytes_per_s
+        self.live = not (settings.gpus_file or settings.gpus_json) if live is None else live
+        """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
 
     def request(self, opts: LoadOptions) -> PlanRequest:
         return plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s)
 
-    def devices(self, opts: LoadOptions, replacing: Sequence[MemoryEstimate] = ()) -> tuple[list[Device], Device]:
-        """The cards and host to plan for: hypothetical ones from the request, else the live (credited with what
-        ``replacing`` holds: a declared inventory already excludes it) or declared inventory."""
+    def inventory(self, opts: LoadOptions = LoadOptions()) -> tuple[list[Device], Device, bool]:
+        """The cards and host as read now, and whether residents count on them (False for hypothetical cards,
+        which hold none of this server's models)."""
         try:
             if opts.gpus is not None:
-                return parse_declared(list(opts.gpus)), host_memory()
+                return parse_declared(list(opts.gpus)), host_memory(), False
             gpus, host = self._devices()
         except DeviceError as exc:
             raise BadRequest(str(exc), param="gpus") from exc
-        credited, host = credit(gpus, host, replacing)
-        if not (self.settings.gpus_file or self.settings.gpus_json):
-            gpus = credited
-        return gpus, host
+        return list(gpus), host, True
+
+    def devices(self, opts: LoadOptions, kept: Sequence[MemoryEstimate] = (),
+                freed: Sequence[MemoryEstimate] = ()) -> tuple[list[Device], Device]:
+        """The cards and host to plan for: hypothetical ones from the request as given, else the live or
+        declared inventory as it is beside the residents ``kept`` once those ``freed`` are unloaded."""
+        gpus, host, resident = self.inventory(opts)
+        if not resident:
+            return gpus, host
+        return available(gpus, host, kept, freed, live=self.live)
 
     def plan(self, spec: ModelSpec, opts: LoadOptions, *, path: str | None = None,
-             replacing: Sequence[MemoryEstimate] = ()) -> Plan:
-        """The plan for a probed model; calibrated when ``path`` is a local file and the model is not proven."""
-        gpus, host = self.devices(opts, replacing)
-        req = self.request(opts)
+             kept: Sequence[MemoryEstimate] = (), freed: Sequence[MemoryEstimate] = ()) -> Plan:
+        """The plan for a probed model beside ``kept`` (``freed`` unloaded first); calibrated when ``path`` is a
+        local file and the model is not proven."""
+        gpus, host = self.devices(opts, kept, freed)
+        return self._plan_checked(spec, gpus, host, self.request(opts), path)
+
+    def _plan_checked(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest,
+                      path: str | None) -> Plan:
         try:
             return self.plan_on(spec, gpus, host, req, path=path)
         except ConfigError as exc:
             raise BadRequest(str(exc), param="cache_type") from exc
         except SizingError as exc:
             raise BadRequest(str(exc)) from exc
+
+    def place(self, spec: ModelSpec, opts: LoadOptions, *, path: str | None = None,
+              residents: Sequence[Holding] = (), replacing: str | None = None, max_models: int | None = None,
+              force: bool = False) -> Placed:
+        """Where a load of ``spec`` goes beside ``residents``, decided before anything is unloaded.
+
+        ``replacing``: the resident this load reloads (its memory counts as free). The plan is made beside the
+        others; when it does not fit there (or ``max_models`` are loaded), the smallest set of idle, unpinned
+        residents whose memory makes it fit is chosen, least recently used first (``sizing.residency``). A
+        model that fits only partly on the cards beside them evicts idle residents too, when that keeps it
+        whole on the cards. Busy residents are candidates only with ``force``; pinned ones never.
+        """
+        gpus0, host0, resident = self.inventory(opts)
+        req = self.request(opts)
+        if not resident:  # hypothetical cards: none of the residents is on them
+            return Placed(self._plan_checked(spec, gpus0, host0, req, path))
+        own = [h.estimate for h in residents if h.name == replacing]
+        others = [h for h in residents if h.name != replacing]
+        dreq = decision_request(spec, req)
+
+        def plan_with(evicted: tuple[Holding, ...], r: PlanRequest) -> Plan:
+            gone = {h.name for h in evicted}
+            kept = [h.estimate for h in others if h.name not in gone]
+            gpus, host = available(gpus0, host0, kept, [*own, *(h.estimate for h in evicted)], live=self.live)
+            return self._plan_checked(spec, gpus, host, r, path)
+
+        def count_ok(evicted: tuple[Holding, ...]) -> bool:
+            return max_models is None or len(others) - len(evicted) + 1 <= max_models
+
+        def whole(p: Plan) -> bool:
+            return p.fits and p.verdict != "partial_offload"
+
+        def placed(p: Plan, evicted: tuple[Holding, ...] = (), **kw: Any) -> Placed:
+            gone = {h.name for h in evicted}
+            kept = [h for h in lru(others) if h.name not in gone]
+            return Placed(p, tuple(h.name for h in kept), tuple(h.name for h in evicted),
+                          held=held_summary(kept), pinned=tuple(h.name for h in others if h.pinned), **kw)
+
+        beside = plan_with((), req)
+        idle = [h for h in others if not h.busy and not h.pinned]
+        if beside.fits and count_ok(()) and (beside.verdict != "partial_offload" or not idle):
+            return placed(beside)
+        everything = tuple(idle)
+        wanted: Callable[[Plan], bool] = whole if idle and whole(plan_with(everything, dreq)) else (lambda p: p.fits)
+        if wanted(beside) and count_ok(()):
+            return placed(beside)
+        chosen = choose_eviction(idle, lambda s: count_ok(s) and wanted(plan_with(s, dreq)))
+        if chosen is not None:
+            return placed(plan_with(chosen, req), chosen)
+        if beside.fits and count_ok(()):
+            return placed(beside)  # partly offloaded, and no set of idle residents keeps it whole
+        unpinned = [h for h in others if not h.pinned]
+        busy = [h for h in unpinned if h.busy]
+        if busy and count_ok(tuple(unpinned)) and plan_with(tuple(unpinned), dreq).fits:
+            if force:
+                chosen = choose_eviction(unpinned, lambda s: count_ok(s) and plan_with(s, dreq).fits)
+                if chosen is not None:
+                    return placed(plan_with(chosen, req), chosen)
+            return placed(beside, busy=tuple(h.name for h in lru(busy)))
+        return placed(beside, count_limited=beside.fits)
+
+    def plan_set(self, items: Sequence[tuple[str, ModelSpec, LoadOptions, str | None]], opts: LoadOptions,
+                 kept: Sequence[Holding] = (), freed: Sequence[Holding] = ()) -> SetPlan:
+        """Whether these models fit together on the devices (hypothetical ones from ``opts.gpus``, else these,
+        beside the residents ``kept``, with those ``freed`` counted as unloaded), and how: loaded in this order,
+        each planned beside the ones before it.
+
+        First every model at its smallest context (the requested ``n_ctx``, else the minimum): if they do not
+        fit so, they do not fit. Then each gets the largest context that still leaves the models after it their
+        smallest ones; where that arrangement does not hold, the smallest contexts are the answer.
+        """
+        gpus0, host0, resident = self.inventory(opts)
+        base_kept = [h.estimate for h in kept] if resident else []
+        base_freed = [h.estimate for h in freed] if resident else []
+        live = self.live if resident else False
+
+        def on(members: Sequence[MemoryEstimate]) -> tuple[list[Device], Device]:
+            return available(gpus0, host0, [*base_kept, *members], base_freed, live=live)
+
+        smallest: list[SetMember] = []
+        refused: list[str] = []
+        for name, spec, o, path in items:
+            req = self.request(o)
+            g, h = on([m.plan.estimate for m in smallest if m.plan.estimate is not None])
+            p = self._plan_checked(spec, g, h, decision_request(spec, req), path)
+            if not p.fits or p.estimate is None:
+                refused.append(name)
+            smallest.append(SetMember(name, p, held_bytes(p.estimate) if p.estimate is not None else {}))
+        g, h = on(())
+        if refused:
+            return SetPlan(False, tuple(smallest), tuple(g), h, "refused", tuple(refused))
+        largest: list[SetMember] = []
+        for i, (name, spec, o, path) in enumerate(items):
+            later = [m.plan.estimate for m in smallest[i + 1:] if m.plan.estimate is not None]
+            g, h = on([*(m.plan.estimate for m in largest if m.plan.estimate is not None), *later])
+            p = self._plan_checked(spec, g, h, self.request(o), path)
+            if not p.fits or p.estimate is None:
+                return SetPlan(True, tuple(smallest), tuple(on(())[0]), on(())[1], "smallest_contexts")
+            largest.append(SetMember(name, p, held_bytes(p.estimate)))
+        g, h = on(())
+        return SetPlan(True, tuple(largest), tuple(g), h, "largest_contexts")
 
     def plan_on(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, *,
                 path: str | None = None) -> Plan:
@@ -449,4 +636,5 @@ def _summary(c: Confirmation) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["Confirmation", "LoadOptions", "Planner", "credit", "needs_calibration", "plan_request"]
+__all__ = ["Confirmation", "LoadOptions", "Placed", "Planner", "SetMember", "SetPlan", "credit", "needs_calibration",
+           "plan_request"]

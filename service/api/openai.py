@@ -27,8 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.base import Cancel, Chunk, GenerationParams, TokenLogprob
 from ..engine.grammar import check_schema_bounds, compile_grammar
-from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotFound, NotReady, ServiceError
+from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotFound, ServiceError
+from ..keepalive import parse_keep_alive
+from ..manager import Lease, ModelManager
 from ..runner import chunks
+from ..settings import Settings
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
 from .metrics import Metrics
@@ -106,6 +109,9 @@ class _Common(BaseModel):
     logit_bias: Any = Field(None, description="Not supported: anything but null or {} is a 400.")
     parallel_tool_calls: bool | None = None
     cache_prompt: bool = Field(True, description="llama.cpp server extension: reuse a slot's cached prefix of the prompt.")
+    keep_alive: str | float | None = Field(
+        None, description="How long the model stays loaded after this request (Ollama's keep_alive): a duration "
+        "(\"5m\"), seconds, 0 (unload after it) or -1 (never); default: the model's (GGUF_KEEP_ALIVE).")
 
     @field_validator("stop")
     @classmethod
@@ -250,15 +256,14 @@ class ChatRequest(_Common):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
 
-def _served_name(manager: Any, requested: str | None) -> str:
-    """The loaded model's name, or an error when the request names another model (never served by another)."""
-    cur = manager.current
-    if requested is not None and (cur is None or requested != cur.name):
-        manager.registry.resolve(requested)  # 404 for an unknown name
-        raise NotReady(f"model '{requested}' is not loaded; load it with POST /api/models/load", param="model")
-    if cur is None or cur.state != "loaded":
-        raise NotReady("the model is not loaded yet" if cur is None or cur.state == "loading" else f"the model is {cur.state}")
-    return str(cur.name)
+async def resolve_model(manager: ModelManager, body: "_Common") -> Lease:
+    """The loaded model that answers this request: the one its ``model`` names (or an alias's model; none: the
+    default), loaded first when ``GGUF_LOAD_ON_DEMAND`` is on. Unknown: 404; known but not loaded: 503. The lease
+    keeps the model from being evicted until the generation ends, and carries the request's keep_alive."""
+    keep_alive = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
+    lease = await manager.acquire(body.model)
+    lease.keep_alive_s = keep_alive
+    return lease
 
 
 def _check_context(n_ctx: int, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
@@ -288,18 +293,19 @@ async def _watch_disconnect(request: Request, cancel: Cancel) -> None:
 class _Timer:
     """Time to first token and per-token latency, into the metrics."""
 
-    def __init__(self, metrics: Metrics, t0: float) -> None:
+    def __init__(self, metrics: Metrics, t0: float, model: str) -> None:
         self.metrics = metrics
+        self.model = model
         self.last = t0
         self.first = True
 
     def tick(self) -> None:
         now = time.perf_counter()
         if self.first:
-            self.metrics.first_token(now - self.last)
+            self.metrics.first_token(now - self.last, self.model)
             self.first = False
         else:
-            self.metrics.token(now - self.last)
+            self.metrics.token(now - self.last, self.model)
         self.last = now
 
 
@@ -356,15 +362,26 @@ async def _compile_response_format(params: GenerationParams, timeout_s: float, g
     raise BadRequest(f"response_format: the grammar did not compile within {timeout_s:g} s", param="response_format")
 
 
-async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, kind: Literal["completion", "chat"]) -> Any:
+async def _run(request: Request, manager: ModelManager, metrics: Metrics, body: _Common,
+               kind: Literal["completion", "chat"]) -> Any:
     t0 = time.perf_counter()
     reject_surrogates(body.model_dump(by_alias=True, exclude_none=True))
-    name = _served_name(manager, body.model)
     settings = manager.settings
     params = body.params(COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else settings.max_tokens_default)
+    lease = await resolve_model(manager, body)
+    try:
+        return await _serve(request, lease, settings, metrics, body, kind, params, t0)
+    finally:
+        if not lease.queued:
+            lease.release()  # the request ended before its generation was queued
+
+
+async def _serve(request: Request, lease: Lease, settings: Settings, metrics: Metrics, body: _Common,
+                 kind: Literal["completion", "chat"], params: GenerationParams, t0: float) -> Any:
+    name = lease.name
     # The context check applies to the client's own limit; the server's default is only a cap.
     asked = body.requested_max_tokens() if kind == "chat" else params.max_tokens
-    engine = manager.engine
+    engine = lease.engine
     cancel = Cancel()
     if kind == "completion":
         assert isinstance(body, CompletionRequest)
@@ -393,7 +410,8 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, 
     try:
         if not await _compile_response_format(params, settings.grammar_timeout_s, watcher):
             return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
-        job = manager.runner.submit(work, cancel)  # 429 beyond the queue's bound
+        job = lease.runner.submit(work, cancel, on_done=lease.release)  # 429 beyond the queue's bound
+        lease.queued = True  # from here the runner releases the lease when the generation ends
         results = chunks(job)
         try:
             await results.__anext__()  # admitted: the checks passed
@@ -404,7 +422,7 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, 
             raise
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        timer = _Timer(metrics, t0)
+        timer = _Timer(metrics, t0, name)
         want_lp = params.logprobs is not None
         if body.stream:
             watcher.cancel()  # Starlette's StreamingResponse listens for the disconnect from here on
@@ -425,7 +443,7 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, 
     text = "".join(c.text for c in got)
     lps = [t for c in got for t in c.logprobs]
     last = got[-1] if got else Chunk(finish_reason="stop")
-    metrics.generation(last)
+    metrics.generation(last, name)
     if kind == "completion":
         choice: dict[str, Any] = {"text": text, "index": 0, "finish_reason": _finish(last),
                                   "logprobs": _completion_logprobs(lps) if want_lp else None}
@@ -472,7 +490,7 @@ async def _stream(
                 yield sse(event(c, None))
             if c.finish_reason is not None:
                 last = c
-        timer.metrics.generation(last)
+        timer.metrics.generation(last, model)
         yield sse(event(None, _finish(last)))
         if include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)})
@@ -501,22 +519,23 @@ async def chat_completions(request: Request, body: ChatRequest, manager: Manager
     return await _run(request, manager, metrics, body, "chat")
 
 
-def _model_card(manager: Any, name: str) -> dict[str, Any]:
-    cur = manager.current
+def _model_card(manager: ModelManager, name: str) -> dict[str, Any]:
     return {
         "id": name, "object": "model", "created": 0, "owned_by": "local",
-        "loaded": cur is not None and cur.name == name and cur.state == "loaded",
+        "loaded": manager.resident(name) is not None, "aliases": manager.registry.aliases_of(name),
     }
 
 
 @router.get("/models")
 async def list_models(manager: ManagerDep) -> dict[str, Any]:
+    """Every model that can be served (its aliases beside it), loaded or not."""
     return {"object": "list", "data": [_model_card(manager, e.name) for e in manager.registry.list()]}
 
 
 @router.get("/models/{name}")
 async def get_model(name: str, manager: ManagerDep) -> dict[str, Any]:
+    canonical = manager.registry.canonical(name)
     for entry in manager.registry.list():
-        if entry.name == name:
+        if entry.name == canonical:
             return _model_card(manager, entry.name)
     raise ModelNotFound(f"The model '{name[:200]}' does not exist", param="model")

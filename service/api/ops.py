@@ -21,10 +21,14 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(manager: ManagerDep) -> Any:
-    """200 once a model is loaded; 503 while loading, after a failed load, or with none."""
-    cur = manager.current
-    if manager.ready and cur is not None:
-        return {"status": "ready", "model": cur.name, "n_ctx": manager.engine.n_ctx}
-    state = "no model" if cur is None else cur.state
-    message = {"loading": "Loading model", "failed": f"model load failed: {cur.error if cur else ''}"}.get(state, state)
+    """200 once a model is loaded (``model``: the default one if loaded, else the first; ``models``: every loaded
+    one); 503 while loading, after a failed load, or with none."""
+    loaded = manager.loaded()
+    if loaded:
+        default = manager.resident(manager.settings.default_model) if manager.settings.default_model else None
+        first = default or loaded[0]
+        return {"status": "ready", "model": first.name, "n_ctx": first.engine.n_ctx if first.engine else 0,
+                "models": [{"name": s.name, "n_ctx": s.engine.n_ctx if s.engine else 0} for s in loaded]}
+    state, error = manager.not_ready_state()
+    message = {"loading": "Loading model", "failed": f"model load failed: {error or ''}"}.get(state, state)
     return JSONResponse(envelope(message, "unavailable_error", "model_not_ready", state=state), status_code=503)

@@ -10,7 +10,7 @@ from typing import Callable
 import httpx
 import pytest
 
-from tests.conftest import ServiceProcess
+from tests.conftest import EMBEDDED_NAME, ServiceProcess
 from tests.prom import value
 
 from .conftest import rss_kib, threads_of
@@ -63,7 +63,7 @@ def test_cancellation_storm(service_factory: Callable[..., ServiceProcess], caps
         assert fresh.status_code == 200 and fresh_s < 60.0, (fresh.status_code, fresh_s)
         for _ in range(50):  # the worker lowers its gauge just after it hands over the last chunk
             metrics = svc.client.get("/metrics").text
-            gauges = [value(metrics, "gguf_queue_depth"), value(metrics, "gguf_running")]
+            gauges = [value(metrics, "gguf_queue_depth", model=EMBEDDED_NAME), value(metrics, "gguf_running", model=EMBEDDED_NAME)]
             if gauges == [0, 0]:
                 break
             time.sleep(0.1)

@@ -35,7 +35,7 @@ def test_oom_during_generation_is_503_names_device_and_the_next_request_is_serve
     assert err["prompt_tokens"] == 4
     assert err["max_tokens"] == 50
     metrics = fake.client.get("/metrics").text
-    assert _metric(metrics, "gguf_kv_cells_used") == 0  # the failed request's cells are released
+    assert _metric(metrics, "gguf_kv_cells_used", model=EMBEDDED_NAME) == 0  # the failed request's cells are released
     assert _metric(metrics, "gguf_generation_errors_total", code="insufficient_memory") == 1
     r = fake.client.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 5, "seed": 1})
     assert r.status_code == 200
@@ -95,7 +95,7 @@ def test_queue_beyond_its_bound_is_429_with_retry_after_and_never_interrupts(fak
     second = threading.Thread(target=run, args=("second", 3))
     second.start()
     deadline = time.monotonic() + 5
-    while _metric(svc.client.get("/metrics").text, "gguf_queue_depth") < 1 and time.monotonic() < deadline:
+    while _metric(svc.client.get("/metrics").text, "gguf_queue_depth", model=EMBEDDED_NAME) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     r = svc.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 429
@@ -216,14 +216,14 @@ def test_metrics_count_requests_tokens_and_latency(fake):  # type: ignore[no-unt
     text = fake.client.get("/metrics").text
     assert _metric(text, "gguf_requests_total", method="POST", route="/v1/completions", status="200") == 1
     assert _metric(text, "gguf_requests_total", method="POST", route="/v1/completions", status="400") == 1
-    assert _metric(text, "gguf_prompt_tokens_total") == 3
-    assert _metric(text, "gguf_completion_tokens_total") == 4
-    assert _metric(text, "gguf_time_to_first_token_seconds_count") == 1
-    assert _metric(text, "gguf_token_latency_seconds_count") == 3
-    assert _metric(text, "gguf_queue_depth") == 0
-    assert _metric(text, "gguf_kv_cells_used") == 7
-    assert _metric(text, "gguf_device_bytes", device="CPU", kind="allocated") > 0
-    assert _metric(text, "gguf_device_bytes", device="CPU", kind="predicted") > 0
+    assert _metric(text, "gguf_prompt_tokens_total", model=EMBEDDED_NAME) == 3
+    assert _metric(text, "gguf_completion_tokens_total", model=EMBEDDED_NAME) == 4
+    assert _metric(text, "gguf_time_to_first_token_seconds_count", model=EMBEDDED_NAME) == 1
+    assert _metric(text, "gguf_token_latency_seconds_count", model=EMBEDDED_NAME) == 3
+    assert _metric(text, "gguf_queue_depth", model=EMBEDDED_NAME) == 0
+    assert _metric(text, "gguf_kv_cells_used", model=EMBEDDED_NAME) == 7
+    assert _metric(text, "gguf_device_bytes", model=EMBEDDED_NAME, device="CPU", kind="allocated") > 0
+    assert _metric(text, "gguf_device_bytes", model=EMBEDDED_NAME, device="CPU", kind="predicted") > 0
 
 
 def test_hf_listing_without_a_reachable_hub_is_502_and_bad_repo_ids_are_400(fake_factory, monkeypatch):  # type: ignore[no-untyped-def]

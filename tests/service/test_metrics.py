@@ -104,7 +104,7 @@ def test_queue_and_running_gauges_follow_the_runner(fake_factory: Callable[..., 
         t.start()
     manager = svc.app.state.manager
     deadline = time.monotonic() + 20
-    while not (manager.runner.waiting == 2 and svc.engine.running.is_set()) and time.monotonic() < deadline:
+    while not (manager.models[EMBEDDED_NAME].runner.waiting == 2 and svc.engine.running.is_set()) and time.monotonic() < deadline:
         time.sleep(0.005)
     text = _scrape(svc.client)
     assert value(text, "gguf_requests_waiting", model_name=EMBEDDED_NAME) == 2
@@ -166,9 +166,9 @@ def real_service(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) 
 
 def _truth(app: Any) -> tuple[int, int, int, int]:
     """The state the gauges report, read from the runner and the Engine protocol."""
-    manager = app.state.manager
-    eng = manager.engine
-    return manager.runner.waiting, eng.running_sequences, eng.kv_cells_used, eng.kv_cells_allocated
+    st = app.state.manager.models[EMBEDDED_NAME]
+    eng = st.engine
+    return st.runner.waiting, eng.running_sequences, eng.kv_cells_used, eng.kv_cells_allocated
 
 
 def _stream(url: str, s: _Stream) -> None:
@@ -275,11 +275,11 @@ def test_a_second_lifespan_replaces_the_gauges_of_the_first() -> None:
     from service.api.metrics import Metrics
 
     def manager(waiting: int) -> SimpleNamespace:
-        return SimpleNamespace(runner=SimpleNamespace(waiting=waiting, running=0), engine=FakeEngine(), ready=False,
-                               current=None, describe=lambda state: None)
+        state = SimpleNamespace(name="m", runner=SimpleNamespace(waiting=waiting, running=0), engine=FakeEngine())
+        return SimpleNamespace(loaded=lambda: [state], describe=lambda state: None)
 
     m = Metrics()
-    m.attach(manager(3))
-    m.attach(manager(5))
+    m.attach(manager(3))  # type: ignore[arg-type]
+    m.attach(manager(5))  # type: ignore[arg-type]
     text = m.render().decode()
-    assert series(text, "gguf_queue_depth") == [{}] and value(text, "gguf_queue_depth") == 5
+    assert series(text, "gguf_queue_depth") == [{"model": "m"}] and value(text, "gguf_queue_depth", model="m") == 5

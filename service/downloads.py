@@ -1,0 +1,181 @@
+"""Models from Hugging Face: downloads into the models directory, and a repo's files planned before any download.
+
+``huggingface_hub`` does the transfers (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE honoured); a repo's files are
+read by their headers alone (``sizing.gguf.remote``) and planned on these devices beside the loaded models.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+from sizing.device import MIB
+from sizing.errors import ProbeError, SizingError, UnsupportedModelError
+from sizing.memory import MemoryEstimate
+from sizing.report import plan_json
+
+from .errors import BadRequest, ModelNotFound, ServiceError, Upstream
+from .models import Registry
+from .planning import LoadOptions, Planner
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def remote_limits(settings: Settings) -> Any:
+    """What a remote probe for a client may do (``sizing.gguf.remote.ProbeLimits``): public addresses only,
+    unless ``remote_allow_hosts`` names them; one deadline and byte budget."""
+    from sizing.gguf.remote import ProbeLimits, parse_allow_hosts
+
+    return ProbeLimits(deadline_s=settings.remote_timeout_s, max_bytes=settings.remote_max_bytes, public_only=True,
+                       allow_hosts=parse_allow_hosts(settings.remote_allow_hosts))
+
+
+@dataclass
+class Download:
+    """A GGUF file being fetched from Hugging Face into the models directory."""
+
+    repo_id: str
+    filename: str
+    revision: str | None
+    state: Literal["downloading", "done", "failed"] = "downloading"
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    error: str | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        """The model name it is served under once downloaded."""
+        return self.filename.rsplit("/", 1)[-1].removesuffix(".gguf")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"repo_id": self.repo_id, "filename": self.filename, "revision": self.revision, "name": self.name,
+                "state": self.state, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "progress": round(self.bytes_done / self.bytes_total, 4) if self.bytes_total else None,
+                "error": self.error}
+
+
+def _progress_class(dl: Download) -> type:
+    """A tqdm class for huggingface_hub that records progress on ``dl`` and logs every 10%."""
+    from tqdm.std import tqdm
+
+    class Progress(tqdm):  # type: ignore[misc,type-arg]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            total = kwargs.get("total")
+            if isinstance(total, (int, float)) and total:
+                dl.bytes_total = int(total)
+            dl.bytes_done = int(kwargs.get("initial") or 0)
+            self._logged = -1
+
+        def update(self, n: float | None = 1) -> bool | None:
+            dl.bytes_done += int(n or 0)
+            if dl.bytes_total:
+                tenth = int(10 * dl.bytes_done / dl.bytes_total)
+                if tenth != self._logged:
+                    self._logged = tenth
+                    log.info("downloading %s/%s: %d%% of %.1f MiB", dl.repo_id, dl.filename, 10 * tenth,
+                             dl.bytes_total / MIB)
+            return None
+
+    return Progress
+
+
+class Downloads:
+    """The downloads this server started, and Hugging Face listings planned beside the loaded models."""
+
+    def __init__(self, settings: Settings, registry: Registry, planner: Planner,
+                 kept: Callable[[], Sequence[MemoryEstimate]] = lambda: ()) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.planner = planner
+        self._kept = kept
+        self.downloads: dict[str, Download] = {}
+
+    def pull(self, repo_id: str, filename: str, revision: str | None = None) -> Download:
+        """Start fetching a GGUF from Hugging Face into the models directory (a background thread).
+
+        ``huggingface_hub`` honours HF_ENDPOINT, HF_TOKEN and, with HF_HUB_OFFLINE=1, answers from
+        the files already there. Progress shows in the log and in ``GET /api/models``.
+        """
+        if "/" in filename or "\\" in filename or not filename.endswith(".gguf") or filename.startswith("."):
+            raise BadRequest("filename must be a .gguf file at the top of the repo", param="filename")
+        key = f"{repo_id}/{filename}@{revision or 'main'}"
+        running = self.downloads.get(key)
+        if running is not None and running.state == "downloading":
+            return running
+        dl = Download(repo_id, filename, revision)
+        self.downloads[key] = dl
+        models_dir = self.settings.models_dir
+
+        def fetch() -> None:
+            from huggingface_hub import hf_hub_download
+
+            try:
+                os.makedirs(models_dir, exist_ok=True)
+                path = hf_hub_download(repo_id, filename, revision=revision, local_dir=models_dir,
+                                       endpoint=os.environ.get("HF_ENDPOINT") or None, tqdm_class=_progress_class(dl))
+                self.registry.resolve(dl.name)  # the file is a GGUF the registry will serve
+                dl.bytes_done = dl.bytes_total = os.path.getsize(str(path))
+                dl.state = "done"
+                log.info("downloaded %s/%s as model '%s'", repo_id, filename, dl.name)
+            except ServiceError as exc:
+                dl.state, dl.error = "failed", f"the downloaded file is not a servable GGUF: {exc.message}"
+                try:  # leave nothing behind that looks like a model
+                    os.remove(os.path.join(models_dir, filename))
+                except OSError:
+                    pass
+            except Exception as exc:  # the hub's and the network's errors end here, reported in the status
+                dl.state, dl.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.warning("download of %s/%s failed: %s", repo_id, filename, dl.error)
+
+        threading.Thread(target=fetch, name=f"download-{filename}", daemon=True).start()
+        return dl
+
+    def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
+        """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.
+
+        Blocking (network): call from a thread. Headers only (``sizing.gguf.remote.probe_hf``:
+        range requests); a split model is probed and planned once, from its first shard.
+        """
+        import re as _re
+
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+        from sizing.errors import RemoteError
+        from sizing.gguf.remote import probe_hf
+
+        try:
+            info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        except RepositoryNotFoundError as exc:
+            raise ModelNotFound(f"no Hugging Face repo '{repo_id}'", param="repo_id") from exc
+        except (OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
+            raise Upstream(f"the Hugging Face hub did not answer for '{repo_id}': {exc}") from exc
+        except Exception as exc:  # huggingface_hub's transport errors (httpx2) are not ours: convert them here
+            raise Upstream(f"the Hugging Face hub could not be reached for '{repo_id}': {type(exc).__name__}: {exc}") from exc
+        groups: dict[str, list[tuple[str, int]]] = {}
+        for sib in info.siblings or []:
+            if not sib.rfilename.endswith(".gguf"):
+                continue
+            key = _re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", sib.rfilename)
+            groups.setdefault(key, []).append((sib.rfilename, int(sib.size or 0)))
+        gpus, host = self.planner.devices(LoadOptions(), self._kept())
+        req = self.planner.request(LoadOptions())
+        files = []
+        for key, parts in sorted(groups.items()):
+            parts.sort()
+            entry: dict[str, Any] = {"file": parts[0][0], "shards": len(parts), "size_bytes": sum(n for _, n in parts)}
+            try:
+                spec = probe_hf(repo_id, parts[0][0], revision, limits=remote_limits(self.settings))
+                entry["plan"] = plan_json(self.planner.plan_on(spec, gpus, host, req))
+            except (RemoteError, ProbeError, UnsupportedModelError, SizingError) as exc:
+                entry["error"] = str(exc)
+            files.append(entry)
+        return {"repo_id": repo_id, "revision": revision, "files": files}

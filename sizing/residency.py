@@ -1,0 +1,154 @@
+"""Several models on the same devices: what each loaded one holds, what is left beside them, whom to evict.
+
+Pure: values in, values out. The service (``service.planning``) plans a new model on ``available(...)``
+and, when it does not fit beside the residents, asks ``choose_eviction`` for the smallest set of idle,
+unpinned residents whose memory makes it fit, before anything is unloaded.
+
+What a loaded model holds (``held_bytes``), by llama.cpp's device names:
+
+- on a card, its plan's bytes but the allowance: weights, KV, recurrent state, compute, output and the
+  CUDA pool bound. The allowance (``gpu_allowance_mib``, the CUDA context) is the process's, not the
+  model's: CUDA creates one primary context per device and process, and ggml's CUDA backend never
+  resets the device, so it stays held after the model is freed (``ggml_backend_cuda_free`` releases the
+  streams, cuBLAS handles and pools of its own context only). Every plan still counts one allowance on
+  each card it uses; the arithmetic below makes that the one allowance the card carries;
+- in host memory, its whole host share: weights (mmapped file pages), KV, state, compute and output.
+
+What is free beside the residents (``available``), for a plan that will add its own allowance per card:
+
+- a **live** card (NVML): its free memory already excludes what the residents hold, context included.
+  Where a resident sits, the context is paid already, so the allowance is added back (the new plan counts
+  it again); each resident to evict gives back what it holds;
+- a **declared** card (``GGUF_GPUS_*``: a fixed figure, the card's free memory with none of this
+  server's models on it): the residents kept hold their bytes, subtracted; one allowance is counted by the
+  plan, so the card carries exactly one;
+- **host memory**: ``MemAvailable`` counts the residents' mmapped weights as available (they are page
+  cache) and not always their buffers (llama.cpp's compute buffers are not touched before a first decode),
+  so it cannot say what they hold: the residents kept have their whole predicted host share subtracted and
+  the ones to evict give nothing back. Never over-committed; at worst a resident's KV cache (written at
+  context creation, so already out of ``MemAvailable``) is counted twice.
+
+Hence the invariant the tests check: on each declared card, the residents' held bytes plus one allowance
+never exceed its declared free memory; on the host, the residents' predicted bytes never exceed the
+memory available at their load times (less the weights a partial offload reads from the file).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Mapping, Sequence
+
+from .device import Device
+from .memory import MemoryEstimate
+from .request import PlanRequest, ctx_cap, ctx_floor
+from .spec import ModelSpec
+
+EXHAUSTIVE_CANDIDATES = 12
+"""Up to this many idle residents every set is tried (smallest first); beyond it, least recently used prefixes."""
+
+
+def held_bytes(est: MemoryEstimate) -> dict[str, int]:
+    """What a loaded model holds on each device (``CPU``, ``CUDA<n>``): its plan's bytes, less the allowance
+    on a card (the process's CUDA context, held once per card)."""
+    out = {"CPU": est.host.total_bytes}
+    for g in est.gpus:
+        out[g.device] = g.total_bytes - g.allowance_bytes
+    return out
+
+
+def allowance_on(estimates: Sequence[MemoryEstimate], label: str) -> int:
+    """The allowance the residents' plans count on card ``label`` (0 when none of them uses it)."""
+    return max((g.allowance_bytes for est in estimates for g in est.gpus if g.device == label), default=0)
+
+
+def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimate],
+              freed: Sequence[MemoryEstimate] = (), *, live: bool) -> tuple[list[Device], Device]:
+    """The devices as a new plan sees them beside the residents ``kept``, once those in ``freed`` are unloaded.
+
+    ``live``: the cards' figures are NVML's (they already exclude every resident); otherwise they are a
+    declared inventory (they exclude none). See the module's docstring for the arithmetic.
+    """
+    out: list[Device] = []
+    residents = [*kept, *freed]
+    for g in gpus:
+        label = g.label
+        if live:
+            back = sum(held_bytes(est).get(label, 0) for est in freed)
+            free = g.free_bytes + back + allowance_on(residents, label)
+        else:
+            free = g.free_bytes - sum(held_bytes(est).get(label, 0) for est in kept)
+        out.append(replace(g, free_bytes=max(0, min(g.total_bytes, free))))
+    host_free = host.free_bytes - sum(est.host.total_bytes for est in kept)
+    return out, replace(host, free_bytes=max(0, min(host.total_bytes, host_free)))
+
+
+def decision_request(spec: ModelSpec, req: PlanRequest) -> PlanRequest:
+    """The request that decides whether a model fits: its chosen cache type alone, at the smallest context
+    that counts. ``make_plan`` settles the placement (and so the verdict) at that context before it searches
+    for a larger one, so this plan's verdict is the full plan's, without the searches."""
+    cap = ctx_cap(spec, req)
+    return replace(req, n_ctx=ctx_floor(spec, req, cap), cache_types=(req.cache_type,))
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A resident as eviction sees it: its plan's estimate, when it was last used, whether it may go."""
+
+    name: str
+    estimate: MemoryEstimate
+    last_used: float = 0.0
+    """Monotonic seconds of its last request (or load): the smaller, the earlier it goes."""
+    busy: bool = False
+    """Requests queued or running: never evicted."""
+    pinned: bool = False
+    """Configured to stay: never evicted."""
+
+
+def lru(holdings: Sequence[Holding]) -> list[Holding]:
+    """Least recently used first (the name breaks ties, so the order is total)."""
+    return sorted(holdings, key=lambda h: (h.last_used, h.name))
+
+
+def eviction_sets(candidates: Sequence[Holding]) -> Iterator[tuple[Holding, ...]]:
+    """Sets of ``candidates`` to try, fewest models first and, among sets of one size, those holding the least
+    recently used first (combinations of the LRU order, in order). Beyond ``EXHAUSTIVE_CANDIDATES`` only the
+    LRU prefixes (one set per size)."""
+    order = lru(candidates)
+    if len(order) > EXHAUSTIVE_CANDIDATES:
+        for k in range(1, len(order) + 1):
+            yield tuple(order[:k])
+        return
+    for k in range(1, len(order) + 1):
+        yield from itertools.combinations(order, k)
+
+
+def choose_eviction(candidates: Sequence[Holding], fits: Callable[[tuple[Holding, ...]], bool]
+                    ) -> tuple[Holding, ...] | None:
+    """The first of ``eviction_sets(candidates)`` whose memory makes ``fits`` true, or None when even all of
+    them would not (checked first: more memory never makes a model fit less, so no smaller set can then)."""
+    if not candidates or not fits(tuple(lru(candidates))):
+        return None
+    for chosen in eviction_sets(candidates):
+        if fits(chosen):
+            return chosen
+    return None  # pragma: no cover - the full set fitted, and it is among the sets tried
+
+
+def held_summary(holdings: Sequence[Holding]) -> dict[str, dict[str, int]]:
+    """Device label -> resident name -> bytes it holds there (what a refusal and the page show)."""
+    out: dict[str, dict[str, int]] = {}
+    for h in holdings:
+        for label, n in held_bytes(h.estimate).items():
+            if n:
+                out.setdefault(label, {})[h.name] = n
+    return out
+
+
+def used_by(estimates: Mapping[str, MemoryEstimate], label: str) -> int:
+    """Bytes the named residents hold on ``label`` together."""
+    return sum(held_bytes(est).get(label, 0) for est in estimates.values())
+
+
+__all__ = ["EXHAUSTIVE_CANDIDATES", "Holding", "allowance_on", "available", "choose_eviction", "decision_request",
+           "eviction_sets", "held_bytes", "held_summary", "lru", "used_by"]
