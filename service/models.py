@@ -222,21 +222,22 @@ class Registry:
                 raise ModelsFileError(f"{where}: no file given, and no model of that name in {self._dir} "
                                       "(or the embedded one)")
         aliases: dict[str, str] = {}
+        source: dict[str, str] = {}
         for name, config in self._configs.items():
             for a in config.aliases:
                 if a in aliases and aliases[a] != name:
-                    raise ModelsFileError(f"alias {a!r} names two models: {aliases[a]} and {name}")
-                aliases[a] = name
+                    raise ModelsFileError(f"models file {path}: alias {a!r} names two models: {aliases[a]} and {name}")
+                aliases[a], source[a] = name, f"models file {path}"
         for a, target in parse_aliases(settings.model_aliases).items():
             if a in aliases and aliases[a] != target:
-                raise ModelsFileError(f"alias {a!r} names two models: {aliases[a]} (models file) and {target} "
-                                      "(GGUF_MODEL_ALIASES)")
-            aliases[a] = target
+                raise ModelsFileError(f"GGUF_MODEL_ALIASES: alias {a!r} names {target}, and the models file {path} "
+                                      f"names {aliases[a]}")
+            aliases[a], source[a] = target, "GGUF_MODEL_ALIASES"
         for a, target in aliases.items():
             if self._is_model(a):
-                raise ModelsFileError(f"alias {a!r} is the name of a model itself")
+                raise ModelsFileError(f"{source[a]}: alias {a!r} is the name of a model itself")
             if not self._is_model(target):
-                raise ModelsFileError(f"alias {a!r} names {target!r}, which is not a model here")
+                raise ModelsFileError(f"{source[a]}: alias {a!r} names {target!r}, which is not a model here")
         self._aliases = aliases
 
     def _known_elsewhere(self, name: str) -> bool:

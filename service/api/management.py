@@ -25,7 +25,7 @@ from ..errors import BadRequest, QueueFull
 from ..keepalive import parse_keep_alive
 from ..manager import LoadOptions, ModelManager
 from .deps import DownloadsDep, ManagerDep, MetricsDep
-from .validation import reject_surrogates
+from .validation import KeepAlive, reject_surrogates
 
 router = APIRouter(prefix="/api")
 
@@ -62,8 +62,7 @@ class PlanBody(BaseModel):
     force: bool = Field(False, description="Load even while generations run: they end with an error "
                         "(a stream's error event) instead of the load waiting for them (GGUF_LOAD_WAIT_S, then 409); "
                         "busy models may then be evicted too.")
-    keep_alive: str | float | None = Field(None, description="How long the model stays loaded once idle: a duration "
-                                           "(\"5m\"), seconds, 0 or -1 (never); default: the model's.")
+    keep_alive: KeepAlive = None
 
     @field_validator("cache_type")
     @classmethod

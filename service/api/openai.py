@@ -35,7 +35,7 @@ from ..settings import Settings
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
 from .metrics import Metrics
-from .validation import reject_surrogates
+from .validation import KeepAlive, reject_surrogates
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,7 @@ class _Common(BaseModel):
     logit_bias: Any = Field(None, description="Not supported: anything but null or {} is a 400.")
     parallel_tool_calls: bool | None = None
     cache_prompt: bool = Field(True, description="llama.cpp server extension: reuse a slot's cached prefix of the prompt.")
-    keep_alive: str | float | None = Field(
-        None, description="How long the model stays loaded after this request (Ollama's keep_alive): a duration "
-        "(\"5m\"), seconds, 0 (unload after it) or -1 (never); default: the model's (GGUF_KEEP_ALIVE).")
+    keep_alive: KeepAlive = None
 
     @field_validator("stop")
     @classmethod

@@ -7,9 +7,19 @@ JSON may carry a lone UTF-16 surrogate (``"\\ud800"``): valid JSON, a Python ``s
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any, Union
+
+from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from ..errors import BadRequest
+
+KeepAlive = Annotated[
+    Union[StrictStr, StrictInt, StrictFloat, None],
+    Field(description="How long the model stays loaded once idle (Ollama's keep_alive): a duration (\"5m\", "
+          "\"1h30m\"), seconds, 0 (unload after the request) or -1 (never); default: the model's (GGUF_KEEP_ALIVE).",
+          union_mode="left_to_right"),
+]
+"""The body field ``keep_alive`` (parsed by ``service.keepalive.parse_keep_alive``): strings and numbers only."""
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 

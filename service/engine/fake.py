@@ -38,6 +38,11 @@ class FakeEngine:
         self.running = threading.Event()
         self.generations = 0
         self.cancelled = 0
+        self.loads = 0
+        self.unloads = 0
+        self.report: LoadReport | None = None
+        """The last load's report (its "allocations" are the plan's figures), None once unloaded."""
+        self.path: str | None = None
 
     @property
     def n_ctx(self) -> int:
@@ -66,11 +71,18 @@ class FakeEngine:
         allocs = tuple(
             Allocation(d.device, d.weights_bytes, d.kv_bytes, d.compute_bytes, 0) for d in est.devices
         ) if est is not None else ()
-        return LoadReport(n_ctx=self._n_ctx, allocations=allocs, load_seconds=self.load_delay_s)
+        self.loads += 1
+        self.path = path
+        self.report = LoadReport(n_ctx=self._n_ctx, allocations=allocs, load_seconds=self.load_delay_s)
+        return self.report
 
     def unload(self) -> None:
+        if self._n_ctx:
+            self.unloads += 1
         self._n_ctx = 0
         self._cells = 0
+        self.report = None
+        self.path = None
 
     def _require(self) -> None:
         if not self._n_ctx:

@@ -290,9 +290,18 @@ def fixture_filename(name: str, quant: Quant = "bf16") -> str:
     return f"{name}-{quant}.gguf"
 
 
-def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "bf16") -> str:
-    """Write (or reuse) the sparse header-only GGUF of model ``name`` in ``directory``; return its path."""
-    if name not in FIXTURES and name not in ARCH_FIXTURES:
+TINY_LLAMA = FixtureShape("llama", 128, 2, 4, 4, 32, 256, 512, 2048, tokenizer="llama")
+"""A llama-shaped model small enough to load and run in a blink: 2 layers of 128 (heads of 32, so every KV cache type divides them), a 512-token sentencepiece
+vocabulary (the 256 byte tokens among them). Written by ``write_fixture`` its weights are the file's hole, read as
+zeros: llama.cpp loads it, evaluates prompts and samples tokens (meaningless ones), like any model."""
+
+
+def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "bf16",
+                  shape: FixtureShape | None = None) -> str:
+    """Write (or reuse) the sparse header-only GGUF of model ``name`` in ``directory``; return its path.
+
+    ``shape``: a shape of one's own (``TINY_LLAMA``, or a made-up size), written under ``name``."""
+    if shape is None and name not in FIXTURES and name not in ARCH_FIXTURES:
         raise KeyError(f"unknown fixture {name!r}; one of {', '.join(ALL_FIXTURES)}")
     if quant not in QUANTS:
         raise KeyError(f"unknown quantization {quant!r}; one of {', '.join(QUANTS)}")
@@ -301,8 +310,8 @@ def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".gguf.part")
-    if name in FIXTURES:
-        shape = FIXTURES[name]
+    if shape is not None or name in FIXTURES:
+        shape = shape or FIXTURES[name]
         w = gguf.GGUFWriter(str(tmp), shape.arch)
         _metadata(w, name, shape, quant)
         tensors = _tensors(shape)

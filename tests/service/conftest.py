@@ -25,6 +25,8 @@ class FakeService:
     engine: FakeEngine
     client: httpx.Client
     app: Any
+    engines: list[FakeEngine] | None = None
+    """With an engine factory: every engine it built, in order (one per model load)."""
 
 
 @pytest.fixture
@@ -33,9 +35,18 @@ def fake_factory(tmp_path: Path, embedded_model: str) -> Iterator[Callable[..., 
     servers: list[tuple[uvicorn.Server, threading.Thread, httpx.Client]] = []
 
     def start(engine: FakeEngine | None = None, wait_ready: bool = True, models: list[str] = (),  # type: ignore[assignment]
-              **overrides: Any) -> FakeService:
-        """``models``: GGUF files to hard-link into the models directory under their own names."""
+              engine_factory: Callable[[Settings], FakeEngine] | None = None, **overrides: Any) -> FakeService:
+        """``models``: GGUF files to hard-link into the models directory under their own names.
+        ``engine_factory``: one fake engine per loaded model (several models at once) instead of ``engine``."""
         engine = engine or FakeEngine()
+        built: list[FakeEngine] = []
+
+        def factory(s: Settings) -> FakeEngine:
+            assert engine_factory is not None
+            e = engine_factory(s)
+            built.append(e)
+            return e
+
         # The fake engine runs no llama.cpp: confirming its plans with llama.cpp's dry run only costs time.
         overrides.setdefault("confirm_loads", False)
         # One generation at a time, as the fake engine serves (the real engine's default is 4 slots).
@@ -46,7 +57,8 @@ def fake_factory(tmp_path: Path, embedded_model: str) -> Iterator[Callable[..., 
         for m in models:
             os.link(m, models_dir / Path(m).name)  # a hard link: the registry refuses links out of the dir
         settings = Settings(host="127.0.0.1", port=port, models_dir=str(models_dir), **overrides)
-        app = create_app(settings, engine=engine)
+        app = create_app(settings, engine=None if engine_factory else engine,
+                         engine_factory=factory if engine_factory else None)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
@@ -63,7 +75,7 @@ def fake_factory(tmp_path: Path, embedded_model: str) -> Iterator[Callable[..., 
             time.sleep(0.02)
         else:
             raise TimeoutError("fake service did not become ready")
-        return FakeService(f"http://127.0.0.1:{port}", engine, client, app)
+        return FakeService(f"http://127.0.0.1:{port}", engine, client, app, built if engine_factory else None)
 
     yield start
     for server, thread, client in servers:
