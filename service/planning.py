@@ -318,7 +318,9 @@ class Planner:
             return max_models is None or len(others) - len(evicted) + 1 <= max_models
 
         def whole(p: Plan) -> bool:
-            return p.fits and p.verdict != "partial_offload"
+            """Held whole where it runs best: on the cards (none partly in host memory), or on a machine without
+            cards. (A model the cards cannot hold at all is planned by the offload search, verdict ``cpu``.)"""
+            return p.verdict in ("one_card", "split") or (p.verdict == "cpu" and not p.gpus)
 
         def placed(p: Plan, evicted: tuple[Holding, ...] = (), **kw: Any) -> Placed:
             gone = {h.name for h in evicted}
@@ -328,7 +330,7 @@ class Planner:
 
         beside = plan_with((), req)
         idle = [h for h in others if not h.busy and not h.pinned]
-        if beside.fits and count_ok(()) and (beside.verdict != "partial_offload" or not idle):
+        if beside.fits and count_ok(()) and (whole(beside) or not idle):
             return placed(beside)
         everything = tuple(idle)
         wanted: Callable[[Plan], bool] = whole if idle and whole(plan_with(everything, dreq)) else (lambda p: p.fits)
