@@ -1,5 +1,5 @@
-// The plan page: asks POST /api/dry-run and draws the answer (bars to scale, the cache-type table,
-// memory against context). No framework, no build step, no inline script: the CSP allows this file only.
+// The plan page: asks POST /api/dry-run and draws the answer (bars to scale, with each loaded model's share,
+// the cache-type table, the partial-offload candidates, memory against context). No framework, no build step, no inline script: the CSP allows this file only.
 // Fields of the plan are read defensively: a missing one is not shown.
 "use strict";
 
@@ -21,6 +21,7 @@
   // Bar segments, in the order memory is drawn, with the words the legend and labels use.
   const SEGMENTS = [
     { kind: "used", name: "in use by others" },
+    { kind: "resident", name: "another loaded model" },
     { kind: "weights", name: "weights" },
     { kind: "kv", name: "KV cache" },
     { kind: "compute", name: "compute buffer" },
@@ -176,6 +177,7 @@
       syncControls(largest, plan);
       renderVerdict(plan);
       renderBars(plan);
+      renderCandidates(plan);
       renderCacheTable(largest, plan);
       document.body.dataset.state = "ready";
       bump("renders");
@@ -284,6 +286,51 @@
     const reasons = Array.isArray(plan.reasons) ? plan.reasons : [];
     for (const r of reasons) ul.appendChild(el("li", {}, r));
     ul.hidden = reasons.length === 0;
+    renderResidency(plan);
+  }
+
+  // Whom the plan was made beside, and whom a load would unload first (the dry-run's residency).
+  function renderResidency(plan) {
+    const p = $("residency");
+    clear(p);
+    const r = plan.residency || {};
+    const beside = Array.isArray(r.beside) ? r.beside : [];
+    const evict = Array.isArray(r.evict) ? r.evict : [];
+    const busy = Array.isArray(r.busy) ? r.busy : [];
+    const parts = [];
+    if (beside.length) parts.push(["beside", "Planned beside the loaded models: " + beside.join(", ") + "."]);
+    if (evict.length) {
+      parts.push(["evict", "A load would first unload " + evict.join(", ")
+        + " (idle, least recently used first: the fewest models that make room)."]);
+    }
+    if (busy.length) parts.push(["busy", "Only models generating now hold the memory it needs: " + busy.join(", ") + "."]);
+    for (const [key, text] of parts) p.appendChild(el("span", { "data-field": key }, text + " "));
+    p.hidden = parts.length === 0;
+  }
+
+  // ---------- partial-offload candidates ----------
+
+  function renderCandidates(plan) {
+    const section = $("candidates-section");
+    const tbody = $("candidates-table").tBodies[0];
+    clear(tbody);
+    const cands = Array.isArray(plan.candidates) ? plan.candidates : [];
+    for (const c of cands) {
+      const tr = el("tr", { "data-n-gpu-layers": isNum(c.n_gpu_layers) ? c.n_gpu_layers : null });
+      tr.appendChild(el("th", { scope: "row" }, c.description || ""));
+      tr.appendChild(el("td", { class: "num", "data-field": "n_gpu_layers" }, fmtInt(c.n_gpu_layers)));
+      tr.appendChild(el("td", { class: "num", "data-field": "n_cpu_moe" }, fmtInt(c.n_cpu_moe)));
+      tr.appendChild(el("td", { class: "num", "data-field": "n_ctx" }, fmtInt(c.n_ctx)));
+      tr.appendChild(el("td", { class: "num", "data-field": "gpu_weights_mib" }, fmtMiB(c.gpu_weights_mib)));
+      tr.appendChild(el("td", { class: "num", "data-field": "host_weights_mib" }, fmtMiB(c.host_weights_mib)));
+      tr.appendChild(el("td", { class: "num", "data-field": "disk_weights_mib" }, fmtMiB(c.disk_weights_mib)));
+      tr.appendChild(el("td", { class: "num", "data-field": "decode_tokens_per_s" },
+        isNum(c.decode_tokens_per_s) ? c.decode_tokens_per_s.toFixed(2) : "–"));
+      tr.appendChild(el("td", { class: "num", "data-field": "prompt_tokens_per_s" },
+        isNum(c.prompt_tokens_per_s) ? c.prompt_tokens_per_s.toFixed(1) : "–"));
+      tbody.appendChild(tr);
+    }
+    section.hidden = cands.length === 0;
   }
 
   // ---------- bars ----------
@@ -301,13 +348,29 @@
     }
   }
 
-  // The segments of one device's bar, in MiB: what others use, then what this plan puts there, then free.
-  function segmentsOf(dev, est) {
+  // What each model the plan was made beside holds on a device (the dry-run's residency.held_mib), by name.
+  function residentsOn(label, plan) {
+    const held = plan && plan.residency && plan.residency.held_mib ? plan.residency.held_mib[label] : null;
+    if (!held || typeof held !== "object") return [];
+    return Object.keys(held).filter((n) => isNum(held[n]) && held[n] > 0).map((n) => ({ model: n, mib: held[n] }));
+  }
+
+  // The segments of one device's bar, in MiB: what others use, each loaded model's share, then what this plan
+  // puts there, then free. The plan's free memory is what is left beside the loaded models.
+  function segmentsOf(dev, est, plan) {
     const total = isNum(dev.total_mib) ? dev.total_mib : 0;
     const free = isNum(dev.free_mib) ? dev.free_mib : total;
     const segs = [];
     const usedByOthers = Math.max(0, total - free);
-    if (usedByOthers > 0) segs.push({ kind: "used", mib: usedByOthers, label: "in use" });
+    const residents = residentsOn(dev.label, plan);
+    const residentMiB = Math.min(usedByOthers, sum(residents.map((r) => r.mib)));
+    if (usedByOthers - residentMiB > 0) segs.push({ kind: "used", mib: usedByOthers - residentMiB, label: "in use" });
+    let left = residentMiB;
+    for (const r of residents) {
+      const mib = Math.min(r.mib, left);
+      left -= mib;
+      if (mib > 0) segs.push({ kind: "resident", mib, label: r.model, model: r.model });
+    }
     let need = 0;
     if (est) {
       const layers = layerRanges(est.layers);
@@ -327,8 +390,8 @@
     return { segs, total, free, need, freeAfter, usedByOthers, extent: Math.max(total, usedByOthers + need) };
   }
 
-  function drawBar(title, sub, dev, est, scaleMiB, note) {
-    const info = segmentsOf(dev, est);
+  function drawBar(title, sub, dev, est, scaleMiB, note, plan) {
+    const info = segmentsOf(dev, est, plan);
     const W = 1000, H = 62, y = 6, h = 36;
     const k = scaleMiB > 0 ? W / scaleMiB : 0;
     const fig = el("figure", { class: "bar", "data-device": dev.label || "", "data-name": dev.name || "" });
@@ -343,7 +406,7 @@
     for (const s of info.segs) {
       const w = Math.max(s.mib * k, s.mib > 0 ? 1.5 : 0);
       svgEl.appendChild(sv("rect", { x: x.toFixed(2), y, width: w.toFixed(2), height: h, class: "seg seg-" + s.kind,
-        "data-kind": s.kind, "data-mib": s.mib.toFixed(2) }));
+        "data-kind": s.kind, "data-mib": s.mib.toFixed(2), "data-model": s.model || null }));
       const full = s.label + " " + fmtMiB(s.mib);
       const text = full.length * 7.6 + 10 < w ? full : (s.label.length * 7.6 + 10 < w ? s.label : null);
       if (text) {
@@ -351,7 +414,8 @@
         svgEl.appendChild(sv("text", { x: (x + 5).toFixed(2), y: y + h / 2 + 5,
           class: "seg-label" + (light ? " on-light" : "") }, text));
       }
-      if (s.kind !== "used" && s.kind !== "free") words.push(s.label + " " + fmtMiB(s.mib) + " MiB");
+      if (s.kind === "resident") words.push("loaded model " + s.label + " " + fmtMiB(s.mib) + " MiB");
+      else if (s.kind !== "used" && s.kind !== "free") words.push(s.label + " " + fmtMiB(s.mib) + " MiB");
       x += w;
     }
     if (est) words.push("this plan needs " + fmtMiB(info.need) + " MiB");
@@ -397,19 +461,19 @@
     const devices = Array.isArray(plan.devices) ? plan.devices : [];
 
     let scale = 0;
-    for (const d of devices) scale = Math.max(scale, segmentsOf(d, byLabel[d.label] || null).extent);
+    for (const d of devices) scale = Math.max(scale, segmentsOf(d, byLabel[d.label] || null, plan).extent);
     for (const d of devices) {
       const e = byLabel[d.label] || null;
       const sub = "(" + (d.name || "card") + (isNum(d.index) ? ", index " + d.index : "") + ")";
-      box.appendChild(drawBar(d.label || d.name, sub, d, e, scale, null));
+      box.appendChild(drawBar(d.label || d.name, sub, d, e, scale, null, plan));
     }
     const host = plan.host || null;
     const hostEst = byLabel.CPU || null;
     const layersOnHost = hostEst && Array.isArray(hostEst.layers) && hostEst.layers.length > 0;
     if (host && hostEst && (layersOnHost || devices.length === 0)) {
-      const hostInfo = segmentsOf(host, hostEst);
+      const hostInfo = segmentsOf(host, hostEst, plan);
       box.appendChild(drawBar("Host memory", "(" + (host.name || "CPU") + ", its own scale)", host, hostEst,
-        hostInfo.extent, null));
+        hostInfo.extent, null, plan));
     } else if (hostEst && isNum(hostEst.total_mib) && hostEst.total_mib > 0) {
       box.appendChild(el("p", { class: "bar-note" }, "Host memory also holds " + fmtMiB(hostEst.total_mib)
         + " MiB (weights kept on the CPU, such as the token embeddings); no layers run there."));

@@ -377,3 +377,51 @@ def test_with_api_keys_the_page_asks_for_one_and_then_plans(browser: Any, servic
     wait_for(browser, lambda: len(cache_rows(browser)) == 3, "the cache-type table after the key")
     assert browser.find_element(By.ID, "error").get_attribute("hidden") is not None
     browser.execute_script("window.sessionStorage.removeItem('gguf-api-key')")
+
+
+def test_the_bars_draw_each_loaded_models_share_and_the_offload_candidates(
+        browser: Any, service_factory: Any, tmp_path: Path, shots: Path) -> None:
+    """Two models loaded on a declared card (the embedded one and a tiny llama; llama.cpp runs them on this CPU):
+    the plan of a third, too big for the card, is drawn beside them (each share named) with its candidates."""
+    from selenium.webdriver.common.by import By
+
+    from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
+
+    models = tmp_path / "models"
+    tiny = Path(write_fixture("tiny-llama", models, shape=TINY_LLAMA)).stem
+    big = Path(write_fixture("gemma-3-27b", models)).stem
+    card = '[{"name": "RTX 4090", "free_mib": 20000, "total_mib": 24564}]'
+    svc = service_factory(GGUF_MODELS_DIR=str(models), GGUF_GPUS_JSON=card, GGUF_CONFIRM_LOADS="false",
+                          GGUF_CONTEXT_LENGTH="4096")
+    svc.wait_ready()
+    assert svc.client.post("/api/models/load", json={"model": tiny}).status_code == 200
+    open_page(browser, svc.url)
+    n = renders(browser)
+    select(browser, "model", big)
+    wait_render(browser, n)
+    plan = svc.client.post("/api/dry-run", json={"model": big, "cache_type": browser.find_element(
+        By.ID, "cache-type").get_attribute("value")}).json()
+    assert plan["verdict"] == "partial_offload" and plan["candidates"]
+    held = plan["residency"]["held_mib"]["CUDA0"]
+    assert set(held) == {MODEL, tiny}
+
+    def shares() -> dict[str, str]:
+        rects = browser.find_elements(By.CSS_SELECTOR, '#bars figure.bar[data-device="CUDA0"] rect[data-kind="resident"]')
+        return {r.get_attribute("data-model"): r.get_attribute("data-mib") for r in rects}
+
+    assert settled(shares) == {name: fmt(mib) for name, mib in held.items()}
+    label = settled(lambda: browser.find_element(By.CSS_SELECTOR, '#bars figure.bar[data-device="CUDA0"] svg')
+                    .get_attribute("aria-label"))
+    assert f"loaded model {tiny} {fmt(held[tiny])} MiB" in label
+    residency = browser.find_element(By.ID, "residency").text
+    assert MODEL in residency and tiny in residency
+    rows = settled(lambda: [
+        {td.get_attribute("data-field"): td.text for td in tr.find_elements(By.TAG_NAME, "td")}
+        for tr in browser.find_elements(By.CSS_SELECTOR, "#candidates-table tbody tr")])
+    assert len(rows) == len(plan["candidates"])
+    for row, c in zip(rows, plan["candidates"]):
+        assert row["n_gpu_layers"] == str(c["n_gpu_layers"]) and row["n_ctx"] == str(c["n_ctx"])
+        assert row["gpu_weights_mib"] == fmt(c["gpu_weights_mib"])
+        assert row["decode_tokens_per_s"] == f"{c['decode_tokens_per_s']:.2f}"
+    assert browser.find_element(By.ID, "candidates-section").is_displayed()
+    screenshot(browser, shots / "09-residents-and-candidates.png")
