@@ -252,7 +252,7 @@ def test_gauges_equal_the_engine_state_under_load(real_service: tuple[str, Any])
         assert value(text, "gguf_requests_waiting", model_name=EMBEDDED_NAME) == 0
         assert value(text, "gguf_requests_running", model_name=EMBEDDED_NAME) == 0
         # Finished sequences keep their prompts' cells for reuse (prefix caching): what the idle slots hold.
-        eng = app.state.manager.engine
+        eng = app.state.manager.models[EMBEDDED_NAME].engine
         assert value(text, "gguf_kv_cache_usage_ratio", model_name=EMBEDDED_NAME) == pytest.approx(
             eng.kv_cells_used / eng.kv_cells_allocated)
         assert 0 < eng.kv_cells_used <= SLOTS * (max(s.prompt_tokens for s in streams) + MAX_TOKENS)

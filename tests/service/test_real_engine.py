@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import EMBEDDED_NAME
-from tests.prom import value
+from tests.prom import series, value
 
 pytestmark = pytest.mark.slow
 
@@ -119,13 +119,12 @@ def test_chat_logprobs(served):  # type: ignore[no-untyped-def]
 def test_metrics_show_allocated_beside_predicted(served):  # type: ignore[no-untyped-def]
     served.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     text = served.client.get("/metrics").text
-    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
-    alloc = lines[f'gguf_device_bytes{{model="{EMBEDDED_NAME}",device="CPU",kind="allocated"}}']
-    pred = lines[f'gguf_device_bytes{{model="{EMBEDDED_NAME}",device="CPU",kind="predicted"}}']
+    alloc = value(text, "gguf_device_bytes", model=EMBEDDED_NAME, device="CPU", kind="allocated")
+    pred = value(text, "gguf_device_bytes", model=EMBEDDED_NAME, device="CPU", kind="predicted")
     assert alloc > 100 * 2**20 and pred > 100 * 2**20
     assert abs(alloc - pred) / alloc < 0.2
-    assert lines[f'gguf_completion_tokens_total{{model="{EMBEDDED_NAME}"}}'] >= 3
-    assert lines[f'gguf_time_to_first_token_seconds_count{{model="{EMBEDDED_NAME}"}}'] >= 1
+    assert value(text, "gguf_completion_tokens_total", model=EMBEDDED_NAME) >= 3
+    assert value(text, "gguf_time_to_first_token_seconds_count", model=EMBEDDED_NAME) >= 1
     info = served.client.get("/api/models").json()["models"]
     loaded = [m for m in info if m["state"] == "loaded"][0]
     assert loaded["memory"][0]["device"] == "CPU"
@@ -200,4 +199,5 @@ def test_fifty_clients_leave_mid_generation_and_the_next_is_served_within_5s(sma
     # streams of 400 tokens would take minutes had they not been cancelled.
     assert elapsed < 60
     text = small.client.get("/metrics").text
-    assert value(text, "gguf_queue_depth", model=EMBEDDED_NAME) == 0
+    assert series(text, "gguf_queue_depth") == [{"model": COPY}]
+    assert value(text, "gguf_queue_depth", model=COPY) == 0
