@@ -22,8 +22,11 @@ async def health() -> dict[str, str]:
 @router.get("/ready")
 async def ready(manager: ManagerDep) -> Any:
     """200 once a model is loaded (``model``: the default one if loaded, else the first; ``models``: every loaded
-    one); 503 while loading, after a failed load, or with none."""
+    one), or at once with ``GGUF_LOAD_ON_DEMAND`` (a request loads what it names); otherwise 503 while loading, after
+    a failed load, or with none."""
     loaded = manager.loaded()
+    if not loaded and manager.settings.load_on_demand:
+        return {"status": "ready", "model": None, "n_ctx": 0, "models": [], "load_on_demand": True}
     if loaded:
         default = manager.resident(manager.settings.default_model) if manager.settings.default_model else None
         first = default or loaded[0]

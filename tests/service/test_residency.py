@@ -252,6 +252,7 @@ def test_a_model_that_cannot_fit_is_507_with_every_cards_figures_and_nothing_is_
 
 def test_load_on_demand_under_twenty_concurrent_requests_loads_once(multi: Callable[..., FakeService]) -> None:
     svc = multi(engine=lambda s: FakeEngine(load_delay_s=0.5), load_on_demand=True, queue_size=32)
+    assert svc.client.get("/ready").json()["load_on_demand"] is True, "ready: a request loads what it names"
     results: list[httpx.Response] = []
     lock = threading.Lock()
 
