@@ -508,7 +508,7 @@ class ModelManager:
     async def _on_demand(self, name: str) -> None:
         task = self._pending.get(name)
         if task is None:
-            task = asyncio.create_task(self.load(name))
+            task = asyncio.create_task(self._ensure(name))
             self._pending[name] = task
 
             def done(t: "asyncio.Task[ModelState]") -> None:
@@ -523,6 +523,15 @@ class ModelManager:
         except TimeoutError:
             raise NotReady(f"model '{name}' is still loading after {self.settings.load_on_demand_wait_s:g} s; "
                            "retry shortly", param="model", retry_after_s=5, state="loading") from None
+
+    async def _ensure(self, name: str) -> ModelState:
+        """Load ``name`` with its own options, unless it is loaded by the time the load lock is ours (a load that
+        was running when the request came finished it)."""
+        async with self._load_lock:
+            st = self.resident(name)
+            if st is not None:
+                return st
+            return await self._load_locked(name, LoadOptions(), False, None)
 
     def _released(self, st: ModelState, keep_alive_s: float | None) -> None:
         st.leases -= 1

@@ -116,12 +116,6 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
     )
 
 
-def credit(gpus: Sequence[Device], host: Device, estimates: Sequence[MemoryEstimate]) -> tuple[list[Device], Device]:
-    """Live free memory as it will be once the models behind ``estimates`` are unloaded
-    (``sizing.residency.available``: the one arithmetic)."""
-    return available(gpus, host, (), estimates, live=True)
-
-
 def needs_calibration(spec: ModelSpec, backend: str) -> bool:
     """Whether the pure model is unproven here: a GPU backend, an unmirrored graph, a cache it does not mirror."""
     t = archs.traits(spec.architecture)
@@ -638,5 +632,5 @@ def _summary(c: Confirmation) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["Confirmation", "LoadOptions", "Placed", "Planner", "SetMember", "SetPlan", "credit", "needs_calibration",
+__all__ = ["Confirmation", "LoadOptions", "Placed", "Planner", "SetMember", "SetPlan", "needs_calibration",
            "plan_request"]

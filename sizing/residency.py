@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .device import Device
 from .memory import MemoryEstimate
@@ -145,10 +145,5 @@ def held_summary(holdings: Sequence[Holding]) -> dict[str, dict[str, int]]:
     return out
 
 
-def used_by(estimates: Mapping[str, MemoryEstimate], label: str) -> int:
-    """Bytes the named residents hold on ``label`` together."""
-    return sum(held_bytes(est).get(label, 0) for est in estimates.values())
-
-
 __all__ = ["EXHAUSTIVE_CANDIDATES", "Holding", "allowance_on", "available", "choose_eviction", "decision_request",
-           "eviction_sets", "held_bytes", "held_summary", "lru", "used_by"]
+           "eviction_sets", "held_bytes", "held_summary", "lru"]

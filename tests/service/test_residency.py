@@ -273,6 +273,21 @@ def test_load_on_demand_under_twenty_concurrent_requests_loads_once(multi: Calla
     assert svc.app.state.manager.loads == 1
 
 
+def test_a_request_during_an_explicit_load_waits_for_it_instead_of_loading_again(
+        multi: Callable[..., FakeService]) -> None:
+    svc = multi(engine=lambda s: FakeEngine(load_delay_s=0.8), load_on_demand=True)
+    out: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: out.setdefault("load", _load(svc, "a4")))
+    t.start()
+    deadline = time.monotonic() + 5
+    while _models(svc).get(N("a4"), {}).get("state") != "loading" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = _ask(svc, "a4")
+    t.join(10)
+    assert r.status_code == 200 and out["load"].status_code == 200
+    assert svc.engines is not None and len(svc.engines) == 1, "the request joined the running load"
+
+
 def test_load_on_demand_waits_its_limit_then_503_and_the_load_goes_on(multi: Callable[..., FakeService]) -> None:
     svc = multi(engine=lambda s: FakeEngine(load_delay_s=1.5), load_on_demand=True, load_on_demand_wait_s=0.3)
     r = _ask(svc, "a4")
