@@ -66,7 +66,8 @@ def default_engine(settings: Settings) -> Engine:
     from .engine.llama import LlamaEngine
 
     return LlamaEngine(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
-                       slot_prompt_similarity=settings.slot_prompt_similarity)
+                       slot_prompt_similarity=settings.slot_prompt_similarity,
+                       chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling)
 
 
 @dataclass(eq=False)
@@ -613,7 +614,8 @@ class ModelManager:
                         "output_mib": round(a.output_bytes / MIB, 2),
                     },
                     "predicted_mib": round((predicted[a.device].total_bytes - predicted[a.device].allowance_bytes
-                                            - predicted[a.device].pool_bytes) / MIB, 2)
+                                            - predicted[a.device].pool_bytes - predicted[a.device].embedding_bytes)
+                                           / MIB, 2)
                     if a.device in predicted else None,
                     "held_mib": round(held[a.device] / MIB, 2) if a.device in held else None,
                 }

@@ -113,6 +113,8 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
                                     else host_bandwidth_bytes_per_s or 40e9),
         disk_bandwidth_bytes_per_s=settings.disk_bandwidth_gbps * 1e9,
         cpu_cores=settings.n_threads or os.cpu_count() or 1,
+        embedding_tokens=0 if settings.embeddings == "off" else settings.embedding_tokens,
+        embedding_gpu=settings.embeddings == "on",
     )
 
 

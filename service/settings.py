@@ -177,6 +177,32 @@ class Settings(BaseSettings):
         "link-local or otherwise not public, comma-separated (e.g. 127.0.0.1,10.0.0.0/8,models.internal). "
         "Unset: only public addresses.",
     )
+    reasoning_format: Literal["none", "separate", "inline"] = Field(
+        "separate",
+        description="How a thinking model's <think>...</think> (and the like) is returned, as llama-server's "
+        "--reasoning-format: separate (message.reasoning_content, the tags dropped), inline (also left in content "
+        "with its tags), none (not parsed: content as generated). A request's reasoning_format overrides it.",
+    )
+    chat_template_file: str | None = Field(
+        None, description="A Jinja chat template file used instead of the model's own (llama-server's "
+        "--chat-template-file), rendered in the same sandbox; unset: the GGUF's template, else llama.cpp's built-in one.",
+    )
+    embeddings: Literal["auto", "on", "off"] = Field(
+        "auto", description="/v1/embeddings: a second llama.cpp context on the same weights, sized by the plan. "
+        "auto: for plans that run on the CPU alone (host memory), not where layers take GPU memory (that goes to the "
+        "generation context); on: for every plan, card memory included; off: none (the route answers 400).",
+    )
+    embedding_tokens: int = Field(
+        512, ge=1, le=8192,
+        description="Tokens of one /v1/embeddings batch: the longest input, and the inputs evaluated together (at "
+        "most 8). The plan sizes the embedding context's KV, compute and output buffers: llama.cpp keeps logits of "
+        "every token of an embedding batch, (n_vocab + n_embd) x tokens x 4 bytes, and as much again in compute "
+        "(1040 MiB at 512 tokens for gemma-3's 262,144-token vocabulary; 73 + 64 MiB for a 32,000-token one).",
+    )
+    embedding_pooling: Literal["mean", "cls", "last"] = Field(
+        "mean", description="Pooling of /v1/embeddings for models whose GGUF declares none ({arch}.pooling_type); "
+        "a declared one (mean, cls, last) is used as declared.",
+    )
     remote_probes: int = Field(
         2, ge=1, le=32,
         description="Remote probes that may run at once (their own threads, apart from loads); beyond it 429.",
@@ -190,3 +216,13 @@ class Settings(BaseSettings):
         except BadRequest as exc:
             raise ValueError(exc.message) from exc
         return v
+
+    def chat_template(self) -> str | None:
+        """The text of ``chat_template_file`` (None: unset). ``ValueError`` when it cannot be read."""
+        if not self.chat_template_file:
+            return None
+        try:
+            with open(self.chat_template_file, encoding="utf-8") as fh:
+                return fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"GGUF_CHAT_TEMPLATE_FILE {self.chat_template_file!r} cannot be read: {exc}") from None

@@ -50,6 +50,8 @@ def _plan(args: argparse.Namespace) -> int:
         n_batch=max(args.ubatch, 512),
         n_seq_max=args.parallel,
         kv_unified=not args.no_kv_unified,
+        embedding_tokens=args.embedding_tokens,
+        embedding_gpu=args.embedding_gpu,
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
@@ -117,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--parallel", type=int, default=4, help="slots (default 4 with a unified cache: the service's)")
     pl.add_argument("--no-kv-unified", action="store_true", help="a stream of n_ctx / parallel cells per slot")
     pl.add_argument("--swa-full", action="store_true")
+    pl.add_argument("--embedding-tokens", type=int, default=512,
+                    help="tokens of the /v1/embeddings context (default 512, the service's; 0: none)")
+    pl.add_argument("--embedding-gpu", action="store_true",
+                    help="size the embedding context on GPU plans too (the service's GGUF_EMBEDDINGS=on)")
     pl.add_argument("--no-offload", action="store_true", help="refuse instead of keeping layers in host memory")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=_plan)

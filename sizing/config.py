@@ -7,6 +7,9 @@ from typing import Literal
 
 FlashAttn = Literal["on", "off", "auto"]
 
+EMBEDDING_SEQS = 8
+"""Inputs one /v1/embeddings batch evaluates together (sequences of the embedding context)."""
+
 N_CTX_PAD = 256
 """llama.cpp pads n_ctx up to a multiple of 256 (``llama_context`` constructor)."""
 
@@ -30,6 +33,28 @@ class ContextConfig:
     kv_unified: bool = False
     swa_full: bool = False
     offload_kqv: bool = True
+    embeddings: bool = False
+    """This is an embedding context (llama.cpp ``embeddings``): every token of a batch is an output."""
+    embedding_tokens: int = 0
+    """Beside this context, an embedding context for /v1/embeddings holding this many tokens per batch
+    (its KV, compute and output buffers; ``embedding_config``). 0: none."""
+    embedding_gpu: bool = False
+    """The embedding context also when layers run on GPUs (its buffers then take card memory); off: only
+    CPU-only plans get one (``applies_embedding``)."""
+
+    def applies_embedding(self, cpu_only: bool) -> bool:
+        """Whether a placement (CPU-only or not) gets the embedding context."""
+        return self.embedding_tokens > 0 and (cpu_only or self.embedding_gpu)
+
+    def embedding_config(self) -> "ContextConfig | None":
+        """The embedding context: its cache holds one batch (n_ctx = n_batch = n_ubatch = ``embedding_tokens``),
+        f16, one stream shared by ``EMBEDDING_SEQS`` inputs; cleared before every batch."""
+        n = self.embedding_tokens
+        if n <= 0:
+            return None
+        return ContextConfig(n_ctx=n, type_k="f16", type_v="f16", flash_attn=self.flash_attn, n_ubatch=n, n_batch=n,
+                             n_seq_max=min(EMBEDDING_SEQS, n), kv_unified=True, offload_kqv=self.offload_kqv,
+                             embeddings=True)
 
     @property
     def n_ctx_padded(self) -> int:

@@ -213,6 +213,8 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         reasons.append(f"{chosen.cache_type}: {chosen.error}")
     n_ctx = chosen.n_ctx or floor
     cfg = context_config(req, chosen.cache_type, n_ctx)
+    if not cfg.applies_embedding(chosen.placement.cpu_only):
+        cfg = replace(cfg, embedding_tokens=0)  # the engine creates no embedding context for this placement
     if chosen.estimate is not None:
         cfg = replace(cfg, flash_attn="on" if chosen.estimate.flash_attn else "off")
     if chosen.n_ctx and chosen.n_ctx < spec.n_ctx_train:

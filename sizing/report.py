@@ -82,6 +82,7 @@ def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:
         "state_mib": mib(est.state_bytes),
         "total_mib": mib(est.total_bytes),
         "sources": est.sources.to_json(),
+        "embedding": None if est.embedding is None else est.embedding.to_json(),
         "devices": devices,
     }
 
@@ -157,6 +158,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "n_seq_max": plan.cfg.n_seq_max,
             "kv_unified": plan.cfg.kv_unified,
             "swa_full": plan.cfg.swa_full,
+            "embedding_tokens": plan.cfg.embedding_tokens,
             "n_gpu_layers": plan.placement.n_gpu_layers,
             "tensor_split": list(plan.placement.tensor_split),
             "gpus": [plan.gpus[i].index for i in plan.placement.gpus],
@@ -229,6 +231,11 @@ def plan_table(plan: Plan) -> str:
                 f"free {mib(free):>9}  "
                 + (f"missing {mib(d.total_bytes - free)}" if d.total_bytes > free else f"spare {mib(free - d.total_bytes)}")
             )
+    if plan.estimate is not None and plan.estimate.embedding is not None:
+        e = plan.estimate.embedding
+        lines.append(f"embedding context: {e.n_ubatch} tokens a batch, {e.n_seq_max} inputs; KV {mib(e.kv_bytes)}, "
+                     f"compute {mib(e.compute_bytes)}, output {mib(e.output_bytes)} MiB (logits and embeddings of "
+                     f"every token), total {mib(e.total_bytes)} MiB")
     if plan.candidates:
         lines.append("partial-offload candidates (fastest first):")
         for c in plan.candidates[:8]:

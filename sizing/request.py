@@ -39,6 +39,10 @@ class PlanRequest:
     """Model file read bandwidth for weights past MemAvailable."""
     cpu_cores: int = 8
     """CPU cores for the host's share of the work (the service passes the machine's count)."""
+    embedding_tokens: int = 0
+    """Tokens of one /v1/embeddings batch: the plan sizes an embedding context of this many (0: none)."""
+    embedding_gpu: bool = False
+    """Give plans with layers on GPUs the embedding context too (off: CPU-only plans only)."""
 
 
 def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:
@@ -70,6 +74,8 @@ def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
         n_seq_max=req.n_seq_max,
         kv_unified=req.kv_unified,
         swa_full=req.swa_full,
+        embedding_tokens=req.embedding_tokens,
+        embedding_gpu=req.embedding_gpu,
     )
 
 

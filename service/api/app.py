@@ -15,7 +15,7 @@ from ..errors import NotReady
 from ..manager import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
 from ..settings import Settings
-from . import errors, management, metrics, openai, ops
+from . import anthropic, errors, management, metrics, openai, ops
 from . import page, security
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     errors.install(app)
     app.include_router(ops.router)
     app.include_router(openai.router)
+    app.include_router(anthropic.router)
     app.include_router(management.router)
     app.include_router(metrics.router)
     page.install(app)

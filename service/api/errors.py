@@ -24,9 +24,32 @@ def envelope(message: str, type_: str, code: str | None, param: str | None = Non
     return {"error": err}
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+"""Routes of Anthropic's Messages API: their errors are in Anthropic's shape."""
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    507: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_envelope(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type": ..., "message": ...}}``, its type from the status
+    (docs.anthropic.com, errors: 400 invalid_request_error ... 529 overloaded_error; other 5xx api_error)."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body(path: str, status: int, message: str, type_: str, code: str | None, param: str | None = None,
+               **extra: Any) -> dict[str, Any]:
+    """The error envelope a route's clients read: Anthropic's on /v1/messages, OpenAI's everywhere else."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_envelope(status, message)
+    return envelope(message, type_, code, param, **extra)
+
+
 def service_error_body(exc: ServiceError, path: str) -> tuple[int, dict[str, Any]]:
     """Status and envelope for a domain error; the same for plain responses and stream events."""
-    return exc.status_for(path), envelope(exc.message, exc.type, exc.code_for(path), exc.param, **exc.details)
+    status = exc.status_for(path)
+    return status, error_body(path, status, exc.message, exc.type, exc.code_for(path), exc.param, **exc.details)
 
 
 def status_code_name(status: int) -> str:
@@ -71,25 +94,27 @@ def install(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = tuple(first.get("loc", ()))
+        path = request.url.path
         if first.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
-            return JSONResponse(envelope(msg, "invalid_request_error", "invalid_json"), status_code=400)
+            return JSONResponse(error_body(path, 400, msg, "invalid_request_error", "invalid_json"), status_code=400)
         param = _param_of(loc)
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
-        return JSONResponse(envelope(msg, "invalid_request_error", "invalid_value", param), status_code=400)
+        return JSONResponse(error_body(path, 400, msg, "invalid_request_error", "invalid_value", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = status_code_name(exc.status_code)
         return JSONResponse(
-            envelope(str(exc.detail), "invalid_request_error", code), status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            error_body(request.url.path, exc.status_code, str(exc.detail), "invalid_request_error", code),
+            status_code=exc.status_code, headers=getattr(exc, "headers", None),
         )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, esc(request.url.path))
-        return JSONResponse(envelope("internal server error", "server_error", "internal_error"), status_code=500)
+        return JSONResponse(error_body(request.url.path, 500, "internal server error", "server_error", "internal_error"),
+                            status_code=500)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -157,6 +157,9 @@ class _ServerState(Collector):
             "cells": GaugeMetricFamily("gguf_kv_cells_used", "KV cache cells holding tokens.", labels=["model"]),
             "n_ctx": GaugeMetricFamily("gguf_n_ctx", "Context one request may use, tokens (per sequence with several "
                                        "slots).", labels=["model"]),
+            "evaluated": GaugeMetricFamily("gguf_prompt_tokens_evaluated", "Prompt tokens the model evaluated since "
+                                           "its load (cached prefixes and the other choices of n > 1 share an "
+                                           "evaluation and are not counted).", labels=["model"]),
         }
         device = GaugeMetricFamily("gguf_device_bytes", "Memory per device for each loaded model: the plan's "
                                    "prediction and what llama.cpp allocated.", labels=["model", "device", "kind"])
@@ -172,6 +175,7 @@ class _ServerState(Collector):
             families["running"].add_metric([name], runner.running)
             families["cells"].add_metric([name], used)
             families["n_ctx"].add_metric([name], engine.n_ctx)
+            families["evaluated"].add_metric([name], getattr(engine, "prompt_tokens_evaluated", 0))
             msp.append((name, waiting, engine.running_sequences, used, allocated))
             info = self._manager.describe(st) or {}
             for m in info.get("memory", []):

@@ -1,24 +1,33 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models.
 
-Every check that can fail a request (model, n, schema, context) runs before the
+Every check that can fail a request (model, n, schema, tools, context) runs before the
 first byte, so a refused streamed request is a plain HTTP error; a failure
 during generation ends a stream with the error event and ``[DONE]``.
 
-What is not built yet is refused, never silently ignored: tool calling (``tools``,
-``tool_choice``, ``functions``, tool messages), ``logit_bias``, ``best_of``, ``suffix``,
-audio output and image/audio/file content parts get a 400 naming the field.
-A ``response_format`` grammar is compiled off the engine thread, with a time limit
-(``GGUF_GRAMMAR_TIMEOUT_S``), before the request is queued; a client that leaves
-stops waiting for it.
+Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, ``tool`` messages and
+``tool_calls`` in the history) goes through the model's chat template and native call format
+(``service.engine.chat_format``, ``service.api.tools``); thinking is split into
+``reasoning_content`` (``service.api.reasoning``, ``GGUF_REASONING_FORMAT``); ``n`` choices share
+the prompt's evaluation; ``logit_bias`` is a sampler. What is not built is refused, never silently
+ignored: ``functions``/``function_call`` (deprecated by OpenAI), ``best_of``, ``suffix``, audio
+output and image/audio/file content parts get a 400 naming the field.
+A grammar (``response_format``, or the tools') is compiled off the engine thread, with a time limit
+(``GGUF_GRAMMAR_TIMEOUT_S``), before the request is queued; a client that leaves stops waiting for it.
+
+``_start`` is the one generation path: /v1/messages (``service.api.anthropic``) uses it too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import math
+import re
 import time
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Iterator, Literal
 
 from fastapi import APIRouter, Request
@@ -26,15 +35,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.base import Cancel, Chunk, GenerationParams, TokenLogprob
+from ..engine.chat_format import ChatFormat
 from ..engine.grammar import check_schema_bounds, compile_grammar
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotFound, ServiceError
 from ..keepalive import parse_keep_alive
 from ..manager import Lease, ModelManager
 from ..runner import chunks
-from ..settings import Settings
+from .choices import Answer, Choices, Event, tool_calls_json, usage_last
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
 from .metrics import Metrics
+from .reasoning import ReasoningFormat
+from .tools import check_tools, tool_grammar
 from .validation import KeepAlive, reject_surrogates
 
 log = logging.getLogger(__name__)
@@ -55,13 +67,13 @@ def _neutral(value: Any) -> bool:
 
 
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet",
-    "function_call": "function calling is not supported yet",
-    "logit_bias": "logit_bias is not supported",
+    "functions": "the deprecated functions API is not supported; use tools",
+    "function_call": "the deprecated functions API is not supported; use tool_choice",
 }
 """Fields refused (400, param names the field) unless neutral (null, empty, "none")."""
+MAX_LOGIT_BIAS = 1024
+"""Most ``logit_bias`` entries (OpenAI allows 300 tokens of one tokenizer; a bound, not a target)."""
+_TOKEN_ID = re.compile(r"^[0-9]{1,9}$")
 
 
 class StreamOptions(BaseModel):
@@ -92,22 +104,22 @@ class _Common(BaseModel):
                                    "default), GGUF_MAX_TOKENS_DEFAULT on /v1/chat/completions.")
     temperature: float = _float(1.0, ge=0.0, le=2.0)
     top_p: float = _float(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1 << 20, description="llama.cpp server extension: keep the k most likely tokens (0: all).")
     frequency_penalty: float = _float(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = _float(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="0 .. 2^32-1 (llama.cpp's uint32); -1: random.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=128, description="Choices: at most the engine's slots (GGUF_PARALLEL), else 400; "
+                   "the prompt is evaluated once and shared.")
     response_format: ResponseFormat | None = None
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = Field(False, description="llama.cpp server extension: generate past end-of-generation tokens.")
-    tools: Any = Field(None, description="Not supported yet: anything but null or [] is a 400.")
-    tool_choice: Any = Field(None, description="Not supported yet: anything but null or \"none\" is a 400.")
-    functions: Any = Field(None, description="Not supported yet: anything but null or [] is a 400.")
-    function_call: Any = Field(None, description="Not supported yet: anything but null or \"none\" is a 400.")
-    logit_bias: Any = Field(None, description="Not supported: anything but null or {} is a 400.")
-    parallel_tool_calls: bool | None = None
+    functions: Any = Field(None, description="Not supported (deprecated): anything but null or [] is a 400.")
+    function_call: Any = Field(None, description="Not supported (deprecated): anything but null or \"none\" is a 400.")
+    logit_bias: dict[str, Any] | None = Field(None, description="Token id (a string) to a bias -100..100 added to "
+                                               "its logit; -100 bans the token. Unknown ids: 400.")
     cache_prompt: bool = Field(True, description="llama.cpp server extension: reuse a slot's cached prefix of the prompt.")
     keep_alive: KeepAlive = None
 
@@ -131,9 +143,23 @@ class _Common(BaseModel):
     def unsupported_fields(self) -> dict[str, str]:
         return UNSUPPORTED_FIELDS
 
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; -100 is a ban (-inf), as OpenAI documents it."""
+        if not self.logit_bias:
+            return ()
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+        out = []
+        for key, value in self.logit_bias.items():
+            if not _TOKEN_ID.match(key):
+                raise BadRequest(f"logit_bias: keys are token ids (decimal strings), not {key[:40]!r}", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not -100 <= value <= 100:
+                raise BadRequest(f"logit_bias[{key}]: a number from -100 to 100", param="logit_bias")
+            out.append((int(key), float("-inf") if value <= -100 else float(value)))
+        return tuple(out)
+
     def params(self, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> GenerationParams:
-        if self.n != 1:
-            raise BadRequest("only n=1 is supported: one choice per request", param="n")
         self.refuse_unsupported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         json_schema = None
@@ -151,7 +177,7 @@ class _Common(BaseModel):
             top_p=self.top_p, stop=stop, seed=None if self.seed == -1 else self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object, ignore_eos=self.ignore_eos,
-            cache_prompt=self.cache_prompt,
+            cache_prompt=self.cache_prompt, logit_bias=self.bias(), n=self.n, top_k=self.top_k,
         )
 
     def requested_max_tokens(self) -> int | None:
@@ -193,14 +219,28 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def check(self, i: int) -> None:
-        """400 for what this server cannot honour in a message: tool turns, non-text parts, NUL characters."""
+        """400 for what this server cannot honour in a message (non-text parts, NUL characters) and for tool turns
+        that are not OpenAI's shape (a ``tool`` message names its call, an assistant's calls are functions)."""
         where = f"messages[{i}]"
-        if self.role == "tool":
-            raise BadRequest(f"{where}.role: tool messages need tool calling, which is not supported yet",
-                             param=f"{where}.role")
-        for extra in ("tool_calls", "function_call", "audio"):
-            if not _neutral((self.model_extra or {}).get(extra)):
-                raise BadRequest(f"{where}.{extra}: not supported yet", param=f"{where}.{extra}")
+        extra = self.model_extra or {}
+        for name in ("function_call", "audio"):
+            if not _neutral(extra.get(name)):
+                raise BadRequest(f"{where}.{name}: not supported", param=f"{where}.{name}")
+        if self.role == "tool" and not (isinstance(extra.get("tool_call_id"), str) and extra["tool_call_id"]):
+            raise BadRequest(f"{where}.tool_call_id: a tool message names the call it answers", param=f"{where}.tool_call_id")
+        calls = extra.get("tool_calls")
+        call_texts: list[tuple[str, str]] = []
+        if not _neutral(calls):
+            if self.role != "assistant" or not isinstance(calls, list):
+                raise BadRequest(f"{where}.tool_calls: a list, on assistant messages only", param=f"{where}.tool_calls")
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                        or not isinstance(fn.get("arguments", ""), str) or c.get("type", "function") != "function":
+                    raise BadRequest(f"{where}.tool_calls[{j}]: {{\"id\", \"type\": \"function\", \"function\": "
+                                     "{\"name\": string, \"arguments\": string}}", param=f"{where}.tool_calls[{j}]")
+                call_texts += [(f"{where}.tool_calls[{j}].function.name", fn["name"]),
+                               (f"{where}.tool_calls[{j}].function.arguments", fn.get("arguments", ""))]
         if isinstance(self.content, str):
             texts = [(f"{where}.content", self.content)]
         elif isinstance(self.content, list):
@@ -219,7 +259,7 @@ class ChatMessage(BaseModel):
         name = (self.model_extra or {}).get("name")
         if name is not None:
             texts.append((f"{where}.name", name if isinstance(name, str) else ""))
-        for param, text in texts:
+        for param, text in texts + call_texts:
             if "\x00" in text:
                 # Chat templates are C strings in llama.cpp: a NUL would silently end the message there.
                 raise BadRequest(f"{param}: contains a NUL character", param=param)
@@ -227,6 +267,12 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call (OpenAI's shape).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="none, auto (default with tools), required, "
+                                                     "or {\"type\": \"function\", \"function\": {\"name\"}}.")
+    parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer (default true).")
+    reasoning_format: Literal["none", "separate", "inline"] | None = Field(
+        None, description="llama.cpp server extension: how thinking is returned (default GGUF_REASONING_FORMAT).")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -246,19 +292,17 @@ class ChatRequest(_Common):
                              param="audio" if not _neutral(self.audio) else "modalities")
         if not _neutral(self.prediction):
             raise BadRequest("prediction: predicted outputs are not supported", param="prediction")
-        for i, m in enumerate(self.messages):
-            m.check(i)
 
     def requested_max_tokens(self) -> int | None:
         # Chat has no default limit in the OpenAI API; the server's (GGUF_MAX_TOKENS_DEFAULT) applies.
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
 
-async def resolve_model(manager: ModelManager, body: "_Common") -> Lease:
+async def resolve_model(manager: ModelManager, body: Any) -> Lease:
     """The loaded model that answers this request: the one its ``model`` names (or an alias's model; none: the
     default), loaded first when ``GGUF_LOAD_ON_DEMAND`` is on. Unknown: 404; known but not loaded: 503. The lease
     keeps the model from being evicted until the generation ends, and carries the request's keep_alive."""
-    keep_alive = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
+    keep_alive = parse_keep_alive(body.keep_alive) if getattr(body, "keep_alive", None) is not None else None
     lease = await manager.acquire(body.model)
     lease.keep_alive_s = keep_alive
     return lease
@@ -306,6 +350,10 @@ class _Timer:
             self.metrics.token(now - self.last, self.model)
         self.last = now
 
+    def generation(self, last: Chunk, index: int = 0) -> None:
+        """A choice's usage into the metrics: the prompt counted with the first choice only (evaluated once)."""
+        self.metrics.generation(last if index == 0 else replace(last, prompt_tokens=0, prompt_seconds=0.0), self.model)
+
 
 def _usage(last: Chunk) -> dict[str, Any]:
     return {
@@ -346,7 +394,7 @@ async def _compile_response_format(params: GenerationParams, timeout_s: float, g
 
     The engines compile it again at admission and find it in the compiler's cache.
     """
-    if params.json_schema is None and not params.json_object and not params.grammar:
+    if params.json_schema is None and not params.json_object and not params.grammar and not params.lark:
         return True
     task = asyncio.ensure_future(asyncio.to_thread(compile_grammar, params))
     done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -360,47 +408,97 @@ async def _compile_response_format(params: GenerationParams, timeout_s: float, g
     raise BadRequest(f"response_format: the grammar did not compile within {timeout_s:g} s", param="response_format")
 
 
-async def _run(request: Request, manager: ModelManager, metrics: Metrics, body: _Common,
-               kind: Literal["completion", "chat"]) -> Any:
+@dataclass
+class Started:
+    """A generation admitted by the engine: its events to read, and what the reply needs to name it."""
+
+    results: AsyncIterator[Chunk]
+    cancel: Cancel
+    name: str
+    kind: Literal["completion", "chat"]
+    choices: Choices
+    params: GenerationParams
+    timer: "_Timer"
+    tools: bool
+
+
+def _chat_setup(body: "ChatRequest", engine: Any, settings: Any,
+                params: GenerationParams) -> tuple[GenerationParams, Choices, list[dict[str, Any]] | None]:
+    """Tools and thinking for a chat: the grammar that constrains calls, the parser state, the tools the template
+    renders."""
+    fmt: ChatFormat = engine.chat_format()
+    mode: ReasoningFormat = body.reasoning_format or settings.reasoning_format
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else None)
+    allowed = check_tools(body.tools, choice)
+    shown = body.tools if body.tools and choice != "none" else None
+    if not allowed:
+        return params, Choices(fmt, reasoning=mode), shown
+    if params.json_schema is not None or params.json_object:
+        raise BadRequest("response_format and tools cannot constrain one answer together", param="response_format")
+    named = isinstance(choice, dict)
+    parallel = body.parallel_tool_calls is not False and not named
+    lark = tool_grammar(fmt, allowed, required=named or choice == "required", parallel=parallel)
+    return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True), shown
+
+
+async def _start(request: Request, manager: ModelManager, metrics: Metrics, body: _Common,
+                 kind: Literal["completion", "chat"]) -> Started | JSONResponse:
+    """Check, compile, queue and wait for admission: a refusal is raised (a plain HTTP error, never a stream);
+    the client leaving meanwhile is a bare 499. The model's lease is released when the generation ends (the
+    runner), or here when the request ends before it was queued."""
     t0 = time.perf_counter()
     reject_surrogates(body.model_dump(by_alias=True, exclude_none=True))
     settings = manager.settings
     params = body.params(COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else settings.max_tokens_default)
     lease = await resolve_model(manager, body)
     try:
-        return await _serve(request, lease, settings, metrics, body, kind, params, t0)
+        return await _admit(request, lease, settings, metrics, body, kind, params, t0)
     finally:
         if not lease.queued:
             lease.release()  # the request ended before its generation was queued
 
 
-async def _serve(request: Request, lease: Lease, settings: Settings, metrics: Metrics, body: _Common,
-                 kind: Literal["completion", "chat"], params: GenerationParams, t0: float) -> Any:
+async def _admit(request: Request, lease: Lease, settings: Any, metrics: Metrics, body: _Common,
+                 kind: Literal["completion", "chat"], params: GenerationParams, t0: float) -> Started | JSONResponse:
     name = lease.name
     # The context check applies to the client's own limit; the server's default is only a cap.
     asked = body.requested_max_tokens() if kind == "chat" else params.max_tokens
     engine = lease.engine
     cancel = Cancel()
+    choices = Choices()
+    tools: list[dict[str, Any]] | None = None
     if kind == "completion":
         assert isinstance(body, CompletionRequest)
         prompt = body.prompt_text()
         count: Callable[[], int] = lambda: int(engine.count_tokens(prompt))  # noqa: E731
-        generate: Callable[[], Iterator[Chunk]] = lambda: engine.complete(prompt, params, cancel)  # noqa: E731
         prompt_param = "prompt"
     else:
         assert isinstance(body, ChatRequest)
+        for i, m in enumerate(body.messages):
+            m.check(i)
+        params, choices, tools = _chat_setup(body, engine, settings, params)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        count = lambda: int(engine.count_chat_tokens(messages))  # noqa: E731
-        generate = lambda: engine.chat(messages, params, cancel)  # noqa: E731
+        count = lambda: int(engine.count_chat_tokens(messages, tools))  # noqa: E731
         prompt_param = "messages"
+    run = params
+
+    def generate() -> Iterator[Chunk]:
+        if kind == "completion":
+            return engine.complete(prompt, run, cancel)  # type: ignore[no-any-return]
+        return engine.chat(messages, run, cancel, tools)  # type: ignore[no-any-return]
 
     def work() -> Iterator[Chunk]:
         # On the engine thread, in FIFO order: every check that can refuse the request, then one
         # empty "admitted" chunk, then the generation. The HTTP layer waits for that first item,
         # so a refusal is a plain HTTP error even for a streamed request.
-        engine.check(params)
+        engine.check(run)
         n_prompt = count()
         _check_context(engine.n_ctx, n_prompt, asked, prompt_param)
+        if asked is not None and run.n > 1 and n_prompt + run.n * asked > engine.n_ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {engine.n_ctx} tokens; the prompt's {n_prompt} tokens plus "
+                f"{run.n} choices of max_tokens {asked} exceed it (the choices share the cache)",
+                param="n", prompt_tokens=n_prompt, max_tokens=asked, n_ctx=engine.n_ctx)
         yield Chunk(prompt_tokens=n_prompt)
         yield from generate()
 
@@ -418,80 +516,126 @@ async def _serve(request: Request, lease: Lease, settings: Settings, metrics: Me
         except ServiceError as exc:
             metrics.error(exc.code_for(request.url.path))
             raise
-        rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        timer = _Timer(metrics, t0, name)
-        want_lp = params.logprobs is not None
-        if body.stream:
-            watcher.cancel()  # Starlette's StreamingResponse listens for the disconnect from here on
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            gen = _stream(request, results, cancel, kind, rid, created, name, include_usage, timer, want_lp)
-            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        got: list[Chunk] = []
-        try:
-            async for c in results:
-                if c.text or c.logprobs:
-                    timer.tick()
-                got.append(c)
-        except ServiceError as exc:
-            metrics.error(exc.code_for(request.url.path))
-            raise
+    finally:
+        watcher.cancel()  # Starlette's StreamingResponse listens for the disconnect from here on
+    return Started(results=results, cancel=cancel, name=name, kind=kind, choices=choices, params=params,
+                   timer=_Timer(metrics, t0, name), tools=choices.tools)
+
+
+async def _collect(request: Request, metrics: Metrics, started: Started) -> dict[int, Answer]:
+    """Every choice whole (a non-streamed reply); disconnects are watched meanwhile."""
+    watcher = asyncio.ensure_future(_watch_disconnect(request, started.cancel))
+    answers: dict[int, Answer] = {}
+    try:
+        async for c in started.results:
+            if c.text or c.logprobs:
+                started.timer.tick()
+            for e in started.choices.feed(c):
+                answers.setdefault(e.index, Answer()).add(e)
+    except ServiceError as exc:
+        metrics.error(exc.code_for(request.url.path))
+        raise
     finally:
         watcher.cancel()
-    text = "".join(c.text for c in got)
-    lps = [t for c in got for t in c.logprobs]
-    last = got[-1] if got else Chunk(finish_reason="stop")
-    metrics.generation(last, name)
-    if kind == "completion":
-        choice: dict[str, Any] = {"text": text, "index": 0, "finish_reason": _finish(last),
-                                  "logprobs": _completion_logprobs(lps) if want_lp else None}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(last),
-                  "logprobs": _chat_logprobs(lps) if want_lp else None}
-        obj = "chat.completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice], "usage": _usage(last)})
+    for i in range(started.params.n):
+        answers.setdefault(i, Answer())
+    for i, a in answers.items():
+        started.timer.generation(a.last, i)
+    return answers
 
 
-async def _stream(
-    request: Request, agen: AsyncIterator[Chunk], cancel: Cancel, kind: str, rid: str, created: int, model: str,
-    include_usage: bool, timer: _Timer, want_lp: bool,
-) -> AsyncIterator[bytes]:
-    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-    offset = 0
-
-    def event(c: Chunk | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-        nonlocal offset
-        lp: Any = None
-        if want_lp and c is not None:
-            lp = _completion_logprobs(list(c.logprobs), offset) if kind == "completion" else _chat_logprobs(list(c.logprobs))
+async def _run(request: Request, manager: Any, metrics: Metrics, body: _Common, kind: Literal["completion", "chat"]) -> Any:
+    started = await _start(request, manager, metrics, body, kind)
+    if isinstance(started, JSONResponse):
+        return started
+    rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    want_lp = started.params.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _stream(request, started, rid, created, include_usage, want_lp)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    answers = await _collect(request, metrics, started)
+    out = []
+    for i in sorted(answers):
+        a = answers[i]
         if kind == "completion":
-            choice: dict[str, Any] = {"text": c.text if c else "", "index": 0, "logprobs": lp, "finish_reason": finish}
-            offset += len(c.text) if c else 0
+            out.append({"text": a.content, "index": i, "finish_reason": a.finish_reason,
+                        "logprobs": _completion_logprobs(a.logprobs) if want_lp else None})
         else:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-                delta["content"] = ""
-            elif c is not None:
-                delta["content"] = c.text
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            message: dict[str, Any] = {"role": "assistant", "content": a.content if a.content or not a.calls else None}
+            if a.reasoning:
+                message["reasoning_content"] = a.reasoning
+            if a.calls:
+                message["tool_calls"] = tool_calls_json(a.calls)
+            out.append({"index": i, "message": message, "finish_reason": a.finish_reason,
+                        "logprobs": _chat_logprobs(a.logprobs) if want_lp else None})
+    obj = "text_completion" if kind == "completion" else "chat.completion"
+    return JSONResponse({"id": rid, "object": obj, "created": created, "model": started.name, "choices": out,
+                         "usage": _usage(usage_last(answers))})
+
+
+async def _stream(request: Request, started: Started, rid: str, created: int, include_usage: bool,
+                  want_lp: bool) -> AsyncIterator[bytes]:
+    kind, model, timer = started.kind, started.name, started.timer
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    offsets: dict[int, int] = {}
+    answers: dict[int, Answer] = {}
+
+    def wrap(choice: dict[str, Any]) -> bytes:
+        return sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
+
+    def event(e: Event) -> bytes | None:
+        i = e.index
+        if kind == "completion":
+            if e.kind == "finish":
+                return wrap({"text": "", "index": i, "logprobs": None, "finish_reason": e.finish_reason})
+            if e.kind == "logprobs":
+                lp = _completion_logprobs(list(e.logprobs), offsets.get(i, 0)) if want_lp else None
+                return wrap({"text": "", "index": i, "logprobs": lp, "finish_reason": None}) if want_lp else None
+            offsets[i] = offsets.get(i, 0) + len(e.text)
+            return wrap({"text": e.text, "index": i, "logprobs": None, "finish_reason": None})
+        delta: dict[str, Any] = {}
+        lp: Any = None
+        finish = None
+        if e.kind == "content":
+            delta["content"] = e.text
+        elif e.kind == "reasoning":
+            delta["reasoning_content"] = e.text
+        elif e.kind == "tool" and e.tool is not None:
+            d = e.tool
+            call: dict[str, Any] = {"index": d.index}
+            if d.id is not None:
+                call.update({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+            else:
+                call["function"] = {"arguments": d.arguments}
+            delta["tool_calls"] = [call]
+        elif e.kind == "logprobs":
+            if not want_lp:
+                return None
+            lp = _chat_logprobs(list(e.logprobs))
+        else:
+            finish = e.finish_reason
+        return wrap({"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish})
 
     try:
         if kind == "chat":
-            yield sse(event(None, None, role=True))
-        last = Chunk()
-        async for c in agen:
+            for i in range(started.params.n):
+                yield wrap({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+        async for c in started.results:
             if c.text or c.logprobs:
                 timer.tick()
-                yield sse(event(c, None))
-            if c.finish_reason is not None:
-                last = c
-        timer.metrics.generation(last, model)
-        yield sse(event(None, _finish(last)))
+            for e in started.choices.feed(c):
+                answers.setdefault(e.index, Answer()).add(e)
+                data = event(e)
+                if data is not None:
+                    yield data
+        for i, a in answers.items():
+            timer.generation(a.last, i)
         if include_usage:
-            yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)})
+            yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                       "usage": _usage(usage_last(answers) if answers else Chunk())})
     except ServiceError as exc:
         _, body = service_error_body(exc, request.url.path)
         timer.metrics.error(exc.code_for(request.url.path))
@@ -503,7 +647,7 @@ async def _stream(
         timer.metrics.error(err.code)
         yield sse(body)
     finally:
-        cancel.set()
+        started.cancel.set()
     yield sse("[DONE]")
 
 
@@ -515,6 +659,94 @@ async def completions(request: Request, body: CompletionRequest, manager: Manage
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatRequest, manager: ManagerDep, metrics: MetricsDep) -> Any:
     return await _run(request, manager, metrics, body, "chat")
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Most inputs of one /v1/embeddings request (OpenAI's limit)."""
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A string, strings, token ids, or lists of token ids; each within GGUF_EMBEDDING_TOKENS.")
+    model: str | None = Field(None, max_length=256)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Only the model's n_embd (no truncation).")
+    user: str | None = Field(None, max_length=256)
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        value = self.input
+        if isinstance(value, str):
+            value = [value]
+        if not value:
+            raise BadRequest("input: at least one input", param="input")
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise BadRequest(f"input: at most {MAX_EMBEDDING_INPUTS} inputs", param="input")
+        if isinstance(value[0], int):
+            return [value]  # type: ignore[list-item]
+        for i, v in enumerate(value):
+            if isinstance(v, str):
+                if not v:
+                    raise BadRequest(f"input[{i}]: an empty string has no embedding", param="input")
+                if "\x00" in v:
+                    raise BadRequest(f"input[{i}]: contains a NUL character", param="input")
+        return value  # type: ignore[return-value]
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, body: EmbeddingRequest, manager: ManagerDep, metrics: MetricsDep) -> Any:
+    """Pooled, L2-normalised embeddings from the embedding context (``LlamaEngine.embed``), through the same queue."""
+    reject_surrogates(body.model_dump(exclude_none=True))
+    inputs = body.inputs()
+    lease = await resolve_model(manager, body)
+    try:
+        return await _embed(request, lease, metrics, body, inputs)
+    finally:
+        if not lease.queued:
+            lease.release()
+
+
+async def _embed(request: Request, lease: Lease, metrics: Metrics, body: EmbeddingRequest,
+                 inputs: list[str] | list[list[int]]) -> Any:
+    name, engine = lease.name, lease.engine
+    n_embd, limit = engine.embedding_limits()
+    if not limit:
+        raise BadRequest("embeddings are off for this model (GGUF_EMBEDDINGS: off, or auto with layers on a GPU)", param="input")
+    if body.dimensions is not None and body.dimensions != n_embd:
+        raise BadRequest(f"dimensions: this model's embeddings have {n_embd} dimensions (no truncation)",
+                         param="dimensions")
+    cancel = Cancel()
+    box: dict[str, Any] = {}
+
+    def work() -> Iterator[Chunk]:
+        tokens = [engine.tokenize(t) if isinstance(t, str) else list(t) for t in inputs]
+        box["result"] = engine.embed(tokens, cancel)
+        return iter(())
+
+    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
+    try:
+        job = lease.runner.submit(work, cancel, on_done=lease.release)
+        lease.queued = True
+        async for _ in chunks(job):
+            pass
+    except ServiceError as exc:
+        metrics.error(exc.code_for(request.url.path))
+        raise
+    finally:
+        watcher.cancel()
+    result = box.get("result")
+    if result is None:
+        return JSONResponse({}, status_code=499)  # the client left before its turn
+    import numpy as np
+
+    data = []
+    for i, vec in enumerate(result.vectors):
+        f32 = np.asarray(vec, dtype="<f4")  # OpenAI's precision: base64 is these bytes, floats these values
+        emb: Any = base64.b64encode(f32.tobytes()).decode("ascii") if body.encoding_format == "base64" else f32.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "data": data, "model": name,
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
 
 
 def _model_card(manager: ModelManager, name: str) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class LoadReport:
     offloaded_layers: tuple[int, int] | None = None
     load_seconds: float = 0.0
     log_lines: tuple[str, ...] = ()
+    embedding_allocations: tuple[Allocation, ...] = ()
+    """The embedding context's buffers (its output buffer at creation: it grows with the first full batch)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,16 @@ class GenerationParams:
     cache_prompt: bool = True
     """Reuse a slot's cached KV for the prompt's common prefix (llama-server's ``cache_prompt``); False:
     evaluate the whole prompt (the engine's own setting can turn reuse off for every request)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling (``llama_sampler_init_logit_bias``);
+    ``-inf`` bans a token (OpenAI's -100)."""
+    n: int = 1
+    """Choices: parallel sequences sharing the prompt's KV (evaluated once, then ``llama_memory_seq_cp``);
+    chunks carry their choice's ``index``. Choice i samples with ``seed + i`` when a seed is given."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all; Anthropic's ``top_k``)."""
+    lark: str | None = None
+    """An llguidance Lark grammar (tool calls: ``service/api/tools.py``); lazy parts wait for their trigger."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,10 @@ class Chunk:
     logprobs: tuple["TokenLogprob", ...] = ()
     """One entry per token this chunk's text came from, when requested."""
     role: str | None = None
+    index: int = 0
+    """The choice this chunk belongs to (``GenerationParams.n`` > 1)."""
+    stop_sequence: str | None = field(default=None, compare=False)
+    """Final chunk: the stop string that ended the generation (None: an end-of-generation token, the limit)."""
     cached_tokens: int = field(default=0, compare=False)
     """Final chunk: prompt tokens whose KV came from the cache instead of being evaluated (OpenAI
     ``usage.prompt_tokens_details.cached_tokens``). Not part of a chunk's identity, as the timings."""
@@ -86,6 +102,14 @@ class Chunk:
     Timings are not part of a chunk's identity: the same generation is equal however fast it ran."""
     decode_seconds: float = field(default=0.0, compare=False)
     """Final chunk: time to decode the tokens after the first (completion_tokens - 1 of them)."""
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """Pooled, L2-normalised embeddings of a batch of inputs, and the tokens they took."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -155,8 +179,39 @@ class Engine(Protocol):
         """Sequences being decoded (or their prompts evaluated) now."""
         ...
 
+    @property
+    def n_vocab(self) -> int:
+        """Token ids are 0 .. n_vocab - 1 (logit_bias, token-id inputs are checked against it)."""
+        ...
+
+    @property
+    def slots(self) -> int:
+        """Sequences decoded together: the most choices (``n``) one request may ask for."""
+        ...
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        """Prompt tokens fed to the model since load (cached prefixes and forked choices are not evaluated)."""
+        ...
+
     def check(self, params: GenerationParams) -> None:
         """Raise ``BadRequest`` for parameters this engine cannot honour (before any byte is sent)."""
+        ...
+
+    def chat_format(self) -> Any:
+        """The loaded template's ``ChatFormat`` (tool-call format, thinking tags; ``service.engine.chat_format``)."""
+        ...
+
+    def embedding_limits(self) -> tuple[int, int]:
+        """(n_embd, tokens one embedding batch holds); (0, 0) when embeddings are off."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokens of ``text`` as embeddings take it (BOS added, control-token spellings as text)."""
+        ...
+
+    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
+        """Pooled, normalised embeddings of token lists (each within ``embedding_limits``)."""
         ...
 
     def load(self, path: str, plan: Plan) -> LoadReport: ...
@@ -165,8 +220,9 @@ class Engine(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
-    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int: ...
+    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int: ...
 
     def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]: ...
 
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]: ...
+    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
+             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]: ...

@@ -177,13 +177,15 @@ class ChatTemplate:
         env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         self._template = env.from_string(source)
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.timeout_s = timeout_s
 
     @classmethod
-    def from_llama(cls, llm: Any) -> "ChatTemplate | BuiltinChatTemplate | None":
-        source = llm.metadata.get("tokenizer.chat_template")
+    def from_llama(cls, llm: Any, override: str | None = None) -> "ChatTemplate | BuiltinChatTemplate | None":
+        """The model's template (``override``: a Jinja template given by the operator instead)."""
+        source = override or llm.metadata.get("tokenizer.chat_template")
         if not source:
             arch = str(llm.metadata.get("general.architecture", ""))
             name = next((v for k, v in BUILTIN_BY_ARCH if arch.startswith(k)), "chatml")
@@ -200,13 +202,16 @@ class ChatTemplate:
             log.warning("the model's chat template does not compile: %s", exc)
             return None
 
-    def render(self, messages: list[dict[str, Any]]) -> tuple[str, bool]:
-        """The prompt text, and whether a BOS token must still be added (the template did not)."""
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
+        """The prompt text, and whether a BOS token must still be added (the template did not).
+
+        ``tools``: the request's tools, as Hugging Face templates and llama-server give them (None: none)."""
         def render() -> str:
             out: list[str] = []
             size = 0
             for piece in self._template.generate(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token,
+                tools=tools,
             ):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:
@@ -248,10 +253,13 @@ BUILTIN_BY_ARCH: tuple[tuple[str, str], ...] = (
 class BuiltinChatTemplate:
     """One of llama.cpp's built-in templates (``llama_chat_apply_template``), for files without one."""
 
+    source: str | None = None
+    """No Jinja source: a built-in template renders no tools (``chat_format.detect``: the generic format)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def render(self, messages: list[dict[str, Any]]) -> tuple[str, bool]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
         import ctypes
 
         import llama_cpp

@@ -18,7 +18,11 @@ from typing import Any, Iterator
 from sizing.plan import Plan
 
 from ..errors import BadRequest, InsufficientMemory, NotReady
-from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob
+from .base import Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob
+from .chat_format import ChatFormat
+
+FAKE_N_VOCAB = 1000
+FAKE_N_EMBD = 8
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
 
@@ -43,6 +47,7 @@ class FakeEngine:
         self.report: LoadReport | None = None
         """The last load's report (its "allocations" are the plan's figures), None once unloaded."""
         self.path: str | None = None
+        self._evaluated = 0
 
     @property
     def n_ctx(self) -> int:
@@ -59,6 +64,40 @@ class FakeEngine:
     @property
     def running_sequences(self) -> int:
         return 1 if self.running.is_set() else 0
+
+    @property
+    def n_vocab(self) -> int:
+        return FAKE_N_VOCAB
+
+    @property
+    def slots(self) -> int:
+        return 4
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        return self._evaluated
+
+    def chat_format(self) -> ChatFormat:
+        return ChatFormat()
+
+    def embedding_limits(self) -> tuple[int, int]:
+        return (FAKE_N_EMBD, 512) if self._n_ctx else (0, 0)
+
+    def tokenize(self, text: str) -> list[int]:
+        self._require()
+        return [1] + [sum(w.encode()) % FAKE_N_VOCAB for w in text.split()]
+
+    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
+        self._require()
+        out = []
+        for i, toks in enumerate(inputs):
+            if not toks or len(toks) > 512:
+                raise BadRequest(f"input[{i}] has {len(toks)} tokens (1 .. 512)", param="input")
+            rng = random.Random(sum(toks))
+            v = [rng.uniform(-1, 1) for _ in range(FAKE_N_EMBD)]
+            norm = sum(x * x for x in v) ** 0.5
+            out.append(tuple(x / norm for x in v))
+        return EmbeddingResult(vectors=tuple(out), prompt_tokens=sum(len(t) for t in inputs))
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         if self.load_delay_s:
@@ -91,6 +130,10 @@ class FakeEngine:
     def check(self, params: GenerationParams) -> None:
         if params.grammar is not None and not params.grammar.strip():
             raise BadRequest("empty grammar", param="response_format")
+        if any(not 0 <= t < FAKE_N_VOCAB for t, _ in params.logit_bias):
+            raise BadRequest("logit_bias: a token id is not in the vocabulary", param="logit_bias")
+        if params.n > self.slots:
+            raise BadRequest(f"n: at most {self.slots} choices", param="n")
 
     def count_tokens(self, text: str) -> int:
         self._require()
@@ -99,18 +142,28 @@ class FakeEngine:
     def _chat_text(self, messages: list[dict[str, Any]]) -> str:
         return " ".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
 
-    def count_chat_tokens(self, messages: list[dict[str, Any]]) -> int:
+    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         return self.count_tokens(self._chat_text(messages))
 
     def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         return self._generate(self.count_tokens(prompt), params, cancel)
 
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
+             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
         return self._generate(self.count_chat_tokens(messages), params, cancel)
 
     def _generate(self, n_prompt: int, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        """One choice after another (``n``): the prompt counted once, each choice seeded ``seed + i``."""
+        self._evaluated += n_prompt
+        for i in range(max(1, params.n)):
+            seed = None if params.seed is None else params.seed + i
+            for c in self._one(n_prompt, params, cancel, seed):
+                yield c if not i else Chunk(text=c.text, finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
+                                            completion_tokens=c.completion_tokens, logprobs=c.logprobs, index=i)
+
+    def _one(self, n_prompt: int, params: GenerationParams, cancel: Cancel, seed: int | None) -> Iterator[Chunk]:
         self.generations += 1
-        rng = random.Random(params.seed if params.seed is not None else random.randrange(1 << 30))
+        rng = random.Random(seed if seed is not None else random.randrange(1 << 30))
         max_new = self._n_ctx - n_prompt if params.max_tokens is None else min(params.max_tokens, self._n_ctx - n_prompt)
         oom, self.oom_after_tokens = self.oom_after_tokens, None
         self._cells = n_prompt

@@ -72,11 +72,11 @@ def _limits() -> Any:
     return LLParserLimits(verbose_errors=False)
 
 
-def _refuse(reason: str) -> BadRequest:
+def _refuse(reason: str, param: str = "response_format") -> BadRequest:
     reason = " ".join(reason.split())
     if len(reason) > _MAX_REASON_CHARS:
         reason = reason[:_MAX_REASON_CHARS] + "..."
-    return BadRequest(f"response_format: {reason}", param="response_format")
+    return BadRequest(f"{param}: {reason}", param=param)
 
 
 def check_schema_bounds(schema: Any) -> None:
@@ -105,6 +105,17 @@ def _compile(kind: str, text: str) -> Grammar:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
+    if kind == "lark":  # the tool-call grammars (service/api/tools.py): their schemas are the tools' parameters
+        if len(text.encode("utf-8", "surrogatepass")) > 4 * MAX_SCHEMA_BYTES:
+            raise _refuse(f"the tools' schemas are larger than {4 * MAX_SCHEMA_BYTES} bytes", "tools")
+        try:
+            grammar = LLMatcher.grammar_from_lark(text)
+        except Exception as exc:
+            raise _refuse(f"the tools' parameters cannot be compiled: {exc}", "tools") from None
+        error = LLMatcher.validate_grammar(grammar, None, limits=_limits())
+        if error:
+            raise _refuse(f"the tools' parameters cannot be used: {error}", "tools")
+        return Grammar(text=grammar, kind=kind)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_SCHEMA_BYTES:
         raise _refuse(f"the {'grammar' if kind == 'gbnf' else 'schema'} is larger than {MAX_SCHEMA_BYTES} bytes")
     try:
@@ -141,6 +152,8 @@ def compile_grammar(params: GenerationParams) -> Grammar | None:
         return _compile("json_object", '{"type": "object"}')
     if params.grammar:
         return _compile("gbnf", params.grammar)
+    if params.lark:
+        return _compile("lark", params.lark)
     return None
 
 

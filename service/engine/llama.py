@@ -49,6 +49,7 @@ from __future__ import annotations
 import codecs
 import collections
 import ctypes
+import dataclasses
 import logging
 import os
 import queue
@@ -61,12 +62,13 @@ from typing import Any, Iterator
 
 from sizing.plan import Plan
 
-from ..errors import ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
+from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from . import loglines as L
-from .base import Allocation, Cancel, Chunk, GenerationParams, LoadReport, TokenLogprob, current_delivery
+from .base import (Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob,
+                   current_delivery)
 from .chat_template import BuiltinChatTemplate, ChatTemplate
 from .grammar import compile_grammar, grammar_sampler
-from .params import apply_context_params, apply_model_params, plan_params
+from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params
 from .prompting import Prompting
 
 log = logging.getLogger(__name__)
@@ -218,6 +220,16 @@ def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
     return text[: len(text) - hold], text[len(text) - hold :], False
 
 
+def _first_stop(text: str, stops: list[str]) -> str | None:
+    """The stop string found first in ``text`` (what ``_split_stop`` cut at)."""
+    best, at = None, -1
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (at == -1 or i < at):
+            best, at = s, i
+    return best
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists (``server_tokens::get_common_prefix``).
 
@@ -346,6 +358,13 @@ class _Request:
     t_start: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
+    index: int = 0
+    """The choice this sequence generates (``GenerationParams.n``)."""
+    followers: "list[_Request]" = field(default_factory=list)
+    """The other choices of the same prompt: each has a slot reserved and forks from this one's KV and logits
+    once its prompt is evaluated (``_fork``)."""
+    stop_sequence: str | None = None
+    seed: int = 0
 
     @property
     def n_past(self) -> int:
@@ -364,7 +383,8 @@ class LlamaEngine(Prompting):
     """llama.cpp behind the ``Engine`` protocol: slots that remember their prompts, decoded in shared batches."""
 
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
-                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY) -> None:
+                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, chat_template: str | None = None,
+                 embedding_pooling: str = "mean") -> None:
         """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
 
         ``cache_prompt``: keep each slot's KV after a request and reuse its common prefix with the next
@@ -375,8 +395,23 @@ class LlamaEngine(Prompting):
         groups of 4 with a gemm and the rest with a gemv, which round differently: a token's logits then
         depend on how many other tokens share its batch (0.78 max logit difference measured with 4 rows,
         gemma-3-270m Q4_K_M), across requests and across the chunks a prompt is evaluated in. Off, a
-        request's tokens do not depend on its neighbours; prompt processing is slower."""
+        request's tokens do not depend on its neighbours; prompt processing is slower.
+
+        ``chat_template``: a Jinja chat template used instead of the model's (``GGUF_CHAT_TEMPLATE_FILE``).
+        ``embedding_pooling``: the pooling of /v1/embeddings for models whose GGUF declares none (mean, cls,
+        last); the embedding context itself is sized by the plan (``ContextConfig.embedding_tokens``)."""
         self._n_threads = n_threads
+        self._template_override = chat_template
+        self._pooling_fallback = embedding_pooling
+        self._emb: Any = None
+        """The embedding context (``embeddings`` on, a pooling type), beside the generation context."""
+        self._emb_lock = threading.Lock()
+        self._emb_tokens = 0
+        self._emb_seqs = 0
+        self._emb_batch: Any = None
+        self._n_embd = 0
+        self._evaluated = 0
+        self._preserved: set[int] = set()
         self._batch_invariant = batch_invariant
         self._cache_prompt = cache_prompt
         self._similarity = slot_prompt_similarity
@@ -434,6 +469,15 @@ class LlamaEngine(Prompting):
         return self._n_slots
 
     @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        """Prompt tokens given to ``llama_decode`` since load: cached prefixes and forked choices do not count."""
+        return self._evaluated
+
+    @property
     def kv_cells_used(self) -> int:
         """Cells holding tokens: running requests' and the cached prompts of idle slots (shared cells once)."""
         return self._cells.used
@@ -447,8 +491,16 @@ class LlamaEngine(Prompting):
         return self._running
 
     def check(self, params: GenerationParams) -> None:
-        """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed."""
+        """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed; token ids of
+        ``logit_bias`` within the vocabulary; no more choices than slots."""
         compile_grammar(params)
+        for tok, _ in params.logit_bias:
+            if not 0 <= tok < self._n_vocab:
+                raise BadRequest(f"logit_bias: token id {tok} is not in the vocabulary (0 .. {self._n_vocab - 1})",
+                                 param="logit_bias")
+        if params.n > max(self._n_slots, 1):
+            raise BadRequest(f"n: at most {self._n_slots} choices (the model decodes {self._n_slots} sequences at "
+                             "once, GGUF_PARALLEL)", param="n")
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         import llama_cpp
@@ -464,11 +516,20 @@ class LlamaEngine(Prompting):
         apply_context_params(cp, cparams, n_threads=self._n_threads)
         lines = _LogTap.start()
         t0 = time.perf_counter()
-        model = ctx = None
+        model = ctx = emb = None
+        eparams = embedding_context_params(plan.cfg)
         try:
             model = _internals.LlamaModel(path_model=path, params=mp, verbose=False)
             ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
+            n_main = len(lines)  # the embedding context's lines are reported apart (LoadReport.embedding_allocations)
+            if eparams is not None:
+                ecp = llama_cpp.llama_context_default_params()
+                apply_context_params(ecp, eparams, n_threads=self._n_threads)
+                ecp.pooling_type = self._pooling(model)
+                emb = _internals.LlamaContext(model=model, params=ecp, verbose=False)
         except ValueError as exc:
+            if ctx is not None:
+                ctx.close()
             if model is not None:
                 model.close()
             text = "\n".join(lines[-20:]).lower()
@@ -482,6 +543,11 @@ class LlamaEngine(Prompting):
         with self._lock:
             self._model, self._ctx = model, ctx
             self._mem = llama_cpp.llama_get_memory(ctx.ctx)
+            self._emb = emb
+            if emb is not None and eparams is not None:
+                self._emb_tokens = int(llama_cpp.llama_n_batch(emb.ctx))
+                self._emb_seqs = eparams.n_seq_max
+                self._emb_batch = llama_cpp.llama_batch_init(self._emb_tokens, 0, 1)
             self._vocab = model.vocab
             self._keep = keep
             self._piece, self._eog = {}, {}
@@ -505,17 +571,24 @@ class LlamaEngine(Prompting):
                 return bool(watch) and all(r.gone for r in watch)
 
             self._abort_cb = _abort  # kept: llama.cpp holds the pointer
-            self._template = ChatTemplate.from_llama(_ModelView(model))
+            self._template = ChatTemplate.from_llama(_ModelView(model), self._template_override)
+            self._format = None
+            # Markers of the template's tool calls and thinking that are control tokens are written out in the text
+            # (as llama-server's preserved tokens), so that the parsers see them; other control tokens stay silent.
+            self._preserved = set(self.chat_format().special.values())
+            self._evaluated = 0
+            self._n_embd = int(model.n_embd())
             self._device = ",".join(f"CUDA{i}" for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
             self._inbox = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._run, args=(self._inbox,), name="llama-scheduler", daemon=True)
             self._thread.start()
-        allocs, offloaded = parse_allocations(lines)
+        allocs, offloaded = parse_allocations(lines[:n_main])
+        emb_allocs, _ = parse_allocations(lines[n_main:])
         log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s",
                  self._n_slots, "unified" if cparams.kv_unified else "per-sequence", self._n_ctx, self._n_ctx_seq,
                  self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off")
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
-                          load_seconds=elapsed, log_lines=tuple(lines))
+                          load_seconds=elapsed, log_lines=tuple(lines), embedding_allocations=emb_allocs)
 
     def unload(self) -> None:
         """Stop the scheduler (requests still queued or running fail with ``NotReady``), free the context."""
@@ -529,6 +602,15 @@ class LlamaEngine(Prompting):
             if self._batch is not None:
                 llama_cpp.llama_batch_free(self._batch)
                 self._batch = None
+            with self._emb_lock:  # after a running embedding batch
+                emb, self._emb = self._emb, None
+                if self._emb_batch is not None:
+                    llama_cpp.llama_batch_free(self._emb_batch)
+                    self._emb_batch = None
+                self._emb_tokens = self._emb_seqs = 0
+            if emb is not None:
+                emb.close()
+            self._format = None
             ctx, model = self._ctx, self._model
             self._ctx = self._model = self._vocab = self._mem = None
             self._template = None
@@ -550,6 +632,86 @@ class LlamaEngine(Prompting):
         if model is None:
             raise NotReady("no model is loaded")
         return model
+
+    # -- embeddings (a second context on the same weights) -------------------
+
+    def _pooling(self, model: Any) -> int:
+        """The model's pooling type (GGUF ``{arch}.pooling_type``: mean, cls, last), else the configured one."""
+        import llama_cpp
+
+        names = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+                 "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+        meta = model.metadata()
+        declared = meta.get(f"{meta.get('general.architecture', '')}.pooling_type")
+        try:
+            value = int(declared) if declared is not None else -1
+        except ValueError:
+            value = -1
+        return value if value in names.values() else names.get(self._pooling_fallback, names["mean"])
+
+    def embedding_limits(self) -> tuple[int, int]:
+        return (self._n_embd, self._emb_tokens) if self._emb is not None else (0, 0)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenize(text, add_bos=True, special=False)
+
+    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
+        """Pooled embeddings, each scaled to unit L2 norm (as OpenAI's are), of inputs that fit one batch each.
+
+        Inputs are packed into batches of at most ``embedding_limits()[1]`` tokens and ``EMBEDDING_SEQS``
+        sequences, one sequence each; the cache is cleared before every batch, so nothing is kept between them.
+        A sequence is evaluated whole in one ubatch: pooling is per ubatch in llama.cpp (``build_pooling``)."""
+        import llama_cpp
+        import numpy as np
+
+        with self._emb_lock:
+            emb = self._emb
+            if emb is None:
+                raise BadRequest("embeddings are off for this model (GGUF_EMBEDDINGS: off, or auto with layers on a GPU)", param="input")
+            limit, n_embd = self._emb_tokens, self._n_embd
+            for i, toks in enumerate(inputs):
+                if not toks:
+                    raise BadRequest(f"input[{i}] is empty", param="input")
+                if len(toks) > limit:
+                    raise ContextLengthExceeded(
+                        f"input[{i}] has {len(toks)} tokens; an embedding holds at most {limit} (GGUF_EMBEDDING_TOKENS)",
+                        param="input", prompt_tokens=len(toks), n_ctx=limit)
+                if any(not 0 <= t < self._n_vocab for t in toks):
+                    raise BadRequest(f"input[{i}]: a token id is not in the vocabulary (0 .. {self._n_vocab - 1})",
+                                     param="input")
+            mem = llama_cpp.llama_get_memory(emb.ctx)
+            batch = self._emb_batch
+            out: list[tuple[float, ...]] = []
+            i = 0
+            while i < len(inputs):
+                if cancel.cancelled:
+                    raise NotReady("the client went away")
+                group: list[list[int]] = []
+                used = 0
+                while i + len(group) < len(inputs) and len(group) < self._emb_seqs \
+                        and used + len(inputs[i + len(group)]) <= limit:
+                    used += len(inputs[i + len(group)])
+                    group.append(inputs[i + len(group)])
+                llama_cpp.llama_memory_clear(mem, True)
+                n = 0
+                for seq, toks in enumerate(group):
+                    for pos, tok in enumerate(toks):
+                        batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = tok, pos, 1, 1
+                        batch.seq_id[n][0] = seq
+                        n += 1
+                batch.n_tokens = n
+                ret = int(llama_cpp.llama_decode(emb.ctx, batch))
+                if ret != 0:
+                    raise EngineFailure(f"llama.cpp failed to evaluate an embedding batch (llama_decode returned {ret})")
+                for seq in range(len(group)):
+                    ptr = llama_cpp.llama_get_embeddings_seq(emb.ctx, seq)
+                    if not ptr:
+                        raise EngineFailure("llama.cpp returned no pooled embedding")
+                    v = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+                    norm = float(np.linalg.norm(v))
+                    out.append(tuple(float(x) for x in (v / norm if norm > 0 else v)))
+                i += len(group)
+            return EmbeddingResult(vectors=tuple(out), prompt_tokens=sum(len(t) for t in inputs))
 
     def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
         """llama.cpp's tokenizer (``special``: control-token spellings become control tokens), remembering the
@@ -590,22 +752,34 @@ class LlamaEngine(Prompting):
             yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
             return
         grammar = compile_grammar(params)
-        req = _Request(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
-                       grammar=grammar, stops=[s for s in params.stop if s],
-                       greedy=(params.temperature == 0.0 and grammar is None and params.frequency_penalty == 0.0
-                               and params.presence_penalty == 0.0), deliver=current_delivery())
-        self._inbox.put(req)
-        out = req.out
+        greedy = (params.temperature == 0.0 and grammar is None and params.frequency_penalty == 0.0
+                  and params.presence_penalty == 0.0 and not params.logit_bias)
+        deliver = current_delivery()
+        out: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        base_seed = params.seed if params.seed is not None else random.randint(0, 2**31 - 1)
+        reqs = [
+            _Request(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
+                     grammar=compile_grammar(params) if i else grammar, stops=[s for s in params.stop if s],
+                     greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
+            for i in range(max(1, params.n))
+        ]
+        reqs[0].followers = reqs[1:]
+        self._inbox.put(reqs[0])
+        left = len(reqs)
         try:
             while True:
                 item = out.get()
                 if item is _DONE:
-                    return
+                    left -= 1
+                    if not left:
+                        return
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            req.abandoned = True
+            for r in reqs:
+                r.abandoned = True
 
     def forget(self) -> None:
         """Drop every idle slot's cached prompt (the next requests start from empty sequences)."""
@@ -646,9 +820,18 @@ class LlamaEngine(Prompting):
                     waiting.remove(r)
                     self._finish(r, "cancelled", active)
                 while waiting:
-                    slot = self._pick_slot(waiting[0])
+                    head = waiting[0]
+                    slot = self._pick_slot(head)
                     if slot is None:
                         break
+                    if head.followers:  # n > 1: a slot for every choice, or wait for them
+                        spare = sorted((s for s in self._slots if s.req is None and s is not slot),
+                                       key=lambda s: (s.last_used, s.id))
+                        if len(spare) < len(head.followers):
+                            break
+                        for f, s in zip(head.followers, spare):
+                            self._clear_slot(s)
+                            s.req, f.slot = f, s
                     self._admit(waiting.popleft(), slot, active)
                 for r in [r for r in active if r.gone]:
                     self._finish(r, "cancelled", active)
@@ -685,6 +868,8 @@ class LlamaEngine(Prompting):
                 it.set()
 
     def _send(self, r: _Request, item: Any) -> None:
+        if r.index and isinstance(item, Chunk):
+            item = dataclasses.replace(item, index=r.index)
         self._outbox.append((r, item))
 
     def _flush(self) -> None:
@@ -752,8 +937,7 @@ class LlamaEngine(Prompting):
         self._truncate(slot, n_keep)
         slot.req, r.slot = slot, slot
         r.n_cached = n_keep
-        seed = r.params.seed if r.params.seed is not None else random.randint(0, 2**31 - 1)
-        r.sampler = _sampler_chain(self._model, self._n_vocab, r.params, r.grammar, seed)
+        r.sampler = _sampler_chain(self._model, self._n_vocab, r.params, r.grammar, r.seed)
         r.t_start = time.perf_counter()
         active.append(r)
         if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
@@ -826,6 +1010,9 @@ class LlamaEngine(Prompting):
 
     def _finish(self, r: _Request, finish: str, active: list[_Request], *, stopped: bool = False) -> None:
         """The last chunks: flush the decoder (unless a stop string ended the text), then reason, usage, timings."""
+        followers, r.followers = r.followers, []
+        for f in followers:  # choices that never forked (cancelled during the prompt) end with it
+            self._finish(f, finish, active)
         self._release(r, active)
         if not stopped:
             r.pending += r.decoder.decode(b"", final=True)
@@ -833,12 +1020,16 @@ class LlamaEngine(Prompting):
                 self._send(r, Chunk(text=r.pending, logprobs=tuple(r.pending_lp)))
         self._send(r, Chunk(
             finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,
+            stop_sequence=r.stop_sequence,
             prompt_seconds=(r.t_first - r.t_start) if r.t_first else 0.0,
             decode_seconds=(r.t_last - r.t_first) if r.n_out > 1 else 0.0,
         ))
         self._send(r, _DONE)
 
     def _fail(self, r: _Request, err: ServiceError, active: list[_Request]) -> None:
+        followers, r.followers = r.followers, []
+        for f in followers:
+            self._fail(f, err, active)
         self._release(r, active, keep=False)
         self._send(r, err)
         self._send(r, _DONE)
@@ -881,6 +1072,7 @@ class LlamaEngine(Prompting):
         # slots in slot-id order (server-context.cpp ``update_slots``).
         members.sort(key=lambda r: r.slot.id)  # type: ignore[union-attr]
         n = 0
+        n_prompt_fed = 0
         watch: list[_Request] = []
         for r in members:
             seq = r.slot.id  # type: ignore[union-attr]
@@ -902,6 +1094,7 @@ class LlamaEngine(Prompting):
                 n += 1
             if r.batch_take >= ABORT_MIN_PROMPT_TOKENS:
                 watch.append(r)
+            n_prompt_fed += r.batch_take
         batch.n_tokens = n
         self._flush()  # e.g. the chunks of requests cancelled this iteration: delivered while the batch computes
         ctx = self._ctx.ctx
@@ -919,6 +1112,7 @@ class LlamaEngine(Prompting):
         if ret != 0:
             self._decode_failed(ret, members, active)
             return
+        self._evaluated += n_prompt_fed
         canon = n >= INVARIANT_MIN_ROWS
         for r in members:
             slot = r.slot
@@ -942,8 +1136,12 @@ class LlamaEngine(Prompting):
 
         saved, r.first_logits = r.first_logits, None
         row = saved
-        if row is None and (r.greedy or r.params.logprobs is not None or (not r.t_first and self._cache_prompt)):
+        forking = bool(r.followers) and not r.t_first
+        if row is None and (r.greedy or r.params.logprobs is not None or forking
+                            or (not r.t_first and self._cache_prompt)):
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
+        if forking:
+            self._fork(r, row, active)
         if saved is None and not r.t_first and self._cache_prompt:
             # The prompt's logits, kept with the slot for the same prompt again (a copy: the context reuses the buffer).
             slot = r.slot
@@ -974,7 +1172,10 @@ class LlamaEngine(Prompting):
             r.pending_lp.append(lp(tok))
         r.pending += r.decoder.decode(self._token_bytes(tok))
         if r.stops:
-            emit, r.pending, stopped = _split_stop(r.pending, r.stops)
+            text = r.pending
+            emit, r.pending, stopped = _split_stop(text, r.stops)
+            if stopped:
+                r.stop_sequence = _first_stop(text, r.stops)
         else:
             emit, r.pending, stopped = r.pending, "", False
         if emit:
@@ -987,11 +1188,40 @@ class LlamaEngine(Prompting):
         else:
             r.next_token = tok
 
+    def _fork(self, r: _Request, logits: Any, active: list[_Request]) -> None:
+        """The other choices of ``r``'s prompt, now evaluated: each slot reserved for them gets the prompt's KV
+        (``llama_memory_seq_cp``: with a unified cache the cells gain a sequence id; per-sequence streams are
+        copied whole, the leader's stream holding exactly the prompt) and samples its first token from the
+        prompt's logits. No prompt token is evaluated twice."""
+        import llama_cpp
+
+        src = r.slot
+        assert src is not None
+        followers, r.followers = r.followers, []
+        for f in followers:
+            slot = f.slot
+            assert slot is not None
+            self._clear_slot(slot)
+            if self._unified:
+                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, len(src.tokens))
+                slot.cells = self._cells.share(src.cells)
+            else:
+                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, -1, -1)
+                slot.cells = self._cells.new(len(src.tokens))
+            slot.tokens = list(src.tokens)
+            slot.n_canon = src.n_canon
+            f.n_cached = r.n_cached
+            f.sampler = _sampler_chain(self._model, self._n_vocab, f.params, f.grammar, f.seed)
+            f.t_start = r.t_start
+            f.first_logits = logits.copy()
+            active.append(f)
+            self._on_logits(f, -1, None, active)
+
     def _token_bytes(self, tok: int) -> bytes:
         """``detokenize([tok])``: a function of the token id alone, so computed once per id."""
         piece = self._piece.get(tok)
         if piece is None:
-            piece = self._piece[tok] = bytes(self._model.detokenize([tok]))
+            piece = self._piece[tok] = bytes(self._model.detokenize([tok], special=tok in self._preserved))
         return piece
 
     def _sample_saved(self, sampler: Any, logits: Any) -> int:
@@ -1087,6 +1317,12 @@ def _sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: 
     def add(s: Any) -> None:
         llama_cpp.llama_sampler_chain_add(chain, s)
 
+    if params.logit_bias:
+        # First, as llama-server's chain puts it (common/sampling.cpp): the bias applies to the raw logits.
+        arr = (llama_cpp.llama_logit_bias * len(params.logit_bias))()
+        for i, (tok, bias) in enumerate(params.logit_bias):
+            arr[i].token, arr[i].bias = tok, bias
+        add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), arr))
     add(llama_cpp.llama_sampler_init_penalties(n_vocab, _PENALTY_LAST_N_TOKENS, 1.0,
                                                params.frequency_penalty, params.presence_penalty))
     if grammar is not None:
@@ -1097,7 +1333,7 @@ def _sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: 
     elif temp == 0.0:
         add(llama_cpp.llama_sampler_init_greedy())
     else:
-        add(llama_cpp.llama_sampler_init_top_k(0))
+        add(llama_cpp.llama_sampler_init_top_k(params.top_k))
         add(llama_cpp.llama_sampler_init_typical(1.0, 1))
         add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
         add(llama_cpp.llama_sampler_init_min_p(0.0, 1))

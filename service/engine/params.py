@@ -91,6 +91,8 @@ class ContextParams:
     flash_attn_type: int
     swa_full: bool
     offload_kqv: bool
+    embeddings: bool = False
+    """An embedding context (``llama_context_params.embeddings``); its pooling type is the model's (the engine)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,7 +136,14 @@ def context_params(cfg: ContextConfig) -> ContextParams:
         n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(cfg.n_ubatch, n_batch), n_seq_max=slots,
         kv_unified=cfg.kv_unified, type_k=GGML_TYPE_IDS[cfg.type_k], type_v=GGML_TYPE_IDS[cfg.type_v],
         flash_attn_type=_FLASH_ATTN[cfg.flash_attn], swa_full=cfg.swa_full, offload_kqv=cfg.offload_kqv,
+        embeddings=cfg.embeddings,
     )
+
+
+def embedding_context_params(cfg: ContextConfig) -> ContextParams | None:
+    """The embedding context beside a plan's generation context (``ContextConfig.embedding_config``); None: none."""
+    ecfg = cfg.embedding_config()
+    return None if ecfg is None else context_params(ecfg)
 
 
 def plan_params(plan: "Plan", *, use_extra_bufts: bool = True) -> tuple[ModelParams, ContextParams]:
@@ -243,6 +252,7 @@ def apply_context_params(cp: Any, params: ContextParams, *, n_threads: int | Non
     cp.flash_attn_type = params.flash_attn_type
     cp.swa_full = params.swa_full
     cp.offload_kqv = params.offload_kqv
+    cp.embeddings = params.embeddings
     cores = physical_cores()
     cp.n_threads = n_threads or cores
     cp.n_threads_batch = n_threads_batch or n_threads or cores

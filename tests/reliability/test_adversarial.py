@@ -110,21 +110,60 @@ BAD_INPUTS: list[tuple[str, str, str, int, str | None]] = [
     ("negative seed", "/v1/completions", '{"prompt": "a", "seed": -2}', 400, "seed"),
     ("NaN temperature", "/v1/completions", '{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("Infinity top_p", "/v1/completions", '{"prompt": "a", "top_p": Infinity}', 400, "top_p"),
-    ("tools", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
-     '[{"type": "function", "function": {"name": "f"}}]}', 400, "tools"),
-    ("tool_choice required", "/v1/chat/completions",
+    ("a tool without a name", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
+     '[{"type": "function", "function": {"name": "f g"}}]}', 400, "tools[0].function.name"),
+    ("a tool named twice", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
+     '[{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]}', 400,
+     "tools[1].function.name"),
+    ("a tool whose parameters nest 200 deep", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f", '
+     '"parameters": {"type": "object", "properties": {"x": ' + '{"items":' * 200 + "{}" + "}" * 200 + '}}}}]}', 400,
+     "tools[0].function.parameters"),
+    ("a tool whose parameters are unsatisfiable", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "a"}], "tool_choice": "required", "tools": [{"type": "function", '
+     '"function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": []}}, "required": ["x"]}}}]}',
+     400, "tools"),
+    ("200 tools", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": ['
+     + ", ".join('{"type": "function", "function": {"name": "f%d"}}' % i for i in range(200)) + "]}", 400, "tools"),
+    ("tool_choice required without tools", "/v1/chat/completions",
      '{"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}', 400, "tool_choice"),
+    ("tool_choice naming no tool", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
+     '[{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}',
+     400, "tool_choice"),
+    ("tools with response_format", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
+     '[{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}}', 400,
+     "response_format"),
     ("functions", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]}',
      400, "functions"),
-    ("logit_bias", "/v1/completions", '{"prompt": "a", "logit_bias": {"50256": -100}}', 400, "logit_bias"),
+    ("malformed tool_calls", "/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"function": '
+     '{"name": 5}}]}]}', 400, "messages[0].tool_calls[0]"),
+    ("tool_calls on a user message", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a", '
+     '"tool_calls": []}, {"role": "user", "content": "b", "tool_calls": [{"function": {"name": "f"}}]}]}', 400,
+     "messages[1].tool_calls"),
+    ("logit_bias of an unknown token", "/v1/completions", '{"prompt": "a", "logit_bias": {"999999999": -100}}', 400,
+     "logit_bias"),
+    ("logit_bias beyond 100", "/v1/completions", '{"prompt": "a", "logit_bias": {"5": 1e9}}', 400, "logit_bias"),
+    ("logit_bias with a word for a key", "/v1/completions", '{"prompt": "a", "logit_bias": {"the": -1}}', 400,
+     "logit_bias"),
+    ("logit_bias of 5000 tokens", "/v1/completions",
+     '{"prompt": "a", "logit_bias": {' + ", ".join(f'"{i}": 1' for i in range(5000)) + "}}", 400, "logit_bias"),
+    ("n beyond the slots", "/v1/completions", '{"prompt": "a", "n": 100}', 400, "n"),
+    ("n choices beyond the context", "/v1/completions", '{"prompt": "a", "n": 2, "max_tokens": 1500}', 400, "n"),
+    ("an embedding of a huge input", "/v1/embeddings", '{"input": "' + "word " * 3000 + '"}', 400, "input"),
+    ("an embedding of nothing", "/v1/embeddings", '{"input": []}', 400, "input"),
+    ("an embedding of an empty string", "/v1/embeddings", '{"input": ["a", ""]}', 400, "input"),
+    ("an embedding of unknown token ids", "/v1/embeddings", '{"input": [[1, -5]]}', 400, "input"),
+    ("an embedding of 3000 inputs", "/v1/embeddings", '{"input": [' + ", ".join(['"a"'] * 3000) + "]}", 400, "input"),
+    ("an embedding in xml", "/v1/embeddings", '{"input": "a", "encoding_format": "xml"}', 400, "encoding_format"),
+    ("an embedding with other dimensions", "/v1/embeddings", '{"input": "a", "dimensions": 3}', 400, "dimensions"),
     ("best_of", "/v1/completions", '{"prompt": "a", "best_of": 3}', 400, "best_of"),
     ("suffix", "/v1/completions", '{"prompt": "a", "suffix": "end"}', 400, "suffix"),
     ("image part", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url", '
      '"image_url": {"url": "data:image/png;base64,AA=="}}]}]}', 400, "messages[0].content[0].type"),
     ("audio part", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "input_audio", '
      '"input_audio": {"data": "AA==", "format": "wav"}}]}]}', 400, "messages[0].content[0].type"),
-    ("tool message", "/v1/chat/completions", '{"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}',
-     400, "messages[0].role"),
+    ("tool message without its call", "/v1/chat/completions", '{"messages": [{"role": "tool", "content": "x"}]}',
+     400, "messages[0].tool_call_id"),
     ("audio output", "/v1/chat/completions",
      '{"messages": [{"role": "user", "content": "a"}], "modalities": ["text", "audio"]}', 400, "modalities"),
     ("cache_type F17", "/api/models/load", '{"model": "%s", "cache_type": "F17"}' % EMBEDDED_NAME, 400, "cache_type"),
@@ -235,3 +274,59 @@ def test_a_disconnect_while_the_grammar_compiles_costs_nothing(svc: ServiceProce
     time.sleep(1)
     _alive(svc, svc.proc.pid)
     assert rss_kib(svc.proc.pid) - before < 200 * 1024  # generous: the schema's grammars are cached (256 at most)
+
+
+ANTHROPIC_BAD: list[tuple[str, Any, str]] = [
+    # (what, body, the Anthropic error type)
+    ("no max_tokens", {"model": EMBEDDED_NAME, "messages": [{"role": "user", "content": "a"}]}, "invalid_request_error"),
+    ("no messages", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": []}, "invalid_request_error"),
+    ("a system role", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "system", "content": "a"}]},
+     "invalid_request_error"),
+    ("an image block", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+     "invalid_request_error"),
+    ("a tool_result without its id", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "content": "x"}]}]}, "invalid_request_error"),
+    ("a tool_use with a string input", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
+     "invalid_request_error"),
+    ("a server tool", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}],
+                       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "invalid_request_error"),
+    ("tool_choice any without tools", {"model": EMBEDDED_NAME, "max_tokens": 4,
+                                       "messages": [{"role": "user", "content": "a"}], "tool_choice": {"type": "any"}},
+     "invalid_request_error"),
+    ("tool_choice of an unknown kind", {"model": EMBEDDED_NAME, "max_tokens": 4,
+                                        "messages": [{"role": "user", "content": "a"}], "tool_choice": {"type": "maybe"}},
+     "invalid_request_error"),
+    ("temperature 5", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}],
+                       "temperature": 5}, "invalid_request_error"),
+    ("ten stop sequences", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}],
+                            "stop_sequences": ["a"] * 10}, "invalid_request_error"),
+    ("a NUL in a message", {"model": EMBEDDED_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "a\u0000"}]},
+     "invalid_request_error"),
+    ("a prompt beyond the context", {"model": EMBEDDED_NAME, "max_tokens": 4,
+                                     "messages": [{"role": "user", "content": "word " * 3000}]}, "invalid_request_error"),
+    ("an unknown model", {"model": "claude-3-opus", "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]},
+     "not_found_error"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_hostile_anthropic_requests_are_4xx_in_anthropics_shape(svc: ServiceProcess) -> None:
+    pid = svc.proc.pid
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        for what, body, kind in ANTHROPIC_BAD:
+            if route.endswith("count_tokens") and what in ("no max_tokens", "temperature 5", "ten stop sequences",
+                                                           "a prompt beyond the context"):
+                continue  # count_tokens takes no max_tokens nor sampling, and counts any length
+            r = svc.client.post(route, json=body)
+            assert 400 <= r.status_code < 500, (route, what, r.status_code, r.text)
+            got = r.json()
+            assert got["type"] == "error" and got["error"]["type"] == kind and got["error"]["message"], (what, got)
+        r = svc.client.post(route, content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = svc.client.post(route, content=b'{"model": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+                            headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500 and r.json()["type"] == "error"
+    _alive(svc, pid)
+

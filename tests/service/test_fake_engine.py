@@ -116,7 +116,7 @@ def test_queue_beyond_its_bound_is_429_with_retry_after_and_never_interrupts(fak
         ({"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
         ({"prompt": "x", "temperature": 3}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 5}, "n"),  # more choices than the engine has slots
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "x", "logprobs": 99}, "logprobs"),

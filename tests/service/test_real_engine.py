@@ -72,7 +72,7 @@ def test_the_openai_client_works_unchanged(served):  # type: ignore[no-untyped-d
         client.chat.completions.create(model="no-such-model", messages=msgs)
     assert nf.value.status_code == 404
     with pytest.raises(openai.BadRequestError) as br:
-        client.chat.completions.create(model=EMBEDDED_NAME, messages=msgs, n=2)
+        client.chat.completions.create(model=EMBEDDED_NAME, messages=msgs, n=64)  # beyond the slots
     assert br.value.body["param"] == "n"  # type: ignore[index]
 
 
