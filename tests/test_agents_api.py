@@ -156,7 +156,7 @@ def test_logit_bias_removes_a_word_from_greedy_output(client: openai.OpenAI, emb
 
 def _evaluated(svc: ServiceProcess) -> float:
     r = svc.client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
-    return prom_value(r.text, "gguf_prompt_tokens_evaluated")
+    return prom_value(r.text, "gguf_prompt_tokens_evaluated", model=EMBEDDED_NAME)
 
 
 def test_n_choices_evaluate_the_prompt_once(svc: ServiceProcess, client: openai.OpenAI) -> None:
