@@ -184,7 +184,7 @@ class Settings(BaseSettings):
         "with its tags), none (not parsed: content as generated). A request's reasoning_format overrides it.",
     )
     chat_template_file: str | None = Field(
-        None, description="A Jinja chat template file used instead of the model's own (llama-server's "
+        None, description="A Jinja chat template file used instead of every model's own (llama-server's "
         "--chat-template-file), rendered in the same sandbox; unset: the GGUF's template, else llama.cpp's built-in one.",
     )
     embeddings: Literal["auto", "on", "off"] = Field(

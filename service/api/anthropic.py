@@ -65,6 +65,8 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     mcp_servers: Any = Field(None, description="Not supported: anything but null or [] is a 400.")
+    output_config: dict[str, Any] | None = Field(None, description="A structured-output format is not supported (400); "
+                                                 "other keys are ignored.")
 
 
 class CountTokensRequest(BaseModel):
@@ -177,6 +179,9 @@ def to_chat(body: MessagesRequest | CountTokensRequest, settings: Any) -> ChatRe
     if isinstance(body, MessagesRequest):
         if body.mcp_servers:
             raise BadRequest("mcp_servers: not supported", param="mcp_servers")
+        if body.output_config and body.output_config.get("format"):
+            raise BadRequest("output_config.format: structured output is not supported on /v1/messages; use "
+                             "/v1/chat/completions with response_format", param="output_config.format")
         data.update({"max_tokens": body.max_tokens, "temperature": body.temperature, "stream": body.stream,
                      "stop": body.stop_sequences})
         if body.top_p is not None:
