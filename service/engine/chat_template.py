@@ -209,9 +209,10 @@ class ChatTemplate:
         def render() -> str:
             out: list[str] = []
             size = 0
+            extra = {"tools": tools} if tools else {}  # absent, not None: templates test ``tools is defined``
             for piece in self._template.generate(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token,
-                tools=tools,
+                **extra,
             ):
                 size += len(piece)
                 if size > MAX_RENDERED_CHARS:

@@ -162,3 +162,36 @@ def test_the_syntax_of_calls_cut_short_is_not_content() -> None:
         for step in (1, 3, 100):
             content, calls = _parse(fmt, text, step)
             assert content == "" and calls[0]["name"] == "get_time", (fmt, text, step, content)
+
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>{% for t in tools %}{{ t.function | tojson }}{% endfor %}</tools><|im_end|>
+{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{%- endfor %}<|im_start|>assistant
+"""
+
+
+def test_a_native_template_renders_tools_and_tool_turns() -> None:
+    from service.engine.chat_template import ChatTemplate
+
+    fmt = detect(HERMES_TEMPLATE)
+    assert (fmt.tools, fmt.native_tools, fmt.arguments_as_object) == ("hermes", True, True)
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    shown, tools = prepare(msgs, [WEATHER], fmt)
+    text, _ = ChatTemplate(HERMES_TEMPLATE, "", "").render(shown, tools)
+    assert '<tools>{' in text and '"name": "get_weather"' in text.split("</tools>")[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>sunny</tool_response>" in text
+    # Without tools the template sees none (absent, not null).
+    plain, _ = ChatTemplate(HERMES_TEMPLATE, "", "").render([msgs[0]], None)
+    assert "<tools>" not in plain
