@@ -40,7 +40,8 @@ class LoadReport:
     load_seconds: float = 0.0
     log_lines: tuple[str, ...] = ()
     embedding_allocations: tuple[Allocation, ...] = ()
-    """The embedding context's buffers (its output buffer at creation: it grows with the first full batch)."""
+    """The embedding context's buffers (its output buffer at creation: it grows with the first full batch); its log
+    lines are not in ``log_lines``, which are the generation context's (what the dry run confirms)."""
 
 
 @dataclass(frozen=True)

@@ -588,7 +588,7 @@ class LlamaEngine(Prompting):
                  self._n_slots, "unified" if cparams.kv_unified else "per-sequence", self._n_ctx, self._n_ctx_seq,
                  self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off")
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
-                          load_seconds=elapsed, log_lines=tuple(lines), embedding_allocations=emb_allocs)
+                          load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs)
 
     def unload(self) -> None:
         """Stop the scheduler (requests still queued or running fail with ``NotReady``), free the context."""
