@@ -146,8 +146,10 @@ def tool_grammar(fmt: ChatFormat, tools: list[dict[str, Any]], *, required: bool
     think = ""
     if fmt.think is not None:
         o, c = fmt.think
-        think = "thought " if fmt.thinking_open else "thought? "
-        lines.append(f"thought[lazy]: {'' if fmt.thinking_open else _marker(o, fmt) + ' '}/(.|\\n)*/ {_marker(c, fmt)} /[ \\t\\n]*/")
+        # The thinking ends at its first closing tag (a lazy lexeme), then whitespace, then the calls.
+        think = "thought SP? " if fmt.thinking_open else "(thought SP?)? "
+        lines.append(f"thought[lazy]: {'' if fmt.thinking_open else _marker(o, fmt) + ' '}/(.|\\n)*/ {_marker(c, fmt)}")
+        lines.append("SP: /[ \\t\\n]+/")
     if required:
         if fmt.tools == "mistral":
             lines.append(f'start: {think}{_marker("[TOOL_CALLS]", fmt)} "[" call{more.replace("block", "call")} "]"')
@@ -161,7 +163,7 @@ def tool_grammar(fmt: ChatFormat, tools: list[dict[str, Any]], *, required: bool
         return "\n".join(lines)
     # auto: free text, then a call wherever the trigger appears (the lazy lexeme ends at the trigger's first match)
     trig = _marker(trigger, fmt) if trigger in fmt.special else _lit(trigger)
-    lines.append(f"start: {think.replace('thought', 'thought') if fmt.thinking_open else ''}(tagged)* TAIL")
+    lines.append(f"start: {think if fmt.thinking_open else ''}(tagged)* TAIL")  # open thinking first, then free
     lines.append("TAIL: /(.|\\n)*/")
     if trigger in fmt.special:
         lines.append(f"tagged: TAIL {trig} {body}")
