@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -29,6 +31,54 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stream_events(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any]) -> None:
+    """POST a streamed request to ``url``; ``out`` gets its status and every SSE ``data:`` payload, ``first`` is set
+    at the first event (or on a failure, reported as ``out["error"]``). Meant to run in a thread."""
+    try:
+        with httpx.Client(timeout=120) as c, c.stream("POST", url, json=body) as r:
+            out["status"] = r.status_code
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+            out["events"] = events
+    except Exception as exc:  # reported to the test thread
+        out["error"] = repr(exc)
+        first.set()
+
+
+@contextlib.contextmanager
+def in_process_service(settings: Any, ready_timeout_s: float = 180) -> Iterator[tuple[str, Any]]:
+    """The real app (``create_app(settings)``) served by uvicorn on loopback in this process, once ``/ready``;
+    yields its URL and the app, so a test can read the engine's state beside what the HTTP API says."""
+    import uvicorn
+
+    from service.api.app import create_app
+
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{settings.port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        with httpx.Client(base_url=url, timeout=10) as c:
+            while time.monotonic() < deadline:
+                try:
+                    if c.get("/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            else:
+                raise TimeoutError(f"the in-process service did not become ready in {ready_timeout_s:.0f} s")
+        yield url, app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
 
 
 class ServiceProcess:

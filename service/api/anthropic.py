@@ -21,7 +21,6 @@ A request becomes the chat request the OpenAI route takes (``to_chat``) and runs
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator, Literal
 

@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from .chat_template import text_content
+
 ToolFormat = Literal["hermes", "llama3", "mistral", "generic"]
 
 THINK_TAGS: tuple[tuple[str, str], ...] = (
@@ -141,26 +143,16 @@ def prepare(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
         role = m.get("role")
         if role == "tool":
             who = m.get("name") or m.get("tool_call_id") or "tool"
-            out.append({"role": "user", "content": f"Result of tool call {who}:\n{_plain(m.get('content'))}"})
+            out.append({"role": "user", "content": f"Result of tool call {who}:\n{text_content(m.get('content'))}"})
         elif role == "assistant" and m.get("tool_calls"):
-            text = _plain(m.get("content"))
+            text = text_content(m.get("content"))
             out.append({"role": "assistant", "content": (text + "\n" if text else "") + _call_text(m["tool_calls"])})
         else:
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
     if tools:
         note = tool_prompt(tools, fmt)
         if out and out[0].get("role") in ("system", "developer"):
-            out[0] = {**out[0], "role": "system", "content": _plain(out[0].get("content")) + "\n\n" + note}
+            out[0] = {**out[0], "role": "system", "content": text_content(out[0].get("content")) + "\n\n" + note}
         else:
             out.insert(0, {"role": "system", "content": note})
     return out, None
-
-
-def _plain(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)

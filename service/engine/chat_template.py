@@ -269,7 +269,7 @@ class BuiltinChatTemplate:
         arr = (llama_cpp.llama_chat_message * len(messages))()
         for i, m in enumerate(messages):
             role = str(m.get("role", "user")).encode("utf-8")
-            content = _text_content(m.get("content")).encode("utf-8")
+            content = text_content(m.get("content")).encode("utf-8")
             keep += [role, content]
             arr[i].role = role
             arr[i].content = content
@@ -285,7 +285,7 @@ class BuiltinChatTemplate:
         raise BadRequest("the rendered chat prompt is too large", param="messages")  # pragma: no cover
 
 
-def _text_content(content: Any) -> str:
+def text_content(content: Any) -> str:
     """OpenAI message content: a string, or a list of parts of which the text parts count."""
     if content is None:
         return ""

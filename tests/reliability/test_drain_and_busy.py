@@ -11,26 +11,11 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, ServiceProcess
+from tests.conftest import EMBEDDED_NAME, ServiceProcess, stream_events
 
 from .conftest import FakeService
 
 pytestmark = pytest.mark.slow
-
-
-def _stream(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any]) -> None:
-    try:
-        with httpx.Client(timeout=120) as c, c.stream("POST", url, json=body) as r:
-            out["status"] = r.status_code
-            events = []
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    first.set()
-            out["events"] = events
-    except Exception as exc:  # reported to the test thread
-        out["error"] = repr(exc)
-        first.set()
 
 
 def _post(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
@@ -49,7 +34,7 @@ def test_past_the_drain_timeout_streams_end_with_an_error_event_and_queued_reque
     svc.wait_ready()
     long = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
     first, streamed = threading.Event(), {}
-    t1 = threading.Thread(target=_stream, args=(svc.url + "/v1/completions", long, first, streamed))
+    t1 = threading.Thread(target=stream_events, args=(svc.url + "/v1/completions", long, first, streamed))
     t1.start()
     assert first.wait(60)
     queued: dict[str, Any] = {}  # one slot: this one waits behind the stream
@@ -85,7 +70,7 @@ def test_load_and_unload_wait_their_limit_then_409_or_force(fake_factory: Callab
     svc = fake_factory(engine=FakeEngine(token_delay_s=0.05), load_wait_s=1.0)
     body = {"prompt": "a", "max_tokens": 400, "stream": True}
     first, streamed = threading.Event(), {}
-    t = threading.Thread(target=_stream, args=(svc.url + "/v1/completions", body, first, streamed))
+    t = threading.Thread(target=stream_events, args=(svc.url + "/v1/completions", body, first, streamed))
     t.start()
     assert first.wait(10)
     t0 = time.monotonic()
@@ -106,7 +91,7 @@ def test_load_and_unload_wait_their_limit_then_409_or_force(fake_factory: Callab
     assert svc.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
     # Unload with force while a stream runs: the same ending, and nothing is left loaded.
     first2, streamed2 = threading.Event(), {}
-    t2 = threading.Thread(target=_stream, args=(svc.url + "/v1/completions", body, first2, streamed2))
+    t2 = threading.Thread(target=stream_events, args=(svc.url + "/v1/completions", body, first2, streamed2))
     t2.start()
     assert first2.wait(10)
     r = svc.client.post("/api/models/unload", json={"force": True})

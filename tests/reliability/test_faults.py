@@ -8,33 +8,18 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import httpx
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, ServiceProcess
+from tests.conftest import EMBEDDED_NAME, ServiceProcess, stream_events
 
 from .conftest import FakeService
 
 pytestmark = pytest.mark.slow
 
 FAST_ENV = {"GGUF_CONFIRM_LOADS": "false", "GGUF_CONTEXT_LENGTH": "2048"}
-
-
-def _stream(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any]) -> None:
-    try:
-        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-            out["status"] = r.status_code
-            events = []
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    first.set()
-            out["events"] = events
-    except Exception as exc:  # reported to the test thread
-        out["error"] = repr(exc)
-        first.set()
 
 
 @pytest.mark.timeout(240)
@@ -46,7 +31,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(service_factory: Calla
     body = {"prompt": "Once upon a time", "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     first, out = threading.Event(), {}
-    t = threading.Thread(target=_stream, args=(svc.url, body, first, out))
+    t = threading.Thread(target=stream_events, args=(svc.url + "/v1/completions", body, first, out))
     t.start()
     assert first.wait(60), "the stream started"
     t_signal = time.monotonic()
@@ -82,7 +67,7 @@ def test_second_signal_exits_at_once(service_factory: Callable[..., ServiceProce
     svc.wait_ready()
     body = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     first, out = threading.Event(), {}
-    t = threading.Thread(target=_stream, args=(svc.url, body, first, out), daemon=True)
+    t = threading.Thread(target=stream_events, args=(svc.url + "/v1/completions", body, first, out), daemon=True)
     t.start()
     assert first.wait(60)
     svc.proc.send_signal(signal.SIGTERM)

@@ -12,13 +12,12 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from service.api.app import create_app
 from service.api.metrics import HTTP_METHODS, MSP_GAUGES, OTHER_METHOD, UNMATCHED_ROUTE
 from service.engine.fake import FakeEngine
 from service.settings import Settings
-from tests.conftest import EMBEDDED_NAME, free_port
+from tests.conftest import EMBEDDED_NAME, free_port, in_process_service
 from tests.prom import families, series, value
 
 from .conftest import FakeService
@@ -143,25 +142,8 @@ def real_service(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) 
     models = tmp_path_factory.mktemp("models")
     port = free_port()
     settings = Settings(host="127.0.0.1", port=port, models_dir=str(models), **REAL_SETTINGS)  # type: ignore[arg-type]
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    with httpx.Client(base_url=url, timeout=10) as c:
-        while time.monotonic() < deadline:
-            try:
-                if c.get("/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise TimeoutError("the real service did not load the embedded model")
-    yield url, app
-    server.should_exit = True
-    thread.join(timeout=60)
+    with in_process_service(settings) as served:
+        yield served
 
 
 def _truth(app: Any) -> tuple[int, int, int, int]:

@@ -22,6 +22,8 @@ from service.engine.fake import FakeEngine
 from service.settings import Settings
 from sizing.gguf.fixtures import FixtureShape, write_fixture
 
+from tests.conftest import stream_events
+
 from .conftest import FakeService
 
 MIB = 1 << 20
@@ -96,19 +98,8 @@ def _held_per_card(svc: FakeService) -> dict[str, float]:
 
 def _stream_in_thread(url: str, short: str, started: threading.Event, out: dict[str, Any]) -> threading.Thread:
     def run() -> None:
-        body = {"model": N(short), "prompt": "x", "max_tokens": 400, "stream": True}
-        try:
-            with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-                out["status"] = r.status_code
-                events = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-                out["events"] = events
-        except Exception as exc:  # reported to the test
-            out["error"] = repr(exc)
-            started.set()
+        stream_events(url + "/v1/completions", {"model": N(short), "prompt": "x", "max_tokens": 400, "stream": True},
+                      started, out)
 
     t = threading.Thread(target=run)
     t.start()

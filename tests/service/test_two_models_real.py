@@ -9,22 +9,18 @@ The app runs in this process, served by uvicorn over loopback, so the test reads
 from __future__ import annotations
 
 import os
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-import uvicorn
 
-from service.api.app import create_app
 from service.engine.llama import parse_allocations
 from service.settings import Settings
 from sizing.device import MIB
 from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
-from tests.conftest import EMBEDDED_NAME, free_port
+from tests.conftest import EMBEDDED_NAME, free_port, in_process_service
 
 pytestmark = pytest.mark.slow
 
@@ -40,25 +36,8 @@ def two_models(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) ->
     port = free_port()
     settings = Settings(host="127.0.0.1", port=port, models_dir=str(models), context_length=2048, parallel=1,
                         confirm_loads=False, queue_size=16)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    with httpx.Client(base_url=url, timeout=10) as c:
-        while time.monotonic() < deadline:
-            try:
-                if c.get("/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise TimeoutError("the embedded model did not load")
-    yield url, app
-    server.should_exit = True
-    thread.join(timeout=60)
+    with in_process_service(settings) as served:
+        yield served
 
 
 def test_two_real_models_answer_interleaved_requests_each_with_its_name(two_models: tuple[str, Any]) -> None:
