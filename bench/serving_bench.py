@@ -220,7 +220,9 @@ def conversation(url: str, route: str, history_tokens: int, turns: int, reply_to
     history = fresh(history_text(history_tokens))
     messages: list[dict[str, str]] = [{"role": "system", "content": history}]
     text = history
-    with httpx.Client(base_url=url, timeout=600) as c:
+    # A new connection per request, on both sides: llama-server (cpp-httplib) closed a kept-alive connection
+    # between turns, and a request sent on it got "Server disconnected without sending a response".
+    with httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as c:
         for i in range(turns + 1):
             q = QUESTIONS[i % len(QUESTIONS)]
             body: dict[str, Any] = {"max_tokens": reply_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -249,15 +251,16 @@ def conversation(url: str, route: str, history_tokens: int, turns: int, reply_to
                 messages.append({"role": "assistant", "content": reply})
             else:
                 text += reply
-        # A cold prompt as long as the last turn's: the whole conversation behind a fresh word.
+        # The last turn's prompt, cold: the same messages (ending with the user's question, not the reply that
+        # followed: llama-server exits on a chat that ends with an assistant turn) behind a fresh word.
         body = {"max_tokens": 1, "temperature": 0, "stream": True}
         if route == "chat":
-            cold_messages = [dict(m) for m in messages]
+            cold_messages = [dict(m) for m in messages[:-1]]
             cold_messages[0]["content"] = fresh(cold_messages[0]["content"])
             body["messages"] = cold_messages
             out.cold_ttft_s.append(request(c, "/v1/chat/completions", body).ttft_s)
         else:
-            body["prompt"] = fresh(text)
+            body["prompt"] = fresh(text[:len(text) - len(reply)])
             out.cold_ttft_s.append(request(c, "/v1/completions", body).ttft_s)
         usage_body = dict(body, stream=False)
         r = c.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=usage_body)
@@ -281,6 +284,8 @@ def main() -> int:
     ap.add_argument("--turns-route", choices=("chat", "completions"), default="chat")
     ap.add_argument("--llama-server", help="a llama-server binary (default: built once into ~/.cache/gguf-bench)")
     ap.add_argument("--llama-server-args", default="", help="extra llama-server arguments (default: none)")
+    ap.add_argument("--service-setting", action="append", default=[], metavar="GGUF_NAME=VALUE",
+                    help="a setting for the service (default: none; e.g. GGUF_CACHE_TYPE=f16, llama-server's cache type)")
     ap.add_argument("--in-process", action="store_true", help="also run 'one' on the engine in this process")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -291,8 +296,10 @@ def main() -> int:
     binary = find_or_build(args.llama_server)
     figures: dict[str, dict[str, Any]] = {"service": {}, "llama-server": {}}
     engine = InProcess(model) if args.in_process and "one" in scenarios else None
-    print(f"model {Path(model).name}; {args.rounds} rounds; load average {os.getloadavg()[0]:.2f}", flush=True)
-    with service(model) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
+    settings = dict(kv.split("=", 1) for kv in args.service_setting)
+    print(f"model {Path(model).name}; {args.rounds} rounds; service settings {settings or 'defaults'}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    with service(model, **settings) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
         sides = {"service": svc_url, "llama-server": ls_url}
         for url in sides.values():  # warm-up
             one_client(url, 8, True)
