@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.llama_server import free_port, wait_until_answers  # noqa: E402
+from bench.llama_server import free_port, stop, wait_until_answers  # noqa: E402
 
 MODEL = "gemma-3-270m-q4_k_m"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -100,8 +100,7 @@ def main() -> None:
             dt = time.perf_counter() - t0
             print(f"FIGURE embeddings: batches of {batch}: {n / dt:.1f} inputs/s ({dt / args.runs * 1e3:.0f} ms a request)")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
 
 
 if __name__ == "__main__":

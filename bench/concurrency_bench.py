@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_server import CACHE, find_or_build, free_port, wait_until_answers  # noqa: E402
+from llama_server import CACHE, find_or_build, free_port, stop, together, wait_until_answers  # noqa: E402
 
 TOPICS = ("a lighthouse keeper", "a dragon who hates gold", "the first city on Mars", "a lost violin",
           "a robot learning to cook", "two rival bakers", "a storm at sea", "an old library")
@@ -52,23 +52,6 @@ class Result:
 
 def prompt_for(i: int) -> str:
     return f"Write a long story about {TOPICS[i % len(TOPICS)]}. Once upon a time,"
-
-
-def run_clients(n: int, one: Callable[[int], Result]) -> tuple[float, list[Result]]:
-    results: list[Any] = [None] * n
-    barrier = threading.Barrier(n)
-
-    def go(i: int) -> None:
-        barrier.wait()
-        results[i] = one(i)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, results
 
 
 def engine_client(engine: Any, params: Any, lock: threading.Lock | None) -> Callable[[int], Result]:
@@ -155,8 +138,7 @@ def llama_server(args: Any, path: str, slots: int) -> Iterator[str]:
         wait_until_answers(proc, f"http://127.0.0.1:{port}/health", 120, f"llama-server ({' '.join(cmd)})")
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
 
 
 def main() -> None:
@@ -202,7 +184,7 @@ def main() -> None:
         runners: dict[str, Callable[[int], tuple[float, list[Result]]]] = {}
         if args.service_url:
             svc = f"svc-{os.environ.get('GGUF_PARALLEL', '1')}"
-            runners[svc] = lambda n: run_clients(n, http_client(args.service_url, args.max_tokens, None))
+            runners[svc] = lambda n: together(n, http_client(args.service_url, args.max_tokens, None))
             modes = [m for m in modes if m == "server"]
         from service.engine.llama import LlamaEngine
 
@@ -211,18 +193,18 @@ def main() -> None:
             eng.load(path, plan(1))
             stack.callback(eng.unload)
             lock = threading.Lock()
-            run_clients(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
-            runners["single"] = lambda n: run_clients(n, engine_client(eng, params, lock))
+            together(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
+            runners["single"] = lambda n: together(n, engine_client(eng, params, lock))
         if "batched" in modes:
             beng = LlamaEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
             beng.load(path, plan(slots))
             stack.callback(beng.unload)
-            run_clients(1, engine_client(beng, replace(params, max_tokens=8), None))
-            runners["batched"] = lambda n: run_clients(n, engine_client(beng, params, None))
+            together(1, engine_client(beng, replace(params, max_tokens=8), None))
+            runners["batched"] = lambda n: together(n, engine_client(beng, params, None))
         if "server" in modes:
             url = stack.enter_context(llama_server(args, path, slots))
-            run_clients(1, http_client(url, 8, None))
-            runners["server"] = lambda n: run_clients(n, http_client(url, args.max_tokens, None))
+            together(1, http_client(url, 8, None))
+            runners["server"] = lambda n: together(n, http_client(url, args.max_tokens, None))
         # Modes take turns within each round, so a change in the machine's load (other jobs on shared
         # cores) falls on all of them alike instead of on whichever ran last.
         for n in clients:

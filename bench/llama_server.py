@@ -16,12 +16,40 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 CACHE = Path.home() / ".cache" / "gguf-bench"
 VERSION = "0.3.36"
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def together(n: int, one: Callable[[int], Any]) -> tuple[float, list[Any]]:
+    """``one(0) ... one(n - 1)`` on ``n`` threads released at once: the wall time and their results."""
+    results: list[Any] = [None] * n
+    barrier = threading.Barrier(n)
+
+    def go(i: int) -> None:
+        barrier.wait()
+        results[i] = one(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, results
 
 
 def free_port() -> int:
@@ -93,8 +121,4 @@ def serve(binary: Path, model: str, *args: str, log_name: str = "llama-server.lo
                                f"llama-server ({' '.join(cmd)}; log: {CACHE / log_name})")
             yield f"http://127.0.0.1:{port}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)

@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from llama_server import find_or_build, free_port, serve, wait_until_answers  # noqa: E402
+from llama_server import find_or_build, free_port, serve, stop, together, wait_until_answers  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 SENTENCES = (
@@ -85,11 +84,7 @@ def service(model: str, **settings: str) -> Iterator[str]:
         wait_until_answers(proc, f"{url}/ready", 300, f"the service (log: {models / 'service.log'})")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
         shutil.rmtree(models, ignore_errors=True)
 
@@ -149,22 +144,12 @@ def one_client(url: str, tokens: int, stream: bool) -> Run:
 
 def clients(url: str, n: int, tokens: int) -> tuple[float, list[Run]]:
     """``n`` concurrent streaming clients with fresh prompts: the wall time and each run."""
-    out: list[Any] = [None] * n
-    barrier = threading.Barrier(n)
-
-    def go(i: int) -> None:
+    def one(i: int) -> Run:
         body = {"prompt": fresh(PROMPT), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=url, timeout=600) as c:
-            barrier.wait()
-            out[i] = request(c, "/v1/completions", body)
+            return request(c, "/v1/completions", body)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, out
+    return together(n, one)
 
 
 class InProcess:
