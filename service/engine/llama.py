@@ -24,6 +24,15 @@ low-level API:
   ``update_slots`` checks; llama-server's SWA checkpoints are not built here).
   A unified cache that runs out of cells clears idle slots, least recently used
   first, before it fails a request (``try_clear_idle_slots``).
+- **One compute thread.** Every ``llama_decode`` of an engine, its embedding
+  batches too, runs on its scheduler thread, and when another engine is loaded
+  in the process that thread ends once its engine has been idle for
+  ``SCHEDULER_IDLE_EXIT_S`` (the next request starts another). llama.cpp's CPU backend computes a graph on an OpenMP team that
+  belongs to the calling thread and lives as long as it; libgomp spins only
+  briefly at its barriers once it manages more threads than the machine has
+  CPUs, so one idle engine's team (another model, or a runner thread that
+  evaluated embeddings) slowed generation on 2 cores from 62-65 to 41-50
+  tokens/s; when that thread ended, the speed came back (measured, gemma-3-270m).
 - **Continuous batching.** A scheduler thread owns the context. Each step puts one
   token for every generating sequence into the batch, then fills the rest of
   ``n_batch`` with prompt tokens (oldest request first), in increasing sequence id.
@@ -58,7 +67,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
 
@@ -97,6 +106,32 @@ _MIB = 1 << 20
 _RE_DEVICE = re.compile(r"device (\d+)")
 _DONE = object()
 _STOP = object()
+SCHEDULER_IDLE_EXIT_S = 1.0
+"""With another engine loaded in the process, an idle scheduler thread ends after this long (its OpenMP team with
+it); a request starts a new one, which costs its first token about 10 ms (22 -> 33 ms for a one-token request,
+measured), so an engine alone keeps its thread."""
+_engines_loaded = 0
+_engines_lock = threading.Lock()
+
+
+class _Call:
+    """Work for the scheduler thread (an embedding batch's ``llama_decode``): run between two steps."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.done = fn, threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the caller, who raises it
+            self.error = exc
+        self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.done.set()
 
 
 # ---- load log: allocations, failed devices -------------------------------------------------------
@@ -431,6 +466,8 @@ class LlamaEngine(Prompting):
         self._n_vocab = 0
         self._inbox: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._sched_lock = threading.Lock()  # the scheduler thread's start and end against posts to its inbox
+        self._sched_on = False  # a model is loaded: a post starts the scheduler thread if it has ended
         self._slots: list[_Slot] = []
         self._cells = _Cells()
         self._running = 0
@@ -579,9 +616,13 @@ class LlamaEngine(Prompting):
             self._evaluated = 0
             self._n_embd = int(model.n_embd())
             self._device = ",".join(f"CUDA{i}" for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
-            self._inbox = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, args=(self._inbox,), name="llama-scheduler", daemon=True)
-            self._thread.start()
+            with self._sched_lock:
+                self._inbox = queue.SimpleQueue()
+                self._sched_on = True
+                self._start_scheduler()
+            global _engines_loaded
+            with _engines_lock:
+                _engines_loaded += 1
         allocs, offloaded = parse_allocations(lines[:n_main])
         emb_allocs, _ = parse_allocations(lines[n_main:])
         log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s",
@@ -594,10 +635,17 @@ class LlamaEngine(Prompting):
         """Stop the scheduler (requests still queued or running fail with ``NotReady``), free the context."""
         import llama_cpp
 
+        global _engines_loaded
         with self._lock:
-            thread, self._thread = self._thread, None
+            with self._sched_lock:
+                was_on, self._sched_on = self._sched_on, False
+                thread, self._thread = self._thread, None
+                if thread is not None:
+                    self._inbox.put(_STOP)
+            if was_on:
+                with _engines_lock:
+                    _engines_loaded -= 1
             if thread is not None:
-                self._inbox.put(_STOP)
                 thread.join()
             if self._batch is not None:
                 llama_cpp.llama_batch_free(self._batch)
@@ -700,7 +748,7 @@ class LlamaEngine(Prompting):
                         batch.seq_id[n][0] = seq
                         n += 1
                 batch.n_tokens = n
-                ret = int(llama_cpp.llama_decode(emb.ctx, batch))
+                ret = self._on_scheduler(lambda: int(llama_cpp.llama_decode(emb.ctx, batch)))
                 if ret != 0:
                     raise EngineFailure(f"llama.cpp failed to evaluate an embedding batch (llama_decode returned {ret})")
                 for seq in range(len(group)):
@@ -764,7 +812,8 @@ class LlamaEngine(Prompting):
             for i in range(max(1, params.n))
         ]
         reqs[0].followers = reqs[1:]
-        self._inbox.put(reqs[0])
+        if not self._post(reqs[0]):
+            raise NotReady("the model was unloaded")
         left = len(reqs)
         try:
             while True:
@@ -783,21 +832,64 @@ class LlamaEngine(Prompting):
 
     def forget(self) -> None:
         """Drop every idle slot's cached prompt (the next requests start from empty sequences)."""
-        if self._thread is None:
-            return
         done = threading.Event()
-        self._inbox.put(done)
-        done.wait()
+        if self._post(done):
+            done.wait()
 
     # -- scheduler thread ------------------------------------------------
+
+    def _start_scheduler(self) -> None:
+        """(Under ``_sched_lock``.) A scheduler thread for the current inbox."""
+        self._thread = threading.Thread(target=self._run, args=(self._inbox,), name="llama-scheduler", daemon=True)
+        self._thread.start()
+
+    def _post(self, item: Any) -> bool:
+        """Hand ``item`` to the scheduler thread, starting one if the last ended idle; False when unloaded."""
+        with self._sched_lock:
+            if not self._sched_on:
+                return False
+            if self._thread is None:
+                self._start_scheduler()
+            self._inbox.put(item)
+            return True
+
+    def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the scheduler thread, between two of its steps (see "One compute thread" above)."""
+        call = _Call(fn)
+        if not self._post(call):
+            raise NotReady("the model was unloaded")
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _park(self, inbox: "queue.SimpleQueue[Any]") -> bool:
+        """Idle for ``SCHEDULER_IDLE_EXIT_S``: end this thread if another engine is loaded (its OpenMP team would
+        slow theirs) and nothing arrived meanwhile."""
+        with _engines_lock:
+            if _engines_loaded < 2:
+                return False
+        with self._sched_lock:
+            if not inbox.empty() or self._thread is not threading.current_thread():
+                return False
+            self._thread = None
+            return True
 
     def _run(self, inbox: "queue.SimpleQueue[Any]") -> None:
         waiting: collections.deque[_Request] = collections.deque()
         active: list[_Request] = []
         try:
             while True:
-                # Block only when idle; else take what has arrived and go on decoding.
-                items = [inbox.get()] if not active and not waiting else []
+                # Block only when idle (and end the thread once idle long enough); else take what has arrived and
+                # go on decoding.
+                items = []
+                if not active and not waiting:
+                    try:
+                        items.append(inbox.get(timeout=SCHEDULER_IDLE_EXIT_S))
+                    except queue.Empty:
+                        if self._park(inbox):
+                            return
+                        continue
                 while True:
                     try:
                         items.append(inbox.get_nowait())
@@ -812,6 +904,8 @@ class LlamaEngine(Prompting):
                             if s.req is None:
                                 self._clear_slot(s)
                         it.set()
+                    elif isinstance(it, _Call):
+                        it.run()
                     else:
                         waiting.append(it)
                 if stop:
@@ -866,6 +960,8 @@ class LlamaEngine(Prompting):
                 it.out.put(_DONE)
             elif isinstance(it, threading.Event):
                 it.set()
+            elif isinstance(it, _Call):
+                it.fail(gone)
 
     def _send(self, r: _Request, item: Any) -> None:
         if r.index and isinstance(item, Chunk):
