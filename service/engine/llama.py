@@ -27,12 +27,13 @@ low-level API:
 - **One compute thread.** Every ``llama_decode`` of an engine, its embedding
   batches too, runs on its scheduler thread, and when another engine is loaded
   in the process that thread ends once its engine has been idle for
-  ``SCHEDULER_IDLE_EXIT_S`` (the next request starts another). llama.cpp's CPU backend computes a graph on an OpenMP team that
-  belongs to the calling thread and lives as long as it; libgomp spins only
-  briefly at its barriers once it manages more threads than the machine has
-  CPUs, so one idle engine's team (another model, or a runner thread that
-  evaluated embeddings) slowed generation on 2 cores from 62-65 to 41-50
-  tokens/s; when that thread ended, the speed came back (measured, gemma-3-270m).
+  ``SCHEDULER_IDLE_EXIT_S`` (the next request starts another). llama.cpp's CPU
+  backend computes a graph on an OpenMP team that belongs to the calling thread
+  and lives as long as it; libgomp spins only briefly at its barriers once it
+  manages more threads than the machine has CPUs, so one idle engine's team
+  (another model, or a runner thread that evaluated embeddings) slowed
+  generation on 2 cores from 62-65 to 41-50 tokens/s; when that thread ended,
+  the speed came back (measured, gemma-3-270m; ``bench/openmp_bench.py``).
 - **Continuous batching.** A scheduler thread owns the context. Each step puts one
   token for every generating sequence into the batch, then fills the rest of
   ``n_batch`` with prompt tokens (oldest request first), in increasing sequence id.
