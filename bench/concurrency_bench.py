@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llama_server import CACHE, find_or_build, free_port, stop, together, wait_until_answers  # noqa: E402
+from llama_server import CACHE, find_or_build, free_port, request, stop, together, wait_until_answers  # noqa: E402
 
 TOPICS = ("a lighthouse keeper", "a dragon who hates gold", "the first city on Mars", "a lost violin",
           "a robot learning to cook", "two rival bakers", "a storm at sea", "an old library")
@@ -86,28 +86,12 @@ def http_client(url: str, max_tokens: int, model: str | None) -> Callable[[int],
 
     def one(i: int) -> Result:
         body: dict[str, Any] = {"prompt": prompt_for(i), "max_tokens": max_tokens, "temperature": 0.0,
-                                "stream": True, "cache_prompt": False, "stream_options": {"include_usage": True}}
+                                "stream": True, "cache_prompt": False}
         if model:
             body["model"] = model
-        t0 = time.perf_counter()
-        ttft = None
-        pieces = 0
-        usage = None
-        with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    usage = ev["usage"].get("completion_tokens")
-                for ch in ev.get("choices") or ():
-                    if ch.get("text"):
-                        pieces += 1
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-        total = time.perf_counter() - t0
-        return Result(usage if usage is not None else pieces, ttft if ttft is not None else total, total)
+        with httpx.Client(base_url=url, timeout=600) as c:
+            run = request(c, "/v1/completions", body)
+        return Result(run.tokens, run.ttft_s, run.total_s)
 
     return one
 

@@ -26,7 +26,6 @@ measurement of ``sizing.gpu``'s bound.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import tempfile
 import threading
@@ -95,16 +94,7 @@ def load_and_run(path: str, plan: Plan, prompt_tokens: int, gen_tokens: int) -> 
     from service.engine import loglines as L
     from service.engine.params import apply_context_params, apply_model_params, plan_params
 
-    lines: list[str] = []
-    partial = [""]
-
-    @llama_cpp.llama_log_callback  # type: ignore[misc]
-    def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        s = partial[0] + (text.decode("utf-8", "replace") if text else "")
-        *done, partial[0] = s.split("\n")
-        lines.extend(done)
-
-    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+    lines = L.LogCollector().lines
     llama_cpp.llama_backend_init()
     mp_values, cp_values = plan_params(plan)
     with NvmlPeak() as nv:

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from llama_server import find_or_build, free_port, serve, stop, together, wait_until_answers  # noqa: E402
+from llama_server import Run, find_or_build, free_port, request, serve, stop, together, wait_until_answers  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 SENTENCES = (
@@ -87,48 +87,6 @@ def service(model: str, **settings: str) -> Iterator[str]:
         stop(proc)
         log.close()
         shutil.rmtree(models, ignore_errors=True)
-
-
-@dataclass
-class Run:
-    tokens: int
-    ttft_s: float
-    total_s: float
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return (self.tokens - 1) / (self.total_s - self.ttft_s) if self.tokens > 1 and self.total_s > self.ttft_s else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.total_s
-
-
-def request(client: httpx.Client, route: str, body: dict[str, Any]) -> Run:
-    """One request; streaming: time to the first content and the token count from the usage chunk."""
-    t0 = time.perf_counter()
-    if not body.get("stream"):
-        r = client.post(route, json=body)
-        r.raise_for_status()
-        return Run(int(r.json()["usage"]["completion_tokens"]), 0.0, time.perf_counter() - t0)
-    first = None
-    usage = pieces = 0
-    with client.stream("POST", route, json={**body, "stream_options": {"include_usage": True}}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                usage = int(ev["usage"]["completion_tokens"])
-            for ch in ev.get("choices") or ():
-                text = ch.get("text") or (ch.get("delta") or {}).get("content")
-                if text:
-                    pieces += 1
-                    if first is None:
-                        first = time.perf_counter()
-    t1 = time.perf_counter()
-    return Run(usage or pieces, (first or t1) - t0, t1 - t0)
 
 
 def fresh(text: str) -> str:
@@ -217,27 +175,16 @@ def conversation(url: str, route: str, history_tokens: int, turns: int, reply_to
             else:
                 text += f"\nUser: {q}\nAssistant:"
                 body["prompt"] = text
-            t0 = time.perf_counter()
-            first = None
-            reply = ""
-            with c.stream("POST", f"/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    for ch in json.loads(line[6:]).get("choices") or ():
-                        piece = ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                        if piece and first is None:
-                            first = time.perf_counter()
-                        reply += piece
+            turn = request(c, f"/v1/{'chat/completions' if route == 'chat' else 'completions'}", body)
+            reply = turn.text
             if i:  # turn 0 is the history's cold start
-                out.next_ttft_s.append((first or time.perf_counter()) - t0)
+                out.next_ttft_s.append(turn.ttft_s)
             if route == "chat":
                 messages.append({"role": "assistant", "content": reply})
             else:
                 text += reply
-        # The last turn's prompt, cold: the same messages (ending with the user's question, not the reply that
-        # followed: llama-server exits on a chat that ends with an assistant turn) behind a fresh word.
+        # The last turn's prompt, cold: the same messages (up to the user's question, without the reply that
+        # followed) behind a fresh word.
         body = {"max_tokens": 1, "temperature": 0, "stream": True}
         if route == "chat":
             cold_messages = [dict(m) for m in messages[:-1]]

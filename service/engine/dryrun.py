@@ -429,22 +429,12 @@ _KEEP_LOAD_LINES = ("assigned to device", "offloaded", "model buffer size", "usi
 
 
 def _worker() -> int:  # pragma: no cover - runs in the child
-    import ctypes
-
     import llama_cpp
 
+    from .loglines import LogCollector
     from .params import apply_context_params, apply_model_params
 
-    buf: list[str] = []
-    partial = [""]
-
-    @llama_cpp.llama_log_callback  # type: ignore[misc]
-    def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        s = partial[0] + (text.decode("utf-8", "replace") if text else "")
-        *lines, partial[0] = s.split("\n")
-        buf.extend(lines)
-
-    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+    llama_log = LogCollector()
     llama_cpp.llama_backend_init()
 
     def emit(obj: dict[str, Any]) -> None:
@@ -464,25 +454,25 @@ def _worker() -> int:  # pragma: no cover - runs in the child
         if op == "load":
             if model:
                 llama_cpp.llama_model_free(model)
-            buf.clear()
+            llama_log.lines.clear()
             mp = llama_cpp.llama_model_default_params()
             keep = apply_model_params(mp, ModelParams.from_json(req["model"]))
             mp.no_alloc = True
             mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: with mmap, no_alloc aborts
             model = llama_cpp.llama_model_load_from_file(req["path"].encode(), mp)
-            lines = buf + ([partial[0]] if partial[0] else [])
+            lines = llama_log.text()
             emit({"event": "loaded", "ok": bool(model), "devices": devices,
                   "log": lines if not model else [ln for ln in lines if any(k in ln for k in _KEEP_LOAD_LINES)]})
             if not model:
                 return 1
         elif op == "contexts":
             for i, c in enumerate(req["contexts"]):
-                buf.clear()
+                llama_log.lines.clear()
                 cp = llama_cpp.llama_context_default_params()
                 apply_context_params(cp, ContextParams.from_json(c), n_threads=1)
                 ctx = llama_cpp.llama_init_from_model(model, cp)
                 emit({"event": "context", "index": i, "created": bool(ctx),
-                      "log": buf + ([partial[0]] if partial[0] else [])})
+                      "log": llama_log.text()})
                 if ctx:
                     llama_cpp.llama_free(ctx)
     if model:

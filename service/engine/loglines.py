@@ -9,6 +9,7 @@ Formats of the llama.cpp vendored by llama-cpp-python 0.3.36: ``src/llama-model.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 MODEL_BUFFER = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
 KV_BUFFER = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
@@ -30,3 +31,28 @@ N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
 N_CTX_SEQ = re.compile(r"llama_context: n_ctx_seq\s+=\s+(\d+)")
 FLASH_ATTN = re.compile(r"llama_context: flash_attn\s+=\s+(\w+)")
 FLASH_ATTN_RESOLVED = re.compile(r"resolve_fused_ops: Flash Attention (enabled|not supported)", re.I)
+
+
+class LogCollector:
+    """llama.cpp's log, as whole lines, for a process that only collects it (the dry-run child, a benchmark):
+    sets the process-wide log callback. The serving process logs through ``service.engine.llama._LogTap``."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        import llama_cpp
+
+        self.lines: list[str] = []
+        self.partial = ""
+
+        @llama_cpp.llama_log_callback  # type: ignore[misc]
+        def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            *done, self.partial = (self.partial + (text.decode("utf-8", "replace") if text else "")).split("\n")
+            self.lines.extend(done)
+
+        self._callback: Any = _cb  # kept: ctypes callbacks must outlive their use
+        llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+
+    def text(self) -> list[str]:
+        """The lines so far, the unfinished one included."""
+        return self.lines + ([self.partial] if self.partial else [])
