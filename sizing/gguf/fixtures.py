@@ -235,16 +235,37 @@ def _metadata(w: gguf.GGUFWriter, name: str, shape: FixtureShape, quant: Quant) 
         w.add_sliding_window(s.n_swa)
     for k, v in s.extra.items():
         w.add_float32(f"{a}.{k}", float(v))  # type: ignore[arg-type]
-    tokens, scores, types, merges = _vocab(s)
-    w.add_tokenizer_model(s.tokenizer)
-    w.add_tokenizer_pre(s.tokenizer_pre)
+    _add_vocab(w, s)
+
+
+def add_key(w: gguf.GGUFWriter, key: str, v: object) -> None:
+    """One metadata key, typed by its Python value: bool, uint32, float32, string or array."""
+    if isinstance(v, bool):
+        w.add_bool(key, v)
+    elif isinstance(v, int):
+        w.add_uint32(key, v)
+    elif isinstance(v, float):
+        w.add_float32(key, v)
+    elif isinstance(v, str):
+        w.add_string(key, v)
+    elif isinstance(v, list):
+        w.add_array(key, v)
+    else:  # pragma: no cover - a fixture typo
+        raise TypeError(f"{key}: unsupported value {v!r}")
+
+
+def _add_vocab(w: gguf.GGUFWriter, shape: "FixtureShape | ArchFixture") -> None:
+    """The synthetic vocabulary (``_vocab``), its tokenizer and BOS/EOS ids."""
+    tokens, scores, types, merges = _vocab(shape)
+    w.add_tokenizer_model(shape.tokenizer)
+    w.add_tokenizer_pre(shape.tokenizer_pre)
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
     if merges:
         w.add_token_merges(merges)
-    w.add_bos_token_id(1 if s.tokenizer == "llama" else 0)
-    w.add_eos_token_id(2 if s.tokenizer == "llama" else 1)
+    w.add_bos_token_id(1 if shape.tokenizer == "llama" else 0)
+    w.add_eos_token_id(2 if shape.tokenizer == "llama" else 1)
 
 
 def _arch_metadata(w: gguf.GGUFWriter, name: str, fx: ArchFixture, quant: Quant) -> None:
@@ -256,29 +277,8 @@ def _arch_metadata(w: gguf.GGUFWriter, name: str, fx: ArchFixture, quant: Quant)
     w.add_embedding_length(fx.n_embd)
     w.add_block_count(fx.n_layer)
     for k, v in fx.keys.items():
-        key = f"{a}.{k}"
-        if isinstance(v, bool):
-            w.add_bool(key, v)
-        elif isinstance(v, int):
-            w.add_uint32(key, v)
-        elif isinstance(v, float):
-            w.add_float32(key, v)
-        elif isinstance(v, str):
-            w.add_string(key, v)
-        elif isinstance(v, list):
-            w.add_array(key, v)
-        else:  # pragma: no cover - a fixture typo
-            raise TypeError(f"{key}: unsupported value {v!r}")
-    tokens, scores, types, merges = _vocab(fx)
-    w.add_tokenizer_model(fx.tokenizer)
-    w.add_tokenizer_pre(fx.tokenizer_pre)
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    if merges:
-        w.add_token_merges(merges)
-    w.add_bos_token_id(1 if fx.tokenizer == "llama" else 0)
-    w.add_eos_token_id(2 if fx.tokenizer == "llama" else 1)
+        add_key(w, f"{a}.{k}", v)
+    _add_vocab(w, fx)
 
 
 ALL_FIXTURES: tuple[str, ...] = (*FIXTURES, *ARCH_FIXTURES)

@@ -16,6 +16,8 @@ import gguf
 import numpy as np
 import pytest
 
+from sizing.gguf.fixtures import add_key
+
 # ---------------------------------------------------------------- GGUFWriter models
 
 
@@ -44,14 +46,7 @@ def write_model(
     w.add_token_list([f"tok{i}".encode() for i in range(n_vocab)])
     w.add_token_scores([0.0] * n_vocab)
     for key, value in (extra or {}).items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)  # type: ignore[arg-type]
+        add_key(w, key, value)
     rng = np.random.default_rng(0)
     w.add_tensor("token_embd.weight", rng.standard_normal((n_vocab, n_embd)).astype(np.float16))
     for il in range(n_layer):
