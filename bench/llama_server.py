@@ -116,9 +116,15 @@ def wait_until_answers(proc: "subprocess.Popen[bytes]", url: str, timeout_s: flo
 
 @contextlib.contextmanager
 def serve(binary: Path, model: str, *args: str, log_name: str = "llama-server.log") -> Iterator[str]:
-    """llama-server on a free loopback port with ``args`` (none: its defaults); yields the base URL."""
+    """llama-server on a free loopback port with ``args`` (none: its defaults, but for the host's safe CPU default);
+    yields the base URL."""
+    from service.engine.cpu import host_repack
+
     port = free_port()
-    cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "--no-webui", *args]
+    # The service's safe CPU default applies to llama-server too: off where llama.cpp's AMX kernel crashes
+    # (service.engine.cpu), so that both run, and run alike.
+    same_cpu = [] if host_repack("auto").on or "--repack" in args or "--no-repack" in args else ["--no-repack"]
+    cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "--no-webui", *same_cpu, *args]
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / log_name, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -32,6 +32,7 @@ Blocking (subprocesses): call from a thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -54,6 +55,7 @@ from sizing.report import plan_json
 from sizing.spec import ModelSpec
 
 from .engine.calibrate import Calibrator, FileIdentity, add_samples, points
+from .engine.cpu import RepackChoice, host_repack
 from .engine.dryrun import DryRunError, DryRunResult
 from .engine.params import ModelParams, model_params, plan_params
 from .errors import BadRequest, InsufficientMemory
@@ -84,8 +86,10 @@ class LoadOptions:
     """This model's ceiling on n_ctx (its models-file ``context_length``; None: GGUF_CONTEXT_LENGTH)."""
 
 
-def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None) -> PlanRequest:
-    """The settings, overridden by a request's options, as a ``PlanRequest``."""
+def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None,
+                 repack: RepackChoice | None = None) -> PlanRequest:
+    """The settings, overridden by a request's options, as a ``PlanRequest``; ``repack``: this host's choice of
+    llama.cpp's extra CPU buffer types (``service.engine.cpu``; None: decided where llama.cpp loads it)."""
     split = opts.tensor_split
     if split is None and settings.tensor_split:
         try:
@@ -115,6 +119,8 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         cpu_cores=settings.n_threads or os.cpu_count() or 1,
         embedding_tokens=0 if settings.embeddings == "off" else settings.embedding_tokens,
         embedding_gpu=settings.embeddings == "on",
+        cpu_repack=repack.on if repack is not None else None,
+        cpu_repack_reason=repack.reason if repack is not None else "",
     )
 
 
@@ -246,8 +252,15 @@ class Planner:
         self.live = not (settings.gpus_file or settings.gpus_json) if live is None else live
         """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
 
+    @functools.cached_property
+    def repack(self) -> RepackChoice:
+        """This host's choice of llama.cpp's extra CPU buffer types (``GGUF_CPU_REPACK``), read once."""
+        choice = host_repack(self.settings.cpu_repack)
+        log.info("CPU weight repacking %s (%s)", "on" if choice.on else "off", choice.reason)
+        return choice
+
     def request(self, opts: LoadOptions) -> PlanRequest:
-        return plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s)
+        return plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack)
 
     def inventory(self, opts: LoadOptions = LoadOptions()) -> tuple[list[Device], Device, bool]:
         """The cards and host as read now, and whether residents count on them (False for hypothetical cards,
@@ -458,7 +471,7 @@ class Planner:
                 continue
             pl = opt.placement
             if backend == "CPU":
-                pkey, mp = None, ModelParams()
+                pkey, mp = None, ModelParams(use_extra_bufts=req.cpu_repack is not False)
             else:
                 pkey = placement_key(pl.n_gpu_layers, pl.tensor_split, pl.n_cpu_moe)
                 mp = model_params(pl, [g.index for g in gpus], n_devices=len(gpus))

@@ -90,6 +90,13 @@ class Settings(BaseSettings):
     n_threads: int | None = Field(
         None, ge=1, description="CPU threads for generation and prompt evaluation (default: the physical cores, as llama.cpp's tools)."
     )
+    cpu_repack: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="llama.cpp's repacked CPU weight layouts (its extra buffer types, AMX and CPU_REPACK; "
+        "llama-server's --repack / --no-repack). auto: off where llama.cpp reports AMX_INT8, whose AMX kernel "
+        "crashes this llama.cpp at the first decode (llama.cpp#20824), on elsewhere (faster prompts); the load's "
+        "log line says which and why.",
+    )
     queue_size: int = Field(16, ge=0, description="Requests that may wait for the model; beyond it 429.")
     parallel: int = Field(
         4, ge=1, le=64,

@@ -163,6 +163,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "tensor_split": list(plan.placement.tensor_split),
             "gpus": [plan.gpus[i].index for i in plan.placement.gpus],
             "n_cpu_moe": plan.placement.n_cpu_moe,
+            "cpu_repack": plan.request.cpu_repack,
+            "cpu_repack_reason": plan.request.cpu_repack_reason,
         },
         "candidates": [candidate_json(c, plan) for c in plan.candidates],
         "predicted_speed": None if plan.predicted_decode_tokens_per_s is None else {
@@ -195,6 +197,10 @@ def candidate_json(c: Candidate, plan: Plan) -> dict[str, object]:
     }
 
 
+def _on_off(flag: bool | None) -> str:
+    return "host default" if flag is None else "on" if flag else "off"
+
+
 def plan_table(plan: Plan) -> str:
     """A short human rendering of a plan, for the command line and the log."""
     spec = plan.model
@@ -217,7 +223,9 @@ def plan_table(plan: Plan) -> str:
     c = plan.cfg
     lines.append(
         f"chosen: {plan.verdict}, n_ctx {c.n_ctx}, type_k {c.type_k}, type_v {c.type_v}, flash_attn {c.flash_attn}, "
-        f"n_gpu_layers {plan.placement.n_gpu_layers}, swa_full {c.swa_full}"
+        f"n_gpu_layers {plan.placement.n_gpu_layers}, swa_full {c.swa_full}, "
+        f"cpu_repack {_on_off(plan.request.cpu_repack)}"
+        + (f" ({plan.request.cpu_repack_reason})" if plan.request.cpu_repack_reason else "")
     )
     if plan.estimate is not None:
         by_label = {g.label: g for g in plan.gpus}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .config import ContextConfig, FlashAttn
@@ -43,6 +43,12 @@ class PlanRequest:
     """Tokens of one /v1/embeddings batch: the plan sizes an embedding context of this many (0: none)."""
     embedding_gpu: bool = False
     """Give plans with layers on GPUs the embedding context too (off: CPU-only plans only)."""
+    cpu_repack: bool | None = None
+    """llama.cpp's extra CPU buffer types (repacked weight layouts: ``use_extra_bufts``). None: this host's safe
+    default, decided where llama.cpp is loaded (``service.engine.cpu``: off where its AMX kernel crashes); the
+    service's planner always sets it (``GGUF_CPU_REPACK``)."""
+    cpu_repack_reason: str = field(default="", compare=False)
+    """Why ``cpu_repack`` is what it is (the load's log line and the dry run say it)."""
 
 
 def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:

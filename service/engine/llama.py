@@ -78,7 +78,7 @@ from .base import (Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams,
                    current_delivery)
 from .chat_template import BuiltinChatTemplate, ChatTemplate
 from .grammar import compile_grammar, grammar_sampler
-from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params
+from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
 from .prompting import Prompting
 
 log = logging.getLogger(__name__)
@@ -626,9 +626,12 @@ class LlamaEngine(Prompting):
                 _engines_loaded += 1
         allocs, offloaded = parse_allocations(lines[:n_main])
         emb_allocs, _ = parse_allocations(lines[n_main:])
-        log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s",
+        why = "batch-invariant mode" if self._batch_invariant else repack_of(plan).reason
+        log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s, "
+                 "CPU weight repacking %s (%s)",
                  self._n_slots, "unified" if cparams.kv_unified else "per-sequence", self._n_ctx, self._n_ctx_seq,
-                 self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off")
+                 self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off",
+                 "on" if mparams.use_extra_bufts else "off", why)
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs)
 

@@ -44,6 +44,8 @@ from ..errors import EngineFailure
 if TYPE_CHECKING:
     from sizing.plan import Plan
 
+    from .cpu import RepackChoice
+
 # llama.h enum values (llama-cpp-python 0.3.36 mirrors them as module constants).
 LLAMA_SPLIT_MODE_LAYER = 1
 LLAMA_FLASH_ATTN_TYPE_AUTO = -1
@@ -147,10 +149,23 @@ def embedding_context_params(cfg: ContextConfig) -> ContextParams | None:
 
 
 def plan_params(plan: "Plan", *, use_extra_bufts: bool = True) -> tuple[ModelParams, ContextParams]:
-    """Both parameter sets for a plan: its placement over its devices, its context configuration."""
+    """Both parameter sets for a plan: its placement over its devices, its context configuration. The extra CPU
+    buffer types are the plan's choice (``PlanRequest.cpu_repack``); ``use_extra_bufts=False`` turns them off
+    whatever it says (the engine's batch-invariant mode)."""
     mp = model_params(plan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
-                      use_extra_bufts=use_extra_bufts)
+                      use_extra_bufts=use_extra_bufts and repack_of(plan).on)
     return mp, context_params(plan.cfg)
+
+
+def repack_of(plan: "Plan") -> "RepackChoice":
+    """The plan's choice of extra CPU buffer types; a plan that leaves it open gets this host's safe default
+    (``service.engine.cpu``: off where llama.cpp's AMX kernel crashes)."""
+    from .cpu import RepackChoice, host_repack
+
+    req = plan.request
+    if req.cpu_repack is None:
+        return host_repack("auto")
+    return RepackChoice(req.cpu_repack, req.cpu_repack_reason or ("on" if req.cpu_repack else "off"))
 
 
 def physical_cores() -> int:
