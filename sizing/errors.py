@@ -8,7 +8,8 @@
     │   ├── MalformedError    counts, types, offsets or shapes that cannot be right
     │   │   └── LayerArrayError  a per-layer array of the wrong length (also an UnsupportedModelError)
     │   ├── ShardError        a split GGUF's shards are missing or disagree
-    │   └── RemoteError       an HTTP(S) source could not be read (status, network, no Range support)
+    │   ├── RemoteError       an HTTP(S) source could not be read (status, network, no Range support)
+    │   └── InvalidURLError   a location that is not a valid http(s) URL or hf:// name: refused before any request
     ├── UnsupportedModelError the header is valid but the model cannot be sized
     ├── ConfigError           a context configuration llama.cpp would refuse
     │   └── FlashAttentionRequiredError
@@ -72,6 +73,13 @@ class RemoteError(ProbeError):
     def __init__(self, message: str, *, status: int | None = None, source: str | None = None) -> None:
         super().__init__(message, source=source)
         self.status = status
+
+
+class InvalidURLError(ProbeError):
+    """A location that is not a valid http(s) URL (scheme, host name, IDNA, port, brackets) or ``hf://`` name.
+
+    The caller's mistake, found before any request is made: not a ``RemoteError`` (the service answers 400, not 502).
+    """
 
 
 class ConfigError(SizingError):

@@ -47,7 +47,7 @@ from .errors import service_error_body, sse
 from .metrics import Metrics
 from .reasoning import ReasoningFormat
 from .tools import check_tools, tool_grammar
-from .validation import KeepAlive, reject_surrogates
+from .validation import KeepAlive, check_json_depth, reject_surrogates
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,8 @@ class ChatMessage(BaseModel):
                                      "{\"name\": string, \"arguments\": string}}", param=f"{where}.tool_calls[{j}]")
                 call_texts += [(f"{where}.tool_calls[{j}].function.name", fn["name"]),
                                (f"{where}.tool_calls[{j}].function.arguments", fn.get("arguments", ""))]
+                # The chat format parses the arguments (json.loads) to give the template an object.
+                check_json_depth(fn.get("arguments", ""), f"{where}.tool_calls[{j}].function.arguments")
         if isinstance(self.content, str):
             texts = [(f"{where}.content", self.content)]
         elif isinstance(self.content, list):

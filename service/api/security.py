@@ -1,7 +1,8 @@
 """The service's gates, as pure ASGI middleware: API keys, body size, drain, CORS; and log escaping.
 
 Order, outermost first (``install``): CORS (a preflight needs no key) -> metrics (counts refusals
-too) -> drain (503 once SIGTERM arrived) -> API key (401) -> body limit (413) -> the routes.
+too) -> drain (503 once SIGTERM arrived) -> API key (401) -> body limits (413 for size, 400 for JSON nested
+deeper than ``validation.MAX_JSON_DEPTH``) -> the routes.
 
 Keys: from ``GGUF_API_KEYS`` (comma-separated) and ``GGUF_API_KEY_FILE`` (one per line), compared
 in constant time against every key (``hmac.compare_digest``, no early exit), never logged. Every
@@ -23,9 +24,10 @@ from typing import Callable, Iterable
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import NotReady, PayloadTooLarge, ServiceError, Unauthorized
+from ..errors import BadRequest, NotReady, PayloadTooLarge, ServiceError, Unauthorized
 from ..settings import Settings
 from . import errors as api_errors  # the module, not its names: it imports esc from here
+from .validation import MAX_JSON_DEPTH, json_too_deep
 
 log = logging.getLogger(__name__)
 
@@ -152,16 +154,27 @@ class ApiKeyMiddleware:
         await send_error(send, Unauthorized(msg), scope["path"], [(b"www-authenticate", b"Bearer")])
 
 
-class _TooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """Raised into the app's read of the body: the middleware answers ``error`` instead of the app."""
+
+    def __init__(self, error: ServiceError, headers: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.headers = headers
 
 
 class BodyLimitMiddleware:
-    """413 for a body over ``max_bytes``: refused on its Content-Length, or counted while it is read (chunked)."""
+    """413 for a body over ``max_bytes``: refused on its Content-Length, or counted while it is read (chunked).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    400 for a body whose JSON nests deeper than ``max_depth``, checked on the whole body once it is read and before
+    any route parses it, on every route: Python's parser, pydantic, ``json.dumps`` and the templates recurse per
+    level, and would raise ``RecursionError`` (a 500) somewhere past it.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_depth = max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -178,35 +191,46 @@ class BodyLimitMiddleware:
                 await send_error(send, too_large, scope["path"], [(b"connection", b"close")])
                 return
         seen = 0
-        exceeded = False
+        chunks: list[bytes] = []  # the same bytes objects the app holds; dropped once the body is checked
+        refused: _Refused | None = None
         started = False
 
         async def counted_receive() -> Message:
-            nonlocal seen, exceeded
+            nonlocal seen, refused
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
+                body = message.get("body", b"")
+                seen += len(body)
                 if seen > self.max_bytes:
-                    exceeded = True
-                    raise _TooLarge()
+                    refused = _Refused(too_large, [(b"connection", b"close")])
+                    raise refused
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    whole = b"".join(chunks)
+                    chunks.clear()
+                    if json_too_deep(whole, self.max_depth):
+                        refused = _Refused(BadRequest(
+                            f"the request body nests arrays and objects deeper than {self.max_depth} levels",
+                            max_depth=self.max_depth), [])
+                        raise refused
             return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal started
-            if exceeded:  # the app's answer to the aborted read (FastAPI makes it a 400) is replaced by the 413
+            if refused is not None:  # the app's answer to the aborted read (FastAPI makes it a 400) is replaced
                 return
             started = True
             await send(message)
 
         try:
             await self.app(scope, counted_receive, guarded_send)
-        except _TooLarge:
+        except _Refused:
             pass
         except Exception:
-            if not exceeded:
+            if refused is None:
                 raise
-        if exceeded and not started:
-            await send_error(send, too_large, scope["path"], [(b"connection", b"close")])
+        if refused is not None and not started:
+            await send_error(send, refused.error, scope["path"], refused.headers)
 
 
 DRAIN_GRACE_S = 5.0

@@ -22,6 +22,12 @@ opened, on every address the name resolves to, so neither a redirect nor a
 DNS answer can lead the probe inside. A split model's other shards are fetched
 only after the first shard's header confirms the split its name announces.
 Errors say what failed and never quote what a server sent.
+
+Every entry point (``probe_url``, ``probe_hf``, ``probe_location``) checks its URL with ``check_url`` before
+any request: scheme, host name (DNS labels; IDNA for international names and ``xn--`` labels), IPv4 and
+bracketed IPv6 literals, port. A malformed URL is the caller's ``InvalidURLError`` (400 in the service), never
+an IDNA or resolver error from deep inside httpx (a 500) nor an ``httpx.InvalidURL`` taken for the upstream's
+failure (a 502).
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpcore
 import httpx
+import idna
 
-from ..errors import NotGGUFError, ProbeError, RemoteError, ShardError
+from ..errors import InvalidURLError, NotGGUFError, ProbeError, RemoteError, ShardError
 from ..spec import ModelSource, ModelSpec
 from .probe import _SPLIT_RE, read_header, spec_from_headers
 from .reader import GGUFHeader, MIN_WINDOW_BYTES
@@ -46,6 +53,73 @@ from .reader import GGUFHeader, MIN_WINDOW_BYTES
 DEFAULT_TIMEOUT_S = 30.0
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 MAX_REDIRECTS = 5
+MAX_HOST_CHARS = 253
+"""The longest DNS name (RFC 1035), without its trailing dot."""
+_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+"""One DNS label, lower case: 1 to 63 letters, digits, hyphens (not first or last) and underscores (which some
+real names carry; the resolver takes them)."""
+
+
+def check_url(url: str) -> None:
+    """``InvalidURLError`` unless ``url`` is an http(s) URL a request can be made to, checked before any is made:
+    no whitespace or control characters; scheme http or https; a host that is a DNS name (each label a DNS
+    label, ``xn--`` labels valid punycode, a non-ASCII name valid IDNA as httpx encodes it), an IPv4 address or a
+    bracketed IPv6 address; a port from 1 to 65535; and whatever else httpx refuses to parse."""
+    if any(ord(ch) < 0x21 or ord(ch) == 0x7F for ch in url):
+        raise InvalidURLError("the URL holds whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number, or beyond 65535
+    except ValueError as exc:
+        raise InvalidURLError(f"not a valid URL: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InvalidURLError(f"not an http(s) URL (scheme {parts.scheme[:20]!r})")
+    host = parts.netloc.rpartition("@")[2]
+    if host.startswith("["):
+        # urlsplit lets an IPvFuture literal ("[v1.x]") through; nothing can connect to one
+        literal = host[1:].partition("]")[0]
+        try:
+            ipaddress.IPv6Address(literal)
+        except ValueError:
+            raise InvalidURLError(f"[{literal[:60]}] is not an IPv6 address") from None
+    else:
+        _check_host_name(parts.hostname or "")
+    if port == 0:
+        raise InvalidURLError("port 0 is not a port a server listens on")
+    try:
+        httpx.URL(url)  # the parser the request will use: nothing it refuses may reach a request
+    except httpx.InvalidURL as exc:
+        raise InvalidURLError(f"not a valid URL: {exc}") from None
+
+
+def _check_host_name(host: str) -> None:
+    """``InvalidURLError`` unless ``host`` (lower case, no brackets) is a DNS name or an IPv4 address."""
+    if not host:
+        raise InvalidURLError("the URL has no host")
+    shown = host[:80]
+    if not host.isascii():
+        try:
+            host = idna.encode(host).decode("ascii")  # IDNA 2008 without UTS 46 mapping: what httpx sends
+        except (idna.IDNAError, UnicodeError) as exc:
+            raise InvalidURLError(f"the host name {shown!r} is not a valid international name ({exc})") from None
+    name = host[:-1] if host.endswith(".") else host  # one trailing dot: a fully qualified name
+    if len(name) > MAX_HOST_CHARS:
+        raise InvalidURLError(f"the host name is longer than {MAX_HOST_CHARS} characters")
+    labels = name.split(".")
+    for label in labels:
+        if not _LABEL.match(label):
+            raise InvalidURLError(f"the host name {shown!r} has an empty or invalid label (1 to 63 letters, digits, "
+                                  "hyphens and underscores, no hyphen first or last)")
+        if label.startswith("xn--"):
+            try:
+                idna.decode(label)
+            except (idna.IDNAError, UnicodeError) as exc:
+                raise InvalidURLError(f"the host name {shown!r} has an invalid punycode label ({exc})") from None
+    if labels[-1].isdigit():  # a number last: URL parsers read the host as an IPv4 address
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            raise InvalidURLError(f"{shown!r} is not an IPv4 address") from None
 
 
 @dataclass(frozen=True)
@@ -122,7 +196,7 @@ class _GuardedBackend(httpcore.SyncBackend):
         if self.limits.public_only and not self.limits.host_allowed(host):
             try:
                 infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except OSError as exc:
+            except (OSError, UnicodeError) as exc:  # UnicodeError: a name the idna codec refuses (check_url's net)
                 raise httpcore.ConnectError(f"cannot resolve {host}") from exc
             addresses = [str(info[4][0]) for info in infos]
             allowed = [a for a in addresses if self.limits.address_allowed(a)]
@@ -193,10 +267,20 @@ class RangeSource:
             if resp.status_code not in (301, 302, 303, 307, 308) or "location" not in resp.headers:
                 return resp
             resp.close()
-            target = urljoin(self._url, resp.headers["location"])
-            old, new = urlsplit(self._url), urlsplit(target)
-            if new.scheme.lower() not in ("http", "https"):
+            # A malformed Location is the server's, not the caller's: the upstream failed (what it sent is not quoted).
+            malformed = RemoteError("redirected to a malformed URL; not followed", source=self._url)
+            try:
+                target = urljoin(self._url, resp.headers["location"])
+                scheme = urlsplit(target).scheme.lower()
+            except ValueError:
+                raise malformed from None
+            if scheme not in ("http", "https"):
                 raise ProbeError("redirected to a URL that is not http(s); not followed", source=self._url)
+            try:
+                check_url(target)
+            except InvalidURLError:
+                raise malformed from None
+            old, new = urlsplit(self._url), urlsplit(target)
             if not limits.cross_host_redirects and (new.hostname, new.port) != (old.hostname, old.port):
                 raise ProbeError(f"redirected to another host ({new.hostname}); not followed", source=self._url)
             self._url = target
@@ -236,6 +320,10 @@ class RangeSource:
             raise RemoteError("the server did not answer in time", source=self._url) from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise RemoteError(f"the request failed ({type(exc).__name__})", source=self._url) from exc
+        except UnicodeError as exc:
+            # Our URL passed check_url: an IDNA error here is httpx reading a server's Location (to build the
+            # redirect it reports even when it does not follow it), so the upstream's fault.
+            raise RemoteError("redirected to a malformed URL; not followed", source=self._url) from exc
         return data, total
 
     def _whole_body(self, resp: httpx.Response, offset: int, length: int) -> tuple[bytes, int]:
@@ -306,16 +394,7 @@ def probe_url(
     if timeout_s is not None:
         limits = ProbeLimits(timeout_s, limits.max_bytes, limits.public_only, limits.allow_hosts,
                              limits.cross_host_redirects)
-    try:
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        hostname = parts.hostname
-    except ValueError as exc:
-        raise ProbeError(f"not a valid URL: {exc}") from None
-    if scheme not in ("http", "https") or not hostname:
-        raise ProbeError(f"not an http(s) URL (scheme {scheme!r})", source=url[:300])
-    if any(ord(ch) < 0x21 or ord(ch) == 0x7F for ch in url):
-        raise ProbeError("the URL holds whitespace or control characters", source=url[:300].encode("unicode_escape").decode())
+    check_url(url)
     urls = shard_urls(url)
     budget = _Budget(limits)
     own = client is None
@@ -358,7 +437,10 @@ def hf_url(repo_id: str, filename: str, revision: str | None = None) -> str:
     from huggingface_hub import hf_hub_url
 
     endpoint = os.environ.get("HF_ENDPOINT") or None
-    return str(hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint))
+    try:
+        return str(hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint))
+    except ValueError as exc:  # huggingface_hub's HFValidationError: a repo id the hub cannot have ("a--b/c")
+        raise InvalidURLError(f"not a Hugging Face repo id: {exc}") from None
 
 
 def probe_hf(
@@ -379,6 +461,7 @@ def probe_hf(
     from huggingface_hub import get_token
 
     url = hf_url(repo_id, filename, revision)
+    check_url(url)  # before the hub's host is read from it (HF_ENDPOINT is the operator's, but may be mistyped)
     tok = token if token is not None else get_token()
     headers = {"User-Agent": "gguf-fit-server-probe"}
     if tok:
@@ -402,8 +485,8 @@ def probe_location(location: str, limits: ProbeLimits | None = None) -> ModelSpe
         if "@" in rest:
             rest, _, revision = rest.rpartition("@")
         parts = rest.split("/")
-        if len(parts) < 3 or not all(parts):
-            raise ProbeError("expected hf://owner/repo/filename.gguf[@revision]", source=location)
+        if len(parts) < 3 or not all(parts) or revision == "":
+            raise InvalidURLError("expected hf://owner/repo/filename.gguf[@revision]", source=location[:300])
         return probe_hf("/".join(parts[:2]), "/".join(parts[2:]), revision=revision, limits=limits)
     if re.match(r"^https?://", location, re.IGNORECASE):
         return probe_url(location, limits=limits)

@@ -148,3 +148,94 @@ def test_shared_client_is_used(range_server: RangeServer, small_model: Path) -> 
     with httpx.Client(event_hooks={"request": [lambda r: seen.append(r.headers["range"])]}) as c:
         probe_url(range_server.url(small_model.name), client=c)
     assert seen and all(s.startswith("bytes=") for s in seen)
+
+
+# -- malformed URLs: the caller's InvalidURLError before any request (issue 28) ------------------------------
+
+MALFORMED_URLS = [
+    "http://xn--a.com/x.gguf",  # an A-label that is not punycode of anything valid
+    "http://xn--zz-zzzz.com/x.gguf",  # invalid punycode
+    "http://a..b/x.gguf",  # an empty label
+    "http://.a.com/x.gguf",
+    "http://" + "a" * 70 + ".com/x.gguf",  # a label over 63 characters
+    "http://" + "a." * 130 + "com/x.gguf",  # a name over 253 characters
+    "http://ex\u200bample.com/x.gguf",  # not valid IDNA
+    "http://-a.com/x.gguf",
+    "http://%41.com/x.gguf",
+    "http://127.0.0.1:8109:80/x",  # two ports
+    "http://[v1.x]/x",  # an IPvFuture literal
+    "http://[::1/x",  # an unclosed bracket
+    "http://[1.2.3.4]/x",  # brackets around IPv4
+    "http://a.com:99999/x",  # a port out of range
+    "http://a.com:0/x",
+    "http://a.com:abc/x",  # a port that is not a number
+    "http:///x",  # no host
+    "http://:80/x",
+    "http://user@/x",
+    "http://999.1.1.1/x",  # a number last: an IPv4 address, and not a valid one
+    "http://exa mple.com/x",  # whitespace
+    "ftp://example.com/x.gguf",
+]
+
+
+@pytest.mark.parametrize("url", MALFORMED_URLS)
+def test_malformed_urls_are_the_callers_error_before_any_request(url: str) -> None:
+    from sizing.errors import InvalidURLError
+    from sizing.gguf.remote import ProbeLimits
+
+    sent: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    client = httpx.Client(transport=httpx.MockTransport(record))
+    for limits in (ProbeLimits(), ProbeLimits(public_only=True)):
+        with pytest.raises(InvalidURLError) as ei:
+            probe_url(url, client=client, limits=limits)
+        assert not isinstance(ei.value, RemoteError), url  # the service answers 400, not 502
+    with pytest.raises(InvalidURLError):
+        probe_url(url)  # the guarded client of its own: refused before it is built
+    assert sent == [], url
+
+
+@pytest.mark.parametrize("url", [
+    "http://example.com/x.gguf", "https://EXAMPLE.com./x.gguf", "http://b\u00fccher.de/x.gguf",
+    "http://xn--bcher-kva.de/x.gguf", "http://a_b.example.com/x.gguf", "http://[2001:db8::1]:8080/x.gguf",
+    "http://1.2.3.4:65535/x.gguf", "http://user:pw@example.com/x.gguf", "http://example.com:/x.gguf",
+    "http://" + "a" * 63 + ".com/x?q=1#f",
+])
+def test_well_formed_urls_pass_the_check(url: str) -> None:
+    from sizing.gguf.remote import check_url
+
+    check_url(url)
+
+
+@pytest.mark.parametrize("location", ["hf://a--b/c/x.gguf", "hf://acme/" + "r" * 100 + "/x.gguf",
+                                      "hf://acme/tiny/x.gguf@", "hf://acme/x.gguf", "hf://acme//x.gguf"])
+def test_malformed_hf_locations_are_the_callers_error(location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sizing.errors import InvalidURLError
+    from sizing.gguf.remote import probe_location
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would be a RemoteError
+    with pytest.raises(InvalidURLError):
+        probe_location(location)
+
+
+def test_a_malformed_hf_endpoint_is_refused_before_any_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sizing.errors import InvalidURLError
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://[v1.x]")
+    with pytest.raises(InvalidURLError):
+        probe_hf("acme/tiny", "x.gguf", token="")
+
+
+@pytest.mark.parametrize("location", ["http://xn--a.example/x.gguf", "http://a..b/x.gguf", "http://[v1.x]/x.gguf",
+                                      "http://[::1/x.gguf", "http://example.com:99999/x.gguf", "//a..b/x.gguf"])
+def test_a_redirect_to_a_malformed_url_is_the_upstreams_error(location: str) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(302, headers={"Location": location})
+
+    with pytest.raises(RemoteError) as ei:  # 502 in the service: the server's Location, not the caller's URL
+        probe_url("http://example.com/x.gguf", client=httpx.Client(transport=httpx.MockTransport(answer)))
+    assert location not in str(ei.value)  # what a server sent is never quoted
