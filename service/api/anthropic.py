@@ -5,7 +5,9 @@ A request becomes the chat request the OpenAI route takes (``to_chat``) and runs
 ``security.presented_key``), its choice read through ``service.api.choices``, answered in Anthropic's shape:
 
 - ``system`` (a string or text blocks), ``messages`` of text blocks, ``tool_use`` blocks (an assistant's calls)
-  and ``tool_result`` blocks (their results, ``is_error`` included); image and document blocks: 400;
+  and ``tool_result`` blocks (their results, ``is_error`` included); image and document blocks: 400; ids and
+  names reach the prompt, so a ``tool_use`` ``id`` / ``tool_result`` ``tool_use_id`` beyond ``[A-Za-z0-9_.:-]``
+  and a name beyond ``[A-Za-z0-9_.-]`` are 400 naming the field (Anthropic's own rule is ``^[a-zA-Z0-9_-]+$``);
 - ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``,
   ``none``, ``disable_parallel_tool_use``) as OpenAI tools, constrained the same way;
 - the answer's blocks in order: ``thinking`` (when the model thinks), ``text``, ``tool_use`` (``input`` parsed);
@@ -33,6 +35,7 @@ from .choices import Answer, Event
 from .deps import ManagerDep, MetricsDep
 from .errors import _param_of, service_error_body
 from .openai import ChatRequest, Started, _chat_setup, _collect, _start, resolve_model
+from .tools import check_call_id, check_name
 from .validation import reject_surrogates
 
 router = APIRouter(prefix="/v1")
@@ -100,6 +103,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         if not isinstance(t, dict) or t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
             raise BadRequest(f"tools[{i}]: a client tool {{\"name\", \"description\", \"input_schema\"}} "
                              "(server tools are not supported)", param=f"tools[{i}]")
+        check_name(t["name"], f"tools[{i}].name")
         fn: dict[str, Any] = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -145,11 +149,14 @@ def _messages(system: Any, messages: list[AnthropicMessage]) -> list[dict[str, A
                         or not isinstance(b.get("input", {}), dict):
                     raise BadRequest(f"{where}[{j}]: a tool_use block has an id, a name and an input object",
                                      param=f"{where}[{j}]")
+                check_call_id(b["id"], f"{where}[{j}].id")  # ids and names reach the prompt: safe characters only
+                check_name(b["name"], f"{where}[{j}].name")
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
             elif kind == "tool_result" and m.role == "user":
                 if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                     raise BadRequest(f"{where}[{j}].tool_use_id: the tool_use block it answers", param=f"{where}[{j}]")
+                check_call_id(b["tool_use_id"], f"{where}[{j}].tool_use_id")
                 text = _text_of(b.get("content"), f"{where}[{j}].content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": ("Error: " + text) if b.get("is_error") else text})

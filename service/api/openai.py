@@ -46,7 +46,7 @@ from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
 from .metrics import Metrics
 from .reasoning import ReasoningFormat
-from .tools import check_tools, tool_grammar
+from .tools import check_call_id, check_name, check_tools, tool_grammar
 from .validation import KeepAlive, check_json_depth, reject_surrogates
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def check(self, i: int) -> None:
-        """400 for what this server cannot honour in a message (non-text parts, NUL characters) and for tool turns
-        that are not OpenAI's shape (a ``tool`` message names its call, an assistant's calls are functions)."""
+        """400 for what this server cannot honour in a message (non-text parts, NUL characters), for tool turns
+        that are not OpenAI's shape (a ``tool`` message names its call, an assistant's calls are functions), and
+        for names and call ids beyond their safe characters (``tools.NAME``, ``tools.CALL_ID``: they reach the
+        prompt, and OpenAI refuses the same)."""
         where = f"messages[{i}]"
         extra = self.model_extra or {}
         for name in ("function_call", "audio"):
@@ -228,6 +230,10 @@ class ChatMessage(BaseModel):
                 raise BadRequest(f"{where}.{name}: not supported", param=f"{where}.{name}")
         if self.role == "tool" and not (isinstance(extra.get("tool_call_id"), str) and extra["tool_call_id"]):
             raise BadRequest(f"{where}.tool_call_id: a tool message names the call it answers", param=f"{where}.tool_call_id")
+        if extra.get("tool_call_id") is not None:
+            check_call_id(extra["tool_call_id"], f"{where}.tool_call_id")
+        if extra.get("name") is not None:
+            check_name(extra["name"], f"{where}.name")
         calls = extra.get("tool_calls")
         call_texts: list[tuple[str, str]] = []
         if not _neutral(calls):
@@ -239,8 +245,10 @@ class ChatMessage(BaseModel):
                         or not isinstance(fn.get("arguments", ""), str) or c.get("type", "function") != "function":
                     raise BadRequest(f"{where}.tool_calls[{j}]: {{\"id\", \"type\": \"function\", \"function\": "
                                      "{\"name\": string, \"arguments\": string}}", param=f"{where}.tool_calls[{j}]")
-                call_texts += [(f"{where}.tool_calls[{j}].function.name", fn["name"]),
-                               (f"{where}.tool_calls[{j}].function.arguments", fn.get("arguments", ""))]
+                if c.get("id") is not None:
+                    check_call_id(c["id"], f"{where}.tool_calls[{j}].id")
+                check_name(fn["name"], f"{where}.tool_calls[{j}].function.name")
+                call_texts.append((f"{where}.tool_calls[{j}].function.arguments", fn.get("arguments", "")))
                 # The chat format parses the arguments (json.loads) to give the template an object.
                 check_json_depth(fn.get("arguments", ""), f"{where}.tool_calls[{j}].function.arguments")
         if isinstance(self.content, str):
@@ -258,9 +266,6 @@ class ChatMessage(BaseModel):
                 texts.append((f"{where}.content[{j}].text", part["text"]))
         else:
             texts = []
-        name = (self.model_extra or {}).get("name")
-        if name is not None:
-            texts.append((f"{where}.name", name if isinstance(name, str) else ""))
         for param, text in texts + call_texts:
             if "\x00" in text:
                 # Chat templates are C strings in llama.cpp: a NUL would silently end the message there.

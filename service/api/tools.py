@@ -27,7 +27,11 @@ from ..errors import BadRequest
 
 MAX_TOOLS = 128
 """Most tools one request may declare (OpenAI's limit)."""
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A function's name (``fullmatch``): OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` and the dot; also a message's ``name``."""
+CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
+"""A tool call's id (``fullmatch``): what OpenAI (``call_...``), Anthropic (``toolu_...``) and other clients write.
+Names and ids reach the prompt; neither can spell a turn marker (no ``<``, ``|``, ``[``, whitespace)."""
 EMPTY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -46,6 +50,18 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def check_name(value: Any, param: str) -> None:
+    """``BadRequest`` naming ``param`` unless ``value`` is a function name (``NAME``)."""
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        raise BadRequest(f"{param}: 1 to 64 characters of A-Z, a-z, 0-9, _, . and -", param=param)
+
+
+def check_call_id(value: Any, param: str) -> None:
+    """``BadRequest`` naming ``param`` unless ``value`` is a tool call id (``CALL_ID``)."""
+    if not isinstance(value, str) or not CALL_ID.fullmatch(value):
+        raise BadRequest(f"{param}: a tool call id, 1 to 256 characters of A-Z, a-z, 0-9, _, ., : and -", param=param)
+
+
 def check_tools(tools: list[dict[str, Any]] | None, choice: Any, param: str = "tools") -> list[dict[str, Any]]:
     """The tools the model may call under ``choice`` (all of them, the named one, none), in OpenAI's shape.
 
@@ -60,9 +76,8 @@ def check_tools(tools: list[dict[str, Any]] | None, choice: Any, param: str = "t
         where = f"{param}[{i}]"
         if t.get("type") != "function" or not isinstance(fn, dict):
             raise BadRequest(f"{where}: a tool is {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise BadRequest(f"{where}.function.name: 1 to 64 characters of A-Z, a-z, 0-9, _, . and -", param=f"{where}.function.name")
+        check_name(fn.get("name"), f"{where}.function.name")
+        name: str = fn["name"]
         if name in seen:
             raise BadRequest(f"{where}.function.name: '{name}' is declared twice", param=f"{where}.function.name")
         seen.add(name)

@@ -2,16 +2,24 @@
 
 The engine (``service.engine.llama``) provides how to tokenize and how to generate from tokens.
 
-Turn markers are the template's, never the client's: a rendered chat prompt is tokenized with
-control tokens parsed (``special``), except the messages' own text. A message whose text holds a
-control token's spelling (``<end_of_turn>``, ``<start_of_turn>model``) is tokenized as plain text
-inside the prompt, so typing a marker cannot forge a turn. (The prompt of /v1/completions is the
-client's whole input and keeps llama-server's behaviour: control tokens parsed.)
+Turn markers are the template's, never the client's. A rendered chat prompt is tokenized with control tokens
+parsed (``special``), as llama-server does, but no control token may come from what the client sent: every
+string of the messages and tools (contents, names, ids, a past call's arguments, tool descriptions, every key
+and value of a parameter schema, any other field a template may render), walked recursively. Where one spells a
+control token (``<end_of_turn>``, ``<start_of_turn>``), the spelling is swapped for a placeholder of letters and
+digits before the template renders, so that no template, JSON dump or trim changes it, and the placeholder is
+tokenized as the spelling's text where it lands in the prompt (``_Spellings``). Texts that spell a control token
+only together (two content parts, two system messages a template writes one after the other) are refused (400),
+as is a placeholder a template cut. The prompt of /v1/completions is the client's whole input and keeps
+llama-server's behaviour: control tokens parsed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import json
+import re
+import uuid
+from typing import Any, Iterable, Iterator
 
 from ..errors import BadRequest
 from .base import Cancel, Chunk, GenerationParams
@@ -52,6 +60,7 @@ class Prompting:
         return out
 
     def _require(self) -> Any:
+        """The loaded llama.cpp model (``llama_cpp._internals.LlamaModel``: its ``vocab``); NotReady without one."""
         raise NotImplementedError
 
     def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
@@ -61,34 +70,75 @@ class Prompting:
     def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         raise NotImplementedError
 
-    def _chat_prompt(self, messages: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                     spellings: _Spellings | None = None) -> tuple[str, bool]:
+        """The rendered prompt and whether BOS is still to add; ``spellings``: swapped for their placeholders in
+        what the template is given (after ``prepare``, which writes a past call's arguments decoded and the tools
+        as JSON: the spellings are then where the template will find them)."""
         self._require()
         if self._template is None:
             raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
         shown, native_tools = prepare(messages, tools, self.chat_format())
+        if spellings is not None:
+            shown, native_tools = spellings.swap(shown), spellings.swap(native_tools)
         return self._template.render(shown, native_tools)
 
     def count_tokens(self, text: str) -> int:
         return len(self._tokenize(text, add_bos=True))
 
+    def _token_spelling(self, token: int) -> str:
+        """A token's text, a control token's spelling included (``llama_token_to_piece`` with ``special``, sized
+        as llama.cpp's ``common_token_to_piece``: a negative answer is the size the piece needs)."""
+        import ctypes
+
+        import llama_cpp
+
+        vocab = self._require().vocab
+        size = 64
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            size = -n
+        return ""  # pragma: no cover
+
+    def _control_spellings(self, text: str) -> list[str]:
+        """The control tokens' spellings in ``text``: the tokens ``special`` parses and plain tokenization does not
+        (llama.cpp's ``tokenizer_st_partition`` skips control and unknown tokens without ``parse_special``;
+        user-defined ones it parses either way, so they are no client's forgery to undo)."""
+        special = self._tokenize(text, add_bos=False)
+        plain = self._tokenize(text, add_bos=False, special=False)
+        if special == plain:
+            return []
+        found = []
+        for tok in set(special) - set(plain):  # the control tokens, and pieces that only the split changed
+            piece = self._token_spelling(tok)
+            if piece and piece in text and self._tokenize(piece, add_bos=False) == [tok] \
+                    and self._tokenize(piece, add_bos=False, special=False) != [tok]:
+                found.append(piece)
+        if not found:  # parsed as something special, but no control token's spelling is there to swap out
+            raise BadRequest("the request spells one of the model's control tokens in a way that cannot be kept "
+                             "as plain text", param="messages")
+        return found
+
     def _chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The rendered prompt's tokens, each message's text tokenized as text (see the module docstring)."""
-        prompt, add_bos = self._chat_prompt(messages, tools)
-        forged = [t for t in _message_texts(messages)
-                  if self._tokenize(t, add_bos=False) != self._tokenize(t, add_bos=False, special=False)]
-        if not forged:  # nothing in the messages spells a control token: one tokenization, as llama-server's
+        """The rendered prompt's tokens, no control token from the client's strings (see the module docstring)."""
+        texts = _texts(messages)
+        strings = [*_strings(messages), *_strings(tools), *(s for v in _past_arguments(messages) for s in _strings(v))]
+        found = self._control_spellings("\n".join([*strings, *(w for _, w in _junctions(texts))]))
+        if not found:  # nothing the client sent spells a control token: one tokenization, as llama-server's
+            prompt, add_bos = self._chat_prompt(messages, tools)
             return self._tokenize(prompt, add_bos=add_bos)
-        spans = _locate(prompt, _message_texts(messages), set(forged))
+        spell = _Spellings(found)
+        for param, where in _junctions([(param, spell.swap(t)) for param, t in texts]):
+            if spell.pattern.search(where):
+                raise BadRequest(f"{param}: together with the text before it, spells one of the model's control "
+                                 "tokens", param=param)
+        prompt, add_bos = self._chat_prompt(messages, tools, spell)
         tokens: list[int] = []
-        pos = 0
-        for start, end in spans:
-            if start > pos:
-                tokens += self._tokenize(prompt[pos:start], add_bos=add_bos and not tokens)
-            tokens += self._tokenize(prompt[start:end], add_bos=add_bos and not tokens, special=False)
-            pos = end
-        if pos < len(prompt):
-            tokens += self._tokenize(prompt[pos:], add_bos=add_bos and not tokens)
+        for text, client in spell.split(prompt):
+            tokens += self._tokenize(text, add_bos=add_bos and not tokens, special=not client)
         return tokens
 
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
@@ -102,38 +152,104 @@ class Prompting:
         return self._generate_tokens(self._chat_tokens(messages, tools), params, cancel)
 
 
-def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
-    """The client's text in each message, in order (string content, or the text of its text parts)."""
-    out: list[str] = []
+_EDGE = 64
+"""Characters at each end of a text that may meet another text's in a prompt: more than a control token spells."""
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, dict keys included (iteratively: the body's nesting is bounded, not small)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            stack += [k for k in v if isinstance(k, str)]
+            stack += v.values()
+        elif isinstance(v, (list, tuple)):
+            stack += v
+
+
+def _past_arguments(messages: list[dict[str, Any]]) -> Iterator[Any]:
+    """Past tool calls' arguments parsed: ``prepare`` writes them decoded, so ``"\\u003c"`` arrives as ``<``."""
     for m in messages:
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            raw = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(raw, str) and raw:
+                try:
+                    yield json.loads(raw)
+                except (ValueError, RecursionError):
+                    continue  # not JSON: written as the string it is
+
+
+def _texts(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each message's text (string content, or each text part's), in order, with its field's name."""
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, str):
-            out.append(content)
+            out.append((f"messages[{i}].content", content))
         elif isinstance(content, list):
-            out += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        for call in m.get("tool_calls") or ():  # a past call's name and arguments are the client's text too
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                out += [v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str)]
-    return [t for t in out if t]
+            out += [(f"messages[{i}].content[{j}].text", p["text"]) for j, p in enumerate(content)
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return out
 
 
-def _locate(prompt: str, texts: list[str], forged: set[str]) -> list[tuple[int, int]]:
-    """Where each text in ``forged`` sits in the rendered prompt: spans in order, searched after the previous
-    message's text (as a template writes them). A forged text the template changed beyond a trim cannot be
-    told from the template's own markers: refused."""
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for text in texts:
-        for candidate in (text, text.strip()):
-            i = prompt.find(candidate, cursor) if candidate else -1
-            if i >= 0:
-                if text in forged:
-                    spans.append((i, i + len(candidate)))
-                cursor = i + len(candidate)
-                break
-        else:
-            if text in forged:
-                raise BadRequest("a message spells one of the model's control tokens, and the chat template changes "
-                                 "it so that it cannot be kept as plain text", param="messages")
-    return spans
+def _junctions(texts: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    """Where each text meets the texts before it, as a template may write them with nothing between (text parts
+    joined; llama.cpp's built-in Gemma template concatenates system messages): the last characters before it and
+    its first, as given and trimmed (templates trim)."""
+    texts = list(texts)
+    for trim in (False, True):
+        before = ""
+        for param, text in texts:
+            if trim:
+                text = text.strip()
+            if not text:
+                continue
+            if before:
+                yield param, before + text[:_EDGE]
+            before = (before + text[-_EDGE:])[-_EDGE:]
+
+
+class _Spellings:
+    """The control tokens' spellings found in a request, each swapped for a placeholder while the template renders.
+
+    A placeholder is letters and digits around a random nonce: a JSON dump, ``tojson``, a trim or llama.cpp's
+    built-in templates write it unchanged, and no client text holds it. ``split`` then cuts the prompt at the
+    placeholders: the template's text is tokenized with control tokens, each spelling as text."""
+
+    def __init__(self, spellings: list[str]) -> None:
+        # The longest first, as llama.cpp matches them (``cache_special_tokens`` sorts them by length).
+        self.spellings = sorted(set(spellings), key=len, reverse=True)
+        self.index = {s: i for i, s in enumerate(self.spellings)}
+        self.pattern = re.compile("|".join(map(re.escape, self.spellings)))
+        self.nonce = "Q" + uuid.uuid4().hex
+        self._mark = re.compile(self.nonce + "Q([0-9]+)Q")
+
+    def swap(self, value: Any) -> Any:
+        """``value`` with every spelling in its strings (dict keys included) replaced by its placeholder."""
+        if isinstance(value, str):
+            return self.pattern.sub(lambda m: f"{self.nonce}Q{self.index[m.group()]}Q", value)
+        if isinstance(value, dict):
+            return {self.swap(k): self.swap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.swap(v) for v in value]
+        return value
+
+    def split(self, prompt: str) -> Iterator[tuple[str, bool]]:
+        """The prompt in pieces: (the template's text, False) and (a client's spelling, True)."""
+        pos = 0
+        for m in self._mark.finditer(prompt):
+            yield from self._between(prompt[pos:m.start()])
+            yield self.spellings[int(m.group(1))], True
+            pos = m.end()
+        yield from self._between(prompt[pos:])
+
+    def _between(self, text: str) -> Iterator[tuple[str, bool]]:
+        if self.nonce in text:  # the template cut or changed a placeholder: the spelling cannot be kept as text
+            raise BadRequest("a message or tool spells one of the model's control tokens, and the chat template "
+                             "changes it so that it cannot be kept as plain text", param="messages")
+        if text:
+            yield text, False
