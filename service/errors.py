@@ -11,6 +11,7 @@
     ├── QueueFull                429 (Retry-After)
     ├── InsufficientMemory       503 insufficient_memory on /v1, 507 INSUFFICIENT_MEMORY on /api
     ├── NotReady                 503 model_not_ready (Retry-After when it passes: draining, queued at shutdown)
+    │   └── RunnerDied              503 runner_died (the model's runner process died mid-request; it restarts)
     ├── Upstream                 502 upstream_error (the model hub or a remote GGUF failed)
     └── EngineFailure            500 engine_error
 
@@ -114,6 +115,14 @@ class NotReady(ServiceError):
     status = 503
     type = "unavailable_error"
     code = "model_not_ready"
+
+
+class RunnerDied(NotReady):
+    """The model's runner process died (a signal, an abort, the OOM killer) while this request was in it: the
+    request is lost, the runner is restarted with the same plan, and a retry after ``retry_after_s`` is served."""
+
+    code = "runner_died"
+    retry_after_s = 5
 
 
 class EngineFailure(ServiceError):

@@ -62,12 +62,18 @@ EngineFactory = Callable[[Settings], Engine]
 
 
 def default_engine(settings: Settings) -> Engine:
-    """llama.cpp through llama-cpp-python: ``parallel`` slots decoded together, each keeping its prompt's KV."""
+    """llama.cpp through llama-cpp-python: ``parallel`` slots decoded together, each keeping its prompt's KV; in a
+    runner process of its own (``GGUF_RUNNER_PROCESS``, ``service.engine.process``) or in this one."""
+    kwargs: dict[str, Any] = dict(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
+                                  slot_prompt_similarity=settings.slot_prompt_similarity,
+                                  chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling)
+    if settings.runner_process:
+        from .engine.process import ProcessEngine
+
+        return ProcessEngine(kwargs, log_level=settings.log_level, max_restarts=settings.runner_max_restarts)
     from .engine.llama import LlamaEngine
 
-    return LlamaEngine(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
-                       slot_prompt_similarity=settings.slot_prompt_similarity,
-                       chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling)
+    return LlamaEngine(**kwargs)
 
 
 @dataclass(eq=False)
@@ -177,6 +183,8 @@ class ModelManager:
         self._tasks: set[asyncio.Future[Any]] = set()
         self.loads = 0
         """Engine loads done (each model load, restores included): what load-on-demand counts."""
+        self.runner_events: dict[str, int] = {}
+        """Runner processes' deaths, restarts and failures so far (``died``, ``restarted``, ``failed``)."""
         self.host_bandwidth_bytes_per_s: float | None = None
         if settings.host_bandwidth_gbps is None:
             from sizing.devices import measure_host_bandwidth
@@ -393,6 +401,10 @@ class ModelManager:
         assert state.path is not None
         slots = max(1, plan.cfg.n_seq_max)
         engine = self._engine_factory(self.settings.model_copy(update={"parallel": slots}))
+        watch = getattr(engine, "watch", None)
+        if watch is not None:  # a runner process: its deaths, restarts and final failure come back here
+            loop = asyncio.get_running_loop()
+            watch(state.name, lambda event, detail: loop.call_soon_threadsafe(self._runner_event, state, event, detail))
         runner = Runner(max_waiting=self.settings.queue_size, workers=slots, name=state.name)
         path = state.path
         try:
@@ -404,6 +416,21 @@ class ModelManager:
         state.engine, state.runner, state.report, state.plan = engine, runner, report, plan
         state.state, state.error, state.since, state.last_used = "loaded", None, time.time(), time.monotonic()
         state.unloaded_why = None
+
+    def _runner_event(self, st: ModelState, event: str, detail: str) -> None:
+        """A model's runner process died, was restarted, or gave up (``ProcessEngine``); on the event loop."""
+        self.runner_events[event] = self.runner_events.get(event, 0) + 1
+        if event != "failed" or self.models.get(st.name) is not st or st.state != "loaded":
+            return
+        # Its process is reaped: the memory it held is free again, and the model no longer counts as resident.
+        st.state, st.error = "failed", f"runner process: {detail}"
+        self.last_failed = st
+        if st.runner is not None:
+            st.runner.interrupt(NotReady(f"model '{st.name}' failed: {detail}", state="failed"))
+            st.runner.stop()
+        if st.timer is not None:
+            st.timer.cancel()
+        st.runner, st.timer, st.expires_at = None, None, None
 
     async def _restore(self, previous: ModelState) -> None:
         """Reload a model that a failed load unloaded, with its plan, so the service keeps what it served."""
@@ -591,9 +618,11 @@ class ModelManager:
             out["confirmation"] = state.confirmation
         if state.unloaded_why is not None and state.state == "unloaded":
             out["unloaded"] = state.unloaded_why
+        runner_json = getattr(state.engine, "runner_json", None)
+        if runner_json is not None:
+            out["runner"] = runner_json()
         if state.serving and state.report is not None and state.plan is not None:
             est = state.plan.estimate
-            predicted = {d.device: d for d in est.devices} if est is not None else {}
             held = held_bytes(est) if est is not None else {}
             out["n_ctx"] = state.report.n_ctx
             out["load_seconds"] = round(state.report.load_seconds, 3)
@@ -603,6 +632,7 @@ class ModelManager:
             out["idle_s"] = round(max(0.0, time.monotonic() - state.last_used), 3)
             out["keep_alive_s"] = keep_alive_json(state.keep_alive_s)
             out["expires_in_s"] = None if state.expires_at is None else round(max(0.0, state.expires_at - time.time()), 3)
+            rows = allocation_rows(est) if est is not None else {}
             out["memory"] = [
                 {
                     "device": a.device,
@@ -613,10 +643,7 @@ class ModelManager:
                         "compute_mib": round(a.compute_bytes / MIB, 2),
                         "output_mib": round(a.output_bytes / MIB, 2),
                     },
-                    "predicted_mib": round((predicted[a.device].total_bytes - predicted[a.device].allowance_bytes
-                                            - predicted[a.device].pool_bytes - predicted[a.device].embedding_bytes)
-                                           / MIB, 2)
-                    if a.device in predicted else None,
+                    "predicted_mib": round(rows[a.device] / MIB, 2) if a.device in rows else None,
                     "held_mib": round(held[a.device] / MIB, 2) if a.device in held else None,
                 }
                 for a in state.report.allocations
@@ -624,7 +651,7 @@ class ModelManager:
         return out
 
     def devices_json(self) -> list[dict[str, Any]]:
-        """Each device as read now, and what each loaded model holds there (its plan's bytes less the allowance).
+        """Each device as read now, and what each loaded model holds there (its plan's bytes, its CUDA context included).
         Blocking (NVML)."""
         try:
             gpus, host = self.inventory()
@@ -639,6 +666,19 @@ class ModelManager:
                         "free_mib": round(dev.free_bytes / MIB, 2), "live": self.planner.live or dev.kind == "host",
                         "models": shares})
         return out
+
+
+def allocation_rows(est: Any) -> dict[str, int]:
+    """The plan's bytes per row of llama.cpp's allocation log (what ``parse_allocations`` reports): each device's
+    buffers without what the log does not show (the allowance, the CUDA pool bound, the embedding context),
+    the host's weights in the extra CPU buffer types (CPU_REPACK, AMX) as rows of their own."""
+    out: dict[str, int] = {}
+    for d in est.devices:
+        out[d.device] = (d.total_bytes - d.allowance_bytes - d.pool_bytes - d.embedding_bytes
+                         - d.extra_weights_bytes)
+        for buffer, n in d.extra_weights:
+            out[buffer] = out.get(buffer, 0) + n
+    return out
 
 
 def _refusal_message(plan: Plan, placed: Placed | None = None) -> str:

@@ -121,6 +121,7 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         embedding_gpu=settings.embeddings == "on",
         cpu_repack=repack.on if repack is not None else None,
         cpu_repack_reason=repack.reason if repack is not None else "",
+        cpu_features=repack.features if repack is not None else frozenset(),
     )
 
 
@@ -145,6 +146,8 @@ class Confirmation:
     """The first plan's chosen figures when the measurement sent it back to the solver."""
     layer_devices: dict[int, str] = field(default_factory=dict)
     """llama.cpp's layer assignment for the dry run (``load_tensors: layer N assigned to device D``)."""
+    weight_buffers: dict[str, list[str]] = field(default_factory=dict)
+    """The weight buffers (CPU, CPU_REPACK, AMX, CUDA0...) the plan predicts and the ones the dry run creates."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status, "seconds": round(self.seconds, 3)}
@@ -156,6 +159,8 @@ class Confirmation:
             out["state_mib"] = self.state_mib
         if self.compute_mib:
             out["compute_mib"] = self.compute_mib
+        if self.weight_buffers:
+            out["weight_buffers"] = self.weight_buffers
         if self.replanned_from is not None:
             out["replanned_from"] = self.replanned_from
             out["n_ctx"] = self.plan.cfg.n_ctx
@@ -224,10 +229,12 @@ class SetPlan:
                                "compute_mib": round(d.compute_bytes / MIB, 2),
                                "output_mib": round(d.output_bytes / MIB, 2),
                                "gpu_pool_mib": round(d.pool_bytes / MIB, 2),
+                               "allowance_mib": round(d.allowance_bytes / MIB, 2),
                                "total_mib": round(m.held[label] / MIB, 2)})
-            allowance = max((g.allowance_bytes for m in self.members if m.plan.estimate is not None
-                             for g in m.plan.estimate.gpus if g.device == label), default=0)
-            used = sum(m.held.get(label, 0) for m in self.members) + allowance
+            # Each model's runner process holds its own CUDA context on the card (sizing.residency): in its total.
+            allowance = sum(g.allowance_bytes for m in self.members if m.plan.estimate is not None
+                            for g in m.plan.estimate.gpus if g.device == label)
+            used = sum(m.held.get(label, 0) for m in self.members)
             devices.append({"device": label, "name": dev.name, "total_mib": round(dev.total_bytes / MIB, 2),
                             "free_mib": round(dev.free_bytes / MIB, 2), "models": models,
                             "allowance_mib": round(allowance / MIB, 2),
@@ -520,9 +527,10 @@ class Planner:
             if self.calibrator is not None:
                 result = self.calibrator.measure(path, mp, [plan.cfg])[0]
                 layers = self.calibrator.layer_devices(path, mp)
+                buffers = set(self.calibrator.model_buffers(path, mp))
             else:
                 result = dry_run(path, plan.cfg, model=mp, timeout_s=timeout)
-                layers = {}
+                layers, buffers = {}, set()
         except DryRunError as exc:
             log.warning("dry-run confirmation of %s could not run: %s", name, exc)
             return Confirmation("not_run", plan, error=str(exc))
@@ -537,7 +545,10 @@ class Planner:
             log.warning("dry-run confirmation of %s did not finish (%s): %s", name, result.failure.kind,
                         result.failure.message)
             return Confirmation(result.failure.kind, plan, seconds, result.failure.message)  # type: ignore[arg-type]
-        conf = _figures(plan, result, seconds, layers)
+        conf = _figures(plan, result, seconds, layers, buffers)
+        wb = conf.weight_buffers
+        if wb and sorted(wb["predicted"]) != wb["llama_cpp"]:
+            log.warning("llama.cpp's dry run of %s puts the weights in other buffers than predicted: %s", name, wb)
         est = plan.estimate
         if est is None:
             return conf
@@ -604,7 +615,8 @@ def _measured_compute(plan: Plan, result: DryRunResult, device: str) -> float | 
     return None
 
 
-def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int, str]) -> Confirmation:
+def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int, str],
+             buffers: set[str]) -> Confirmation:
     est = plan.estimate
     if est is None:
         return Confirmation("confirmed", plan, seconds, layer_devices=layers)
@@ -612,11 +624,17 @@ def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int,
     for d in est.devices:
         compute[d.device] = {"predicted": round(d.compute_bytes / MIB, 2),
                              "llama_cpp": _measured_compute(plan, result, d.device)}
+    weights: dict[str, list[str]] = {}
+    if buffers:
+        # The weight buffers the dry run creates (CPU, CUDA0..., the extra CPU ones: CPU_REPACK, AMX) beside the
+        # plan's. A no_alloc load names them but logs their size as 0: sizes are checked against the real load.
+        weights = {"predicted": [d.device for d in est.devices if d.weights_bytes]
+                   + [b for b, n in est.host.extra_weights if n], "llama_cpp": sorted(buffers)}
     return Confirmation(
         "confirmed", plan, seconds,
         kv_mib={"predicted": round(est.kv_bytes / MIB, 2), "llama_cpp": result.kv_mib},
         state_mib={"predicted": round(est.state_bytes / MIB, 2), "llama_cpp": result.state_mib},
-        compute_mib=compute, layer_devices=layers,
+        compute_mib=compute, layer_devices=layers, weight_buffers=weights,
     )
 
 

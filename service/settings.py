@@ -97,6 +97,18 @@ class Settings(BaseSettings):
         "crashes this llama.cpp at the first decode (llama.cpp#20824), on elsewhere (faster prompts); the load's "
         "log line says which and why.",
     )
+    runner_process: bool = Field(
+        True,
+        description="Run each loaded model's engine in a runner process of its own: a llama.cpp crash (an abort, a "
+        "kernel bug, the OOM killer) then ends that model's in-flight requests with 503 runner_died and the runner "
+        "is restarted with the same plan, while the server and the other models go on. Off: engines run inside "
+        "the API process (a crash takes the server down).",
+    )
+    runner_max_restarts: int = Field(
+        3, ge=0, le=100,
+        description="Restarts of a model's runner process within 5 minutes before the model is marked failed "
+        "(its requests then get 503 with the reason).",
+    )
     queue_size: int = Field(16, ge=0, description="Requests that may wait for the model; beyond it 429.")
     parallel: int = Field(
         4, ge=1, le=64,

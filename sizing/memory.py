@@ -16,6 +16,7 @@ from .config import ContextConfig
 from .device import MIB
 from .errors import FlashAttentionRequiredError
 from .ggml import cache_type
+from .repack import EXTRA_BUFFERS, extra_buffer_bytes
 from .kv import KvCells, check_cache_types, kv_cells, kv_split_bytes, recurrent_state_bytes
 from .measured import Figures, Source
 from .placement import Placement
@@ -86,11 +87,18 @@ class DeviceMemory:
     (``sizing.gpu.cuda_pool_bound_bytes``); 0 on the host."""
     embedding_bytes: int = 0
     """The embedding context's KV, compute and output buffers on this device (``ContextConfig.embedding_tokens``)."""
+    extra_weights: tuple[tuple[str, int], ...] = ()
+    """Host only: weights copied into llama.cpp's extra CPU buffer types (``AMX``, ``CPU_REPACK``: buffer, bytes),
+    beside ``weights_bytes`` (the mapped file); ``sizing.repack``."""
+
+    @property
+    def extra_weights_bytes(self) -> int:
+        return sum(n for _, n in self.extra_weights)
 
     @property
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes + self.output_bytes
-                + self.allowance_bytes + self.pool_bytes + self.embedding_bytes)
+                + self.allowance_bytes + self.pool_bytes + self.embedding_bytes + self.extra_weights_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -104,6 +112,7 @@ class DeviceMemory:
             "allowance_mib": round(self.allowance_bytes / MIB, 2),
             "gpu_pool_mib": round(self.pool_bytes / MIB, 2),
             "embedding_mib": round(self.embedding_bytes / MIB, 2),
+            **({"extra_weights_mib": {b: round(n / MIB, 2) for b, n in self.extra_weights}} if self.extra_weights else {}),
             "total_mib": round(self.total_bytes / MIB, 2),
         }
 
@@ -209,8 +218,12 @@ def estimate(
     allowance_bytes: int = DEFAULT_GPU_ALLOWANCE_BYTES,
     figures: Figures | None = None,
     measured_on: str = "CPU",
+    cpu_extra: frozenset[str] | None = None,
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context.
+
+    ``cpu_extra``: the CPU features of a host without GPUs whose load uses llama.cpp's extra CPU buffer types
+    (``use_extra_bufts``): the weights they copy are predicted per buffer (``sizing.repack``); None: off.
 
     ``figures`` are llama.cpp's own (a calibration, ``sizing.measured``) for this configuration, measured on
     ``measured_on`` (``CPU``: a CPU build, where the whole graph runs on the CPU; else a GPU backend whose
@@ -303,8 +316,10 @@ def estimate(
                 layers=tuple(layers),
             )
         )
+    repacked = extra_buffer_bytes(spec, cpu_extra) if cpu_extra is not None and placement.cpu_only else {}
     host = DeviceMemory(
         device="CPU",
+        extra_weights=tuple((b, repacked[b]) for b in EXTRA_BUFFERS if b in repacked),
         weights_bytes=host_w,
         kv_bytes=kv[0],
         state_bytes=state[0],

@@ -7,6 +7,7 @@ from typing import Literal
 
 from .config import ContextConfig, FlashAttn
 from .memory import DEFAULT_GPU_ALLOWANCE_BYTES
+from .repack import auto_repack
 from .spec import ModelSpec
 
 DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -49,6 +50,15 @@ class PlanRequest:
     service's planner always sets it (``GGUF_CPU_REPACK``)."""
     cpu_repack_reason: str = field(default="", compare=False)
     """Why ``cpu_repack`` is what it is (the load's log line and the dry run say it)."""
+    cpu_features: frozenset[str] = frozenset()
+    """The CPU features llama.cpp reports on the host the plan runs on (``llama_print_system_info``): with the
+    extra buffer types on, which weights they copy (``sizing.repack``). Empty: unknown, none predicted."""
+
+    @property
+    def extra_buffers(self) -> frozenset[str] | None:
+        """The features a CPU-only load's extra buffer types are predicted with; None: the load uses none."""
+        on = self.cpu_repack if self.cpu_repack is not None else auto_repack(self.cpu_features)
+        return self.cpu_features if on else None
 
 
 def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:

@@ -4,33 +4,30 @@ Pure: values in, values out. The service (``service.planning``) plans a new mode
 and, when it does not fit beside the residents, asks ``choose_eviction`` for the smallest set of idle,
 unpinned residents whose memory makes it fit, before anything is unloaded.
 
-What a loaded model holds (``held_bytes``), by llama.cpp's device names:
+What a loaded model holds (``held_bytes``), by llama.cpp's device names: its whole plan on every device.
+On a card that is weights, KV, recurrent state, compute, output, the CUDA pool bound and the allowance
+(``gpu_allowance_mib``, the CUDA context): each model runs in a runner process of its own
+(``service.engine.process``), and CUDA creates one primary context per device and process, which lives as long
+as the process (ggml's CUDA backend never resets the device), so every model pays its own context on each card
+it uses and gives it back when its process ends. In host memory it is the whole host share: weights (mmapped
+file pages), KV, state, compute and output. (With ``GGUF_RUNNER_PROCESS=false`` the engines share the API
+process's context: the arithmetic then counts a context per model where one is held, never too little.)
 
-- on a card, its plan's bytes but the allowance: weights, KV, recurrent state, compute, output and the
-  CUDA pool bound. The allowance (``gpu_allowance_mib``, the CUDA context) is the process's, not the
-  model's: CUDA creates one primary context per device and process, and ggml's CUDA backend never
-  resets the device, so it stays held after the model is freed (``ggml_backend_cuda_free`` releases the
-  streams, cuBLAS handles and pools of its own context only). Every plan still counts one allowance on
-  each card it uses; the arithmetic below makes that the one allowance the card carries;
-- in host memory, its whole host share: weights (mmapped file pages), KV, state, compute and output.
+What is free beside the residents (``available``), for a plan that counts its own allowance per card:
 
-What is free beside the residents (``available``), for a plan that will add its own allowance per card:
-
-- a **live** card (NVML): its free memory already excludes what the residents hold, context included.
-  Where a resident sits, the context is paid already, so the allowance is added back (the new plan counts
-  it again); each resident to evict gives back what it holds;
-- a **declared** card (``GGUF_GPUS_*``: a fixed figure, the card's free memory with none of this
-  server's models on it): the residents kept hold their bytes, subtracted; one allowance is counted by the
-  plan, so the card carries exactly one;
+- a **live** card (NVML): its free memory already excludes what the residents hold, contexts included; each
+  resident to evict gives back what it holds;
+- a **declared** card (``GGUF_GPUS_*``: a fixed figure, the card's free memory with none of this server's
+  models on it): the residents kept hold their bytes, subtracted;
 - **host memory**: ``MemAvailable`` counts the residents' mmapped weights as available (they are page
   cache) and not always their buffers (llama.cpp's compute buffers are not touched before a first decode),
   so it cannot say what they hold: the residents kept have their whole predicted host share subtracted and
   the ones to evict give nothing back. Never over-committed; at worst a resident's KV cache (written at
   context creation, so already out of ``MemAvailable``) is counted twice.
 
-Hence the invariant the tests check: on each declared card, the residents' held bytes plus one allowance
-never exceed its declared free memory; on the host, the residents' predicted bytes never exceed the
-memory available at their load times (less the weights a partial offload reads from the file).
+Hence the invariant the tests check: on each declared card, the residents' held bytes (each with its context)
+never exceed its declared free memory; on the host, the residents' predicted bytes never exceed the memory
+available at their load times (less the weights a partial offload reads from the file).
 """
 
 from __future__ import annotations
@@ -49,17 +46,12 @@ EXHAUSTIVE_CANDIDATES = 12
 
 
 def held_bytes(est: MemoryEstimate) -> dict[str, int]:
-    """What a loaded model holds on each device (``CPU``, ``CUDA<n>``): its plan's bytes, less the allowance
-    on a card (the process's CUDA context, held once per card)."""
+    """What a loaded model holds on each device (``CPU``, ``CUDA<n>``): its plan's bytes, its runner process's
+    CUDA context (the allowance) included."""
     out = {"CPU": est.host.total_bytes}
     for g in est.gpus:
-        out[g.device] = g.total_bytes - g.allowance_bytes
+        out[g.device] = g.total_bytes
     return out
-
-
-def allowance_on(estimates: Sequence[MemoryEstimate], label: str) -> int:
-    """The allowance the residents' plans count on card ``label`` (0 when none of them uses it)."""
-    return max((g.allowance_bytes for est in estimates for g in est.gpus if g.device == label), default=0)
 
 
 def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimate],
@@ -70,12 +62,10 @@ def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimat
     declared inventory (they exclude none). See the module's docstring for the arithmetic.
     """
     out: list[Device] = []
-    residents = [*kept, *freed]
     for g in gpus:
         label = g.label
         if live:
-            back = sum(held_bytes(est).get(label, 0) for est in freed)
-            free = g.free_bytes + back + allowance_on(residents, label)
+            free = g.free_bytes + sum(held_bytes(est).get(label, 0) for est in freed)
         else:
             free = g.free_bytes - sum(held_bytes(est).get(label, 0) for est in kept)
         out.append(replace(g, free_bytes=max(0, min(g.total_bytes, free))))
@@ -145,5 +135,5 @@ def held_summary(holdings: Sequence[Holding]) -> dict[str, dict[str, int]]:
     return out
 
 
-__all__ = ["EXHAUSTIVE_CANDIDATES", "Holding", "allowance_on", "available", "choose_eviction", "decision_request",
+__all__ = ["EXHAUSTIVE_CANDIDATES", "Holding", "available", "choose_eviction", "decision_request",
            "eviction_sets", "held_bytes", "held_summary", "lru"]

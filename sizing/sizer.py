@@ -99,6 +99,8 @@ class Sizer:
             self.spec, cfg, placement, gpu_labels=labels, allowance_bytes=self.req.allowance_bytes,
             figures=self.figures(placement, cfg),
             measured_on=self.calibration.backend if self.calibration is not None else "CPU",
+            # Without GPUs the host's buffer types are llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
+            cpu_extra=None if self.gpus else self.req.extra_buffers,
         )
 
     def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:

@@ -19,6 +19,50 @@ ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED_NAME = "gemma-3-270m-q4_k_m"
 
 
+def _marked_processes(marker: str) -> list[str]:
+    """Processes (other than this one) whose environment carries ``marker``: every server, runner and dry-run
+    worker the tests started inherits it, even one that outlived its parent and was reparented."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                    continue  # ended, waiting for its parent to reap it
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry}: {cmd[:200]}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """After the whole session (every other fixture finalized first), no process the tests started survives:
+    the session fails with the list of them, and they are killed."""
+    marker = f"GGUF_TEST_SESSION={os.getpid()}-{time.time_ns()}"
+    os.environ["GGUF_TEST_SESSION"] = marker.split("=", 1)[1]
+    yield
+    if not os.path.isdir("/proc"):
+        return
+    deadline = time.monotonic() + 15  # runners exit when their server's socket closes: give them a moment
+    left = _marked_processes(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _marked_processes(marker)
+    for line in left:
+        try:
+            os.kill(int(line.split(":", 1)[0]), 9)
+        except OSError:
+            pass
+    assert not left, "processes started by the tests outlived them:\n" + "\n".join(left)
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Path of the embedded gemma-3-270m GGUF (assembled from its PyPI package)."""

@@ -146,12 +146,27 @@ def current_delivery() -> Callable[[Any], None] | None:
 
 @dataclass
 class Cancel:
-    """Set by the HTTP layer when the client goes away; checked between tokens."""
+    """Set by the HTTP layer when the client goes away; checked between tokens. ``on_set`` callbacks carry it
+    further (to a runner process: ``service.engine.process``)."""
 
     event: threading.Event = field(default_factory=threading.Event)
+    _callbacks: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set(self) -> None:
-        self.event.set()
+        with self._lock:
+            self.event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def on_set(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (once) when the cancel is set; at once if it is set already."""
+        with self._lock:
+            if not self.event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     @property
     def cancelled(self) -> bool:

@@ -166,6 +166,16 @@ class Calibrator:
             w = self._workers.get((path, model))
         return load_layer_devices(w.load_log) if w is not None else {}
 
+    def model_buffers(self, path: str, model: ModelParams) -> dict[str, float]:
+        """llama.cpp's weight buffers (rows: CPU, CPU_REPACK, AMX, CUDA0...) as the worker holding ``path`` with
+        ``model`` logged them at its load, in MiB (a no_alloc load logs 0.00: it names the buffers, not their
+        sizes)."""
+        from .loglines import model_buffers_mib
+
+        with self._lock:
+            w = self._workers.get((path, model))
+        return model_buffers_mib(w.load_log) if w is not None else {}
+
     def backend(self, ident: FileIdentity, path: str) -> str:
         """The backend llama.cpp runs ``path`` on here: ``CPU`` on a CPU build (asks a worker once)."""
         with self._lock:

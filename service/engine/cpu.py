@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from sizing.repack import auto_repack
+
 RepackSetting = Literal["auto", "on", "off"]
 
 _FEATURE = re.compile(r"([A-Z0-9_]+) = 1\b")
@@ -40,6 +42,8 @@ class RepackChoice:
 
     on: bool
     reason: str
+    features: frozenset[str] = frozenset()
+    """The CPU features llama.cpp reported, with which the plan predicts the buffers (``sizing.repack``)."""
 
 
 def parse_system_info(text: str) -> frozenset[str]:
@@ -59,13 +63,14 @@ def system_features() -> frozenset[str]:
 def choose_repack(setting: RepackSetting, features: frozenset[str]) -> RepackChoice:
     """The extra buffer types for a load on a CPU with ``features`` (see the module docstring)."""
     if setting == "on":
-        return RepackChoice(True, "GGUF_CPU_REPACK=on")
+        return RepackChoice(True, "GGUF_CPU_REPACK=on", features)
     if setting == "off":
-        return RepackChoice(False, "GGUF_CPU_REPACK=off")
-    if "AMX_INT8" in features:
+        return RepackChoice(False, "GGUF_CPU_REPACK=off", features)
+    if not auto_repack(features):
         return RepackChoice(False, f"auto: llama.cpp reports AMX_INT8, and its AMX kernel for repacked weights crashes "
-                                   f"({AMX_CRASH}); weights stay as the file lays them out")
-    return RepackChoice(True, "auto: no AMX in this llama.cpp build; repacked layouts (CPU_REPACK) where ggml has them")
+                                   f"({AMX_CRASH}); weights stay as the file lays them out", features)
+    return RepackChoice(True, "auto: no AMX in this llama.cpp build; repacked layouts (CPU_REPACK) where ggml has them",
+                        features)
 
 
 def host_repack(setting: RepackSetting) -> RepackChoice:

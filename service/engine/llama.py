@@ -138,13 +138,6 @@ class _Call:
 # ---- load log: allocations, failed devices -------------------------------------------------------
 
 
-def _device_of(buffer_name: str) -> str:
-    """llama.cpp buffer names to devices: CPU, CPU_Mapped, CUDA_Host -> CPU; CUDA0 -> CUDA0."""
-    if buffer_name.startswith("CPU") or buffer_name.endswith("_Host"):
-        return "CPU"
-    return buffer_name
-
-
 def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[int, int] | None]:
     """Per-device bytes from llama.cpp's load log, and the offloaded/total layer counts."""
     acc: dict[str, dict[str, float]] = {}
@@ -154,7 +147,7 @@ def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[i
                          (L.COMPUTE_BUFFER, "compute")):
             m = rx.search(line)
             if m:
-                dev = _device_of(m.group(1))
+                dev = L.row_of(m.group(1))
                 acc.setdefault(dev, {}).setdefault(kind, 0.0)
                 acc[dev][kind] += float(m.group(2))
         m = L.OFFLOADED.search(line)
@@ -168,7 +161,7 @@ def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[i
             compute_bytes=int(f.get("compute", 0) * _MIB),
             output_bytes=int(f.get("output", 0) * _MIB),
         )
-        for dev, f in sorted(acc.items(), key=lambda kv: (kv[0] != "CPU", kv[0]))
+        for dev, f in sorted(acc.items(), key=lambda kv: (kv[0] != "CPU", kv[0] not in L.EXTRA_CPU_BUFFERS, kv[0]))
     )
     return allocs, offloaded
 

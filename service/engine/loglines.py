@@ -33,6 +33,32 @@ FLASH_ATTN = re.compile(r"llama_context: flash_attn\s+=\s+(\w+)")
 FLASH_ATTN_RESOLVED = re.compile(r"resolve_fused_ops: Flash Attention (enabled|not supported)", re.I)
 
 
+EXTRA_CPU_BUFFERS = ("AMX", "CPU_REPACK")
+"""The CPU backend's extra buffer types (``sizing.repack.EXTRA_BUFFERS``): rows of their own in what is reported."""
+
+
+def row_of(buffer_name: str) -> str:
+    """A llama.cpp buffer's row in what the service reports: CPU, CPU_Mapped, CUDA_Host -> CPU; CUDA0 -> CUDA0;
+    the CPU backend's extra buffer types (repacked copies of weights) stay rows of their own, as the plan
+    predicts them."""
+    if buffer_name in EXTRA_CPU_BUFFERS:
+        return buffer_name
+    if buffer_name.startswith("CPU") or buffer_name.endswith("_Host"):
+        return "CPU"
+    return buffer_name
+
+
+def model_buffers_mib(lines: Any) -> dict[str, float]:
+    """``load_tensors: X model buffer size = N MiB`` lines summed per row (``row_of``)."""
+    out: dict[str, float] = {}
+    for line in lines:
+        m = MODEL_BUFFER.search(line)
+        if m:
+            row = row_of(m.group(1))
+            out[row] = round(out.get(row, 0.0) + float(m.group(2)), 2)
+    return out
+
+
 class LogCollector:
     """llama.cpp's log, as whole lines, for a process that only collects it (the dry-run child, a benchmark):
     sets the process-wide log callback. The serving process logs through ``service.engine.llama._LogTap``."""

@@ -3,7 +3,8 @@
 demand, keep_alive, aliases, the models file and the set dry-run.
 
 The models are llama-shaped header-only files (``sizing.gguf.fixtures``) of 4, 8, 16 and 32 layers; the cards
-are declared with 2000 MiB free each, so two or three models share them and a fourth needs room.
+are declared with 2500 MiB free each, so two or three models share them and a fourth needs room. Each model's
+runner process holds its own CUDA context (the 477 MiB allowance) on every card it uses.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.conftest import stream_events
 from .conftest import FakeService
 
 MIB = 1 << 20
-FREE_MIB = 2000
+FREE_MIB = 2500
 CARDS = json.dumps([{"name": "card A", "free_mib": FREE_MIB, "total_mib": 8192},
                     {"name": "card B", "free_mib": FREE_MIB, "total_mib": 8192}])
 ALLOWANCE_MIB = 477
@@ -39,10 +40,10 @@ def _shape(n_layer: int) -> FixtureShape:
 
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Model name -> path: a4, b4 (4 layers), c8, d8 (8), e16 (16), g32 (32: more than both cards hold)."""
+    """Model name -> path: a4, b4 (4 layers), c8, d8 (8), e16 (16), g48 (48: more than both cards hold)."""
     d = tmp_path_factory.mktemp("residency")
     out = {}
-    for name, n in (("a4", 4), ("b4", 4), ("c8", 8), ("d8", 8), ("e16", 16), ("g32", 32)):
+    for name, n in (("a4", 4), ("b4", 4), ("c8", 8), ("d8", 8), ("e16", 16), ("g48", 48)):
         path = write_fixture(name, d, shape=_shape(n))
         out[Path(path).stem] = path
     return out
@@ -85,14 +86,14 @@ def _ask(svc: FakeService, short: str, **body: Any) -> httpx.Response:
 
 
 def _held_per_card(svc: FakeService) -> dict[str, float]:
-    """Per card: what the loaded models' plans hold there (each plan's device total less its allowance)."""
+    """Per card: what the loaded models' plans hold there (each plan's device total, its runner's context included)."""
     out: dict[str, float] = {}
     for m in _models(svc).values():
         if m["state"] != "loaded":
             continue
         for d in m["plan"]["estimate"]["devices"]:
             if d["device"] != "CPU":
-                out[d["device"]] = out.get(d["device"], 0.0) + d["total_mib"] - d["allowance_mib"]
+                out[d["device"]] = out.get(d["device"], 0.0) + d["total_mib"]
     return out
 
 
@@ -118,11 +119,11 @@ def test_three_models_pack_over_two_cards_within_their_free_memory(multi: Callab
     assert models[N("c8")]["plan"]["verdict"] == "split"
     held = _held_per_card(svc)
     for card in ("CUDA0", "CUDA1"):
-        assert held[card] + ALLOWANCE_MIB <= FREE_MIB, (card, held)
+        assert held[card] <= FREE_MIB, (card, held)
     # Each model's plan was made on what the ones before it left: c8's cards had a4's and b4's bytes taken off.
     c8_free = {d["label"]: d["free_mib"] for d in models[N("c8")]["plan"]["devices"]}
     a4 = {d["device"]: d for d in models[N("a4")]["plan"]["estimate"]["devices"]}
-    assert c8_free["CUDA0"] == pytest.approx(FREE_MIB - (a4["CUDA0"]["total_mib"] - a4["CUDA0"]["allowance_mib"]),
+    assert c8_free["CUDA0"] == pytest.approx(FREE_MIB - a4["CUDA0"]["total_mib"],
                                              abs=0.02)
     # /api/models' device view: every card with each model's share.
     devices = {d["device"]: d for d in svc.client.get("/api/models").json()["devices"]}
@@ -148,21 +149,22 @@ def test_eviction_unloads_the_least_recently_used_idle_model_only(multi: Callabl
     assert _loaded(svc) == {N("a4"), N("c8"), N("d8")}
     assert _models(svc)[N("b4")]["unloaded"] == f"evicted for {N('d8')}"
     for card, mib in _held_per_card(svc).items():
-        assert mib + ALLOWANCE_MIB <= FREE_MIB, card
+        assert mib <= FREE_MIB, card
 
 
 def test_the_fewest_models_go_even_when_smaller_ones_are_older(multi: Callable[..., FakeService]) -> None:
     """One card: a4 and b4 (older, smaller) and d8 (newest). c8 needs d8's memory, or a4's and b4's together:
     one model is fewer than two, so d8 goes although a4 is the least recently used."""
-    card = json.dumps([{"name": "card A", "free_mib": 2700, "total_mib": 8192}])
+    CARD_MIB = 3800  # the three with their runners' contexts, and too little beside them for c8
+    card = json.dumps([{"name": "card A", "free_mib": CARD_MIB, "total_mib": 8192}])
     svc = multi(gpus_json=card)
     for short in ("a4", "b4", "d8"):
         assert _load(svc, short).status_code == 200, short
     models = _models(svc)
     held = {n: m["memory"][1]["held_mib"] for n, m in models.items() if m["state"] == "loaded"}
-    free_beside = 2700 - sum(held.values())
+    free_beside = CARD_MIB - sum(held.values())
     need = next(d["total_mib"] for d in svc.client.post("/api/dry-run", json={
-        "model": N("c8"), "gpus": [{"name": "empty", "free_mib": 2700, "total_mib": 8192}]}).json()["estimate"]["devices"]
+        "model": N("c8"), "gpus": [{"name": "empty", "free_mib": CARD_MIB, "total_mib": 8192}]}).json()["estimate"]["devices"]
         if d["device"] == "CUDA0")
     # The scenario: neither small model alone makes room, d8 alone does, and so do both small ones.
     assert free_beside + held[N("a4")] < need and free_beside + held[N("b4")] < need
@@ -227,7 +229,7 @@ def test_a_model_that_cannot_fit_is_507_with_every_cards_figures_and_nothing_is_
     svc = multi()
     for short in ("a4", "b4"):
         assert _load(svc, short).status_code == 200
-    r = _load(svc, "g32")
+    r = _load(svc, "g48")
     assert r.status_code == 507, r.text
     err = r.json()["error"]
     assert err["code"] == "INSUFFICIENT_MEMORY"
@@ -238,7 +240,7 @@ def test_a_model_that_cannot_fit_is_507_with_every_cards_figures_and_nothing_is_
     assert err["residents"]["beside"] and set(err["residents"]["held_mib"]["CUDA0"]) == {N("a4")}
     assert _loaded(svc) == {N("a4"), N("b4")}
     assert svc.engines is not None and all(e.unloads == 0 for e in svc.engines), "nothing was unloaded"
-    assert _models(svc)[N("g32")]["state"] == "unloaded"
+    assert _models(svc)[N("g48")]["state"] == "unloaded"
 
 
 def test_load_on_demand_under_twenty_concurrent_requests_loads_once(multi: Callable[..., FakeService]) -> None:
@@ -429,19 +431,20 @@ def test_a_set_dry_run_answers_whether_models_fit_together_and_how_per_card(
     for dev in got["devices"]:
         if dev["device"] == "CPU":
             continue
-        used = sum(m["total_mib"] for m in dev["models"]) + dev["allowance_mib"]
+        used = sum(m["total_mib"] for m in dev["models"])
         assert dev["left_mib"] == pytest.approx(dev["free_mib"] - used, abs=0.05)
         assert dev["left_mib"] >= 0
         for m in dev["models"]:
-            parts = m["weights_mib"] + m["kv_mib"] + m["state_mib"] + m["compute_mib"] + m["output_mib"] + m["gpu_pool_mib"]
+            parts = (m["weights_mib"] + m["kv_mib"] + m["state_mib"] + m["compute_mib"] + m["output_mib"]
+                     + m["gpu_pool_mib"] + m["allowance_mib"])
             assert parts == pytest.approx(m["total_mib"], abs=0.05)
     assert _loaded(svc) == set(), "a dry run loads nothing"
     # With a fourth model the set does not fit at all, and the answer names it.
-    r = svc.client.post("/api/dry-run", json={"models": body["models"] + [{"model": N("g32")}]})
-    assert r.status_code == 200 and r.json()["fits"] is False and N("g32") in r.json()["refused"]
+    r = svc.client.post("/api/dry-run", json={"models": body["models"] + [{"model": N("g48")}]})
+    assert r.status_code == 200 and r.json()["fits"] is False and N("g48") in r.json()["refused"]
     # On hypothetical cards, and beside what is loaded.
     cards = [{"name": "big", "free_mib": 24000, "total_mib": 24576}]
-    r = svc.client.post("/api/dry-run", json={"models": body["models"] + [{"model": N("g32")}], "gpus": cards})
+    r = svc.client.post("/api/dry-run", json={"models": body["models"] + [{"model": N("g48")}], "gpus": cards})
     assert r.json()["fits"] is True
     assert _load(svc, "e16").status_code == 200
     beside = svc.client.post("/api/dry-run", json={**body, "beside_residents": True}).json()

@@ -8,7 +8,8 @@ import sys
 
 CORE = ["sizing.arch", "sizing.device", "sizing.reserve", "sizing.gpu", "sizing.measured", "sizing.request", "sizing.sizer",
         "sizing.spec", "sizing.config", "sizing.ggml", "sizing.kv", "sizing.compute", "sizing.graph_alloc", "sizing.memory",
-        "sizing.fit", "sizing.placement", "sizing.plan", "sizing.offload", "sizing.speed", "sizing.report"]
+        "sizing.fit", "sizing.placement", "sizing.plan", "sizing.offload", "sizing.speed", "sizing.report", "sizing.repack",
+        "sizing.residency"]
 FORBIDDEN = ["llama_cpp", "fastapi", "numpy", "gguf", "pynvml"]
 
 

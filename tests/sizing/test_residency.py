@@ -31,11 +31,12 @@ CARDS = [Device(0, "A", 10_000 * MIB, 24_000 * MIB), Device(1, "B", 6_000 * MIB,
 HOST = Device(0, "host", 20_000 * MIB, 64_000 * MIB, "host")
 
 
-def test_a_resident_holds_its_plan_less_the_allowance_on_a_card_and_everything_on_the_host() -> None:
+def test_a_resident_holds_its_plan_and_its_context_on_a_card_and_everything_on_the_host() -> None:
+    """Each model runs in a runner process of its own, with its own CUDA context on each card it uses."""
     e = est(host=2 * MIB, host_weights=100 * MIB, CUDA0=1000 * MIB)
     held = held_bytes(e)
-    assert held["CUDA0"] == 1000 * MIB + 3 * MIB + 5 * MIB + 7 * MIB  # weights, KV, compute, pool; no allowance
-    assert held["CUDA0"] == e.gpus[0].total_bytes - A
+    assert held["CUDA0"] == 1000 * MIB + 3 * MIB + 5 * MIB + 7 * MIB + A  # weights, KV, compute, pool, context
+    assert held["CUDA0"] == e.gpus[0].total_bytes
     assert held["CPU"] == 100 * MIB + 2 * MIB + MIB == e.host.total_bytes
 
 
@@ -43,30 +44,29 @@ def test_declared_cards_lose_what_the_kept_residents_hold_and_the_host_too() -> 
     r1 = est(host=10 * MIB, host_weights=200 * MIB, CUDA0=3000 * MIB)
     r2 = est(host=20 * MIB, CUDA0=1000 * MIB, CUDA1=2000 * MIB)
     gpus, host = available(CARDS, HOST, [r1, r2], live=False)
-    assert gpus[0].free_bytes == 10_000 * MIB - (3015 + 1015) * MIB
-    assert gpus[1].free_bytes == 6_000 * MIB - 2015 * MIB
+    assert gpus[0].free_bytes == 10_000 * MIB - (3015 + 1015) * MIB - 2 * A
+    assert gpus[1].free_bytes == 6_000 * MIB - 2015 * MIB - A
     assert host.free_bytes == 20_000 * MIB - (211 + 21) * MIB
     # Evicting r2 (freed) on a declared inventory gives nothing back: its figure excludes none of our models.
-    assert available(CARDS, HOST, [r1], [r2], live=False)[0][0].free_bytes == 10_000 * MIB - 3015 * MIB
-    # A plan on card 0 then counts one allowance: residents + that plan fit exactly when <= the declared free.
+    assert available(CARDS, HOST, [r1], [r2], live=False)[0][0].free_bytes == 10_000 * MIB - 3015 * MIB - A
+    # A plan on card 0 then counts its own allowance: residents + that plan fit exactly when <= the declared free.
     left = gpus[0].free_bytes
-    assert (3015 + 1015) * MIB + left == CARDS[0].free_bytes
+    assert (3015 + 1015) * MIB + 2 * A + left == CARDS[0].free_bytes
 
 
-def test_live_cards_already_exclude_the_residents_and_get_back_the_context_and_the_evicted() -> None:
+def test_live_cards_already_exclude_the_residents_and_get_back_the_evicted_with_their_contexts() -> None:
     r1 = est(CUDA0=3000 * MIB)
     r2 = est(CUDA0=1000 * MIB, CUDA1=2000 * MIB)
-    # NVML after both loaded: each card lost its residents' bytes and one context.
-    live = [Device(0, "A", (10_000 - 3015 - 1015) * MIB - A, 24_000 * MIB),
+    # NVML after both loaded: each card lost its residents' bytes and one context per runner process on it.
+    live = [Device(0, "A", (10_000 - 3015 - 1015) * MIB - 2 * A, 24_000 * MIB),
             Device(1, "B", (6_000 - 2015) * MIB - A, 24_000 * MIB)]
     gpus, _ = available(live, HOST, [r1, r2], live=True)
-    # The new plan counts its own allowance: the context already held is added back, once.
-    assert gpus[0].free_bytes == live[0].free_bytes + A
-    assert gpus[1].free_bytes == live[1].free_bytes + A
+    # The new plan counts its own allowance: nothing of the residents' is added back.
+    assert gpus[0].free_bytes == live[0].free_bytes
+    assert gpus[1].free_bytes == live[1].free_bytes
     gpus, _ = available(live, HOST, [r1], [r2], live=True)
-    assert gpus[0].free_bytes == live[0].free_bytes + 1015 * MIB + A
+    assert gpus[0].free_bytes == live[0].free_bytes + 1015 * MIB + A  # r2's process ends: its context too
     assert gpus[1].free_bytes == live[1].free_bytes + 2015 * MIB + A
-    # A card no resident uses holds no context of ours: nothing to add back.
     free_card = [Device(2, "C", 5_000 * MIB, 24_000 * MIB)]
     assert available(free_card, HOST, [r1, r2], live=True)[0][0].free_bytes == 5_000 * MIB
     # Never beyond the card, never below zero.
@@ -81,7 +81,7 @@ def test_live_cards_already_exclude_the_residents_and_get_back_the_context_and_t
 def test_loading_what_fits_beside_the_residents_never_exceeds_a_declared_cards_free_memory(
         free: list[int], loads: list[list[int]]) -> None:
     """Any sequence: a model is loaded when each of its cards' needs (allowance included) fits what ``available``
-    leaves; then every card carries its residents' held bytes plus one allowance, at most its free memory."""
+    leaves; then every card carries its residents' held bytes, each with its context, at most its free memory."""
     cards = [Device(i, f"c{i}", f * MIB, 48_000 * MIB) for i, f in enumerate(free)]
     residents: list[MemoryEstimate] = []
     for sizes in loads:
@@ -92,7 +92,8 @@ def test_loading_what_fits_beside_the_residents_never_exceeds_a_declared_cards_f
             residents.append(new)
         for card in cards:
             on = [r for r in residents if any(d.device == card.label for d in r.gpus)]
-            used = sum(held_bytes(r)[card.label] for r in on) + (A if on else 0)
+            used = sum(held_bytes(r)[card.label] for r in on)
+            assert used >= len(on) * A  # every runner's context is counted
             assert used <= card.free_bytes
 
 
@@ -139,7 +140,7 @@ def test_choose_eviction_is_the_smallest_least_recently_used_idle_set_that_fits(
 def test_held_summary_lists_each_cards_residents() -> None:
     hs = [Holding("a", est(host=MIB, CUDA0=100 * MIB), 0.0), Holding("b", est(CUDA0=10 * MIB, CUDA1=5 * MIB), 1.0)]
     s = held_summary(hs)
-    assert s["CUDA0"] == {"a": 115 * MIB, "b": 25 * MIB} and s["CUDA1"] == {"b": 20 * MIB}
+    assert s["CUDA0"] == {"a": 115 * MIB + A, "b": 25 * MIB + A} and s["CUDA1"] == {"b": 20 * MIB + A}
     assert s["CPU"] == {"a": 2 * MIB, "b": MIB}
 
 

@@ -1,0 +1,73 @@
+"""What the runner process costs: the service with each model's engine in a runner process (the default) against
+the same service with the engine in the API process (``GGUF_RUNNER_PROCESS=false``), side by side in one run.
+
+    .venv/bin/python bench/runner_bench.py [--rounds 5] [--tokens 128]
+
+Both serve the embedded model on ``make run``'s defaults and stay loaded the whole time; they take turns (the
+order reversed every round), so a drifting machine load falls on both alike. Figures are medians over the rounds:
+
+- one client, ``--tokens`` greedy tokens streamed (``ignore_eos``, a fresh prompt each time): decode tokens/s
+  after the first token, and the time to first token. Targets: >= 0.97x in-process, TTFT at most +3 ms;
+- four concurrent streaming clients: aggregate tokens/s (all tokens / wall time). Target: >= 1.0x in-process.
+
+Run it alone: both cores are the benchmark's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serving_bench import clients, one_client, service  # noqa: E402
+
+from service.models import embedded_model_path  # noqa: E402
+
+
+def four(url: str, tokens: int) -> float:
+    wall, runs = clients(url, 4, tokens)
+    return sum(r.tokens for r in runs) / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    model = embedded_model_path()
+    sides = {"runner process": {"GGUF_RUNNER_PROCESS": "true"}, "in process": {"GGUF_RUNNER_PROCESS": "false"}}
+    results: dict[str, dict[str, list[float]]] = {s: {"decode": [], "ttft": [], "four": []} for s in sides}
+    with service(model, **sides["runner process"]) as a, service(model, **sides["in process"]) as b:
+        urls = {"runner process": a, "in process": b}
+        for url in urls.values():  # warm-up: the first request of a fresh engine
+            one_client(url, 8, True)
+            four(url, 8)
+        order = list(sides)
+        for r in range(args.rounds):
+            for side in (order if r % 2 == 0 else order[::-1]):
+                run = one_client(urls[side], args.tokens, True)
+                results[side]["decode"].append(run.decode_tokens_per_s)
+                results[side]["ttft"].append(run.ttft_s * 1000)
+                results[side]["four"].append(four(urls[side], args.tokens))
+    med: dict[str, dict[str, float]] = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in results.items()}
+    rp, ip = med["runner process"], med["in process"]
+    print(f"{args.rounds} rounds, {args.tokens} tokens, medians")
+    print(f"{'':<34} {'runner process':>15} {'in process':>11} {'ratio':>8}  target")
+    rows: list[tuple[str, str, Any]] = [
+        ("one client decode tok/s", "decode", ">= 0.97"),
+        ("time to first token ms", "ttft", "<= +3 ms"),
+        ("four clients aggregate tok/s", "four", ">= 1.0"),
+    ]
+    for label, key, target in rows:
+        ratio = f"{rp[key] - ip[key]:+.1f} ms" if key == "ttft" else f"{rp[key] / ip[key]:.3f}"
+        print(f"{label:<34} {rp[key]:>15.1f} {ip[key]:>11.1f} {ratio:>8}  {target}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The runner process: one model's ``LlamaEngine`` in a process of its own (``python -m service.engine.child FD``).
+
+The API process (``service.engine.process.ProcessEngine``) starts it with one end of a socket pair as file
+descriptor ``FD`` and talks to it in small pickled messages (``multiprocessing.connection`` framing), in the
+style of vLLM's engine-core client and Ollama's runner (the house style's process boundaries):
+
+    parent -> child   ("init", engine_kwargs, log_level, name)     first, once
+                      ("call", id, method, args)                   load, check, tokenize, count, embed, forget
+                      ("gen", id, method, args)                    complete, chat, generate: a stream of chunks
+                      ("cancel", id)                               the client left (``Cancel.set`` upstream)
+                      ("stats", id)                                the gauges a metrics scrape reads
+                      ("exit",)                                    unload and end
+    child -> parent   ("ok", id, value) | ("err", id, error)       a call's result
+                      ("chunk", id, Chunk) ... ("end", id)          a generation (an "err" before its "end" ends it)
+
+Calls and generations run on a thread pool; a generation's chunks are sent by the engine's scheduler thread as it
+makes them (``base.direct_delivery``), so crossing the process costs one pickle and one write per chunk, off the
+GIL of the API process. Errors cross as the service's own (``ServiceError``); anything else becomes an
+``EngineFailure`` naming it. When the parent goes away (its end of the socket closes: it exited or was killed)
+the child exits at once, so a runner never outlives its server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..errors import EngineFailure, ServiceError
+from .base import Cancel, Chunk, direct_delivery
+
+log = logging.getLogger(__name__)
+
+CALLS = frozenset({"load", "check", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget"})
+"""Engine methods a "call" may name (nothing else of the engine is reachable from the socket)."""
+GENERATIONS = frozenset({"complete", "chat", "generate"})
+CANCELLABLE = frozenset({"embed"})
+"""Calls that take a ``Cancel`` as their last argument (it is made here, set by a "cancel" message)."""
+MAX_THREADS = 64
+"""Calls and generations in flight at once (the API process bounds them: slots plus its queue)."""
+
+
+def portable(exc: BaseException) -> ServiceError:
+    """An error the parent can unpickle and map: the service's own as they are, anything else named."""
+    if isinstance(exc, ServiceError):
+        try:
+            pickle.loads(pickle.dumps(exc))
+            return exc
+        except Exception:  # an unpicklable detail: keep the class's meaning through its message
+            pass
+    err = EngineFailure(f"{type(exc).__name__}: {exc}")
+    return err
+
+
+class Child:
+    """The child's side of the socket: dispatches messages to the engine, sends results back."""
+
+    def __init__(self, conn: Connection, engine: Any) -> None:
+        self.conn = conn
+        self.engine = engine
+        self._send_lock = threading.Lock()
+        self._cancels: dict[int, Cancel] = {}
+        self._cancels_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="runner")
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the parent is gone: the reader loop sees it and exits
+                pass
+
+    def _cancel_for(self, cid: int) -> Cancel:
+        cancel = Cancel()
+        with self._cancels_lock:
+            self._cancels[cid] = cancel
+        return cancel
+
+    def _done(self, cid: int) -> None:
+        with self._cancels_lock:
+            self._cancels.pop(cid, None)
+
+    def serve(self) -> None:
+        """Read messages until the parent goes away or says exit."""
+        while True:
+            try:
+                msg = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                log.info("the API process went away: exiting")
+                os._exit(0)
+            kind = msg[0]
+            if kind == "cancel":
+                with self._cancels_lock:
+                    cancel = self._cancels.get(msg[1])
+                if cancel is not None:
+                    cancel.set()
+            elif kind == "stats":
+                e = self.engine
+                self.send(("ok", msg[1], {"kv_cells_used": e.kv_cells_used, "running_sequences": e.running_sequences,
+                                          "prompt_tokens_evaluated": e.prompt_tokens_evaluated}))
+            elif kind == "call":
+                _, cid, method, args = msg
+                cancel = self._cancel_for(cid) if method in CANCELLABLE else None
+                self._pool.submit(self._call, cid, method, args, cancel)
+            elif kind == "gen":
+                _, cid, method, args = msg
+                self._pool.submit(self._generate, cid, method, args, self._cancel_for(cid))
+            elif kind == "exit":
+                self._exit()
+            else:
+                log.error("unknown message %r", kind)
+
+    def _call(self, cid: int, method: str, args: tuple[Any, ...], cancel: Cancel | None) -> None:
+        try:
+            if method not in CALLS:
+                raise EngineFailure(f"the runner has no call {method!r}")
+            if method == "load":
+                value: Any = self._load(*args)
+            else:
+                value = getattr(self.engine, method)(*args, *((cancel,) if cancel is not None else ()))
+            self.send(("ok", cid, value))
+        except BaseException as exc:  # every failure goes back to the caller
+            self.send(("err", cid, portable(exc)))
+        finally:
+            self._done(cid)
+
+    def _load(self, path: str, plan: Any) -> tuple[Any, dict[str, Any]]:
+        """The load's report, and what the API process reads without asking again (fixed until the next load)."""
+        e = self.engine
+        report = e.load(path, plan)
+        info = {"n_ctx": e.n_ctx, "kv_cells_allocated": e.kv_cells_allocated, "slots": e.slots, "n_vocab": e.n_vocab,
+                "embedding_limits": e.embedding_limits(), "chat_format": e.chat_format(), "pid": os.getpid()}
+        return report, info
+
+    def _generate(self, cid: int, method: str, args: tuple[Any, ...], cancel: Cancel) -> None:
+        def deliver(item: Any) -> None:  # from the engine's scheduler thread
+            if isinstance(item, Chunk):
+                self.send(("chunk", cid, item))
+            else:
+                self.send(("err", cid, portable(item)))
+
+        try:
+            if method not in GENERATIONS:
+                raise EngineFailure(f"the runner has no generation {method!r}")
+            with direct_delivery(deliver):
+                if method == "chat":
+                    messages, params, tools = args
+                    chunks = self.engine.chat(messages, params, cancel, tools)
+                else:  # complete(prompt, params, cancel), generate(tokens, params, cancel)
+                    chunks = getattr(self.engine, method)(*args, cancel)
+                for chunk in chunks:
+                    self.send(("chunk", cid, chunk))
+        except BaseException as exc:  # the request's error; the runner goes on
+            self.send(("err", cid, portable(exc)))
+        finally:
+            self._done(cid)
+            self.send(("end", cid))
+
+    def _exit(self) -> None:
+        try:
+            self.engine.unload()
+        except Exception:  # ending anyway: the OS frees what llama.cpp held
+            log.exception("unload before exit failed")
+        try:
+            self.conn.close()
+        finally:
+            os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    fd = int(argv[1])
+    conn = Connection(fd)
+    try:
+        kind, engine_kwargs, log_level, name = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    assert kind == "init"
+    logging.basicConfig(level=log_level.upper() if isinstance(log_level, str) else log_level,
+                        format=f"%(levelname)s runner {name} (pid {os.getpid()}): %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from .llama import LlamaEngine
+
+    Child(conn, LlamaEngine(**engine_kwargs)).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,561 @@
+"""One runner process per loaded model: ``ProcessEngine``, the ``Engine`` the API process holds for it.
+
+Each loaded model's ``LlamaEngine`` (load, slots, scheduler, sampling, grammar, chat template) runs in a child
+process of its own (``service.engine.child``), as Ollama runs one runner per model and vLLM its engine core:
+a llama.cpp abort, a kernel bug, a GGML_ASSERT on a new architecture or the OOM killer then costs that model's
+in-flight requests, never the HTTP server or the other models. The API process plans, routes, queues
+(``service.runner``) and streams; this class speaks the child's small protocol (see ``child``) behind the same
+``Engine`` protocol as the in-process engine, so nothing above it changes.
+
+When the runner dies (a signal, an abort, an OOM kill):
+
+- its requests end at once with ``RunnerDied`` (503 ``runner_died`` with Retry-After; a stream gets an error
+  event then ``[DONE]``); the other models are not touched;
+- the dead process is reaped first (its memory is the OS's again only then), and a new runner is started and
+  loaded with the same file and plan, after a backoff; requests that arrive meanwhile wait for it (up to
+  ``restart_wait_s``);
+- after ``max_restarts`` deaths within ``restart_window_s`` it stops trying: the model is ``failed`` with the
+  reason (``watch``'s listener tells the manager, ``/api/models`` shows it) and requests get a clear 503.
+
+A death during the first load is the load's failure (``EngineFailure`` with the end of the runner's log), not a
+restart. ``unload`` asks the runner to exit and waits until the OS has reaped it (killing it after
+``EXIT_TIMEOUT_S``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from sizing.plan import Plan
+
+from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
+from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, current_delivery
+
+log = logging.getLogger(__name__)
+
+EXIT_TIMEOUT_S = 30.0
+"""How long an unload waits for the runner to free its model and exit before it is killed."""
+STATS_TIMEOUT_S = 2.0
+"""How long a gauge waits for the runner's answer (it is answered on the runner's socket thread, at once)."""
+STDERR_TAIL_LINES = 40
+BACKOFF_S = (0.5, 2.0, 8.0)
+"""Seconds before each restart after a death, by how many deaths the window holds (the last repeats)."""
+_ROOT = str(Path(__file__).resolve().parents[2])
+_END = object()
+
+Listener = Callable[[str, str], None]
+"""``(event, detail)`` from a supervisor thread: ``died``, ``restarted`` or ``failed``."""
+
+
+def exit_reason(returncode: int | None) -> str:
+    """A runner's end in words: the signal that killed it (SIGSEGV, SIGKILL: often the OOM killer) or its code."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class _Pending:
+    """A call or generation waiting for the runner: what arrives goes to its queue (chunks to ``deliver``)."""
+
+    __slots__ = ("q", "stream", "deliver")
+
+    def __init__(self, stream: bool, deliver: Callable[[Any], None] | None = None) -> None:
+        self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.stream = stream
+        self.deliver = deliver
+
+
+class _Channel:
+    """One runner process and the socket to it; a reader thread routes its messages to the waiting callers."""
+
+    def __init__(self, name: str, engine_kwargs: dict[str, Any], log_level: str,
+                 on_end: Callable[["_Channel"], None]) -> None:
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "service.engine.child", str(child.fileno())], pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        finally:
+            child.close()
+        self.pid = self.proc.pid
+        self.conn = Connection(parent.detach())
+        self.name = name
+        self.tail: "collections.deque[str]" = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._on_end = on_end
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next = 0
+        self.dead: ServiceError | None = None
+        """Set once the runner is gone: what callers get from now on."""
+        self.stopping = False
+        self.noticed = threading.Event()
+        """Set once its end was handled (``ProcessEngine._ended``)."""
+        self._send(("init", engine_kwargs, log_level, name))
+        self._stderr = threading.Thread(target=self._forward_stderr, name=f"runner-{name[:32]}-stderr", daemon=True)
+        self._stderr.start()
+        self._reader = threading.Thread(target=self._read, name=f"runner-{name[:32]}-reader", daemon=True)
+        self._reader.start()
+
+    # -- calls
+
+    def open(self, stream: bool, deliver: Callable[[Any], None] | None = None) -> tuple[int, _Pending]:
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            self._next += 1
+            cid = self._next
+            p = self._pending[cid] = _Pending(stream, deliver)
+        return cid, p
+
+    def forget(self, cid: int) -> None:
+        with self._lock:
+            self._pending.pop(cid, None)
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send, or raise the runner's end (``RunnerDied``) if it is gone."""
+        try:
+            self._send(msg)
+        except OSError:
+            raise self.dead or RunnerDied(f"model '{self.name}': its runner process is gone") from None
+
+    def try_send(self, msg: tuple[Any, ...]) -> None:
+        try:
+            self._send(msg)
+        except OSError:  # gone: nothing to tell it
+            pass
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def call(self, method: str, args: tuple[Any, ...], cancel: Cancel | None = None,
+             timeout_s: float | None = None) -> Any:
+        cid, p = self.open(stream=False)
+        kind = "stats" if method == "stats" else "call"
+        try:
+            self.send((kind, cid) if kind == "stats" else (kind, cid, method, args))
+            if cancel is not None:
+                cancel.on_set(lambda: self.try_send(("cancel", cid)))
+            try:
+                item = p.q.get(timeout=timeout_s)
+            except queue.Empty:
+                raise EngineFailure(f"model '{self.name}': its runner did not answer {method} within "
+                                    f"{timeout_s:g} s") from None
+        finally:
+            self.forget(cid)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def generate(self, method: str, args: tuple[Any, ...], cancel: Cancel) -> Iterator[Chunk]:
+        cid, p = self.open(stream=True, deliver=current_delivery())
+        try:
+            self.send(("gen", cid, method, args))
+        except BaseException:
+            self.forget(cid)
+            raise
+        cancel.on_set(lambda: self.try_send(("cancel", cid)))
+        return self._chunks(cid, p)
+
+    def _chunks(self, cid: int, p: _Pending) -> Iterator[Chunk]:
+        ended = False
+        try:
+            while True:
+                item = p.q.get()
+                if item is _END:
+                    ended = True
+                    return
+                if isinstance(item, BaseException):
+                    ended = True  # the runner ended it (an "end" follows)
+                    raise item
+                yield item
+        finally:
+            if not ended:  # the consumer stopped iterating: the generation stops within a token
+                self.try_send(("cancel", cid))
+            self.forget(cid)
+
+    # -- the runner's side
+
+    def _read(self) -> None:
+        conn = self.conn
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            kind, cid = msg[0], msg[1]
+            with self._lock:
+                p = self._pending.get(cid)
+                if p is not None and (kind in ("ok", "end") or (kind == "err" and not p.stream)):
+                    del self._pending[cid]
+            if p is None:
+                continue  # a caller that stopped waiting
+            if kind == "chunk":
+                if p.deliver is not None:
+                    p.deliver(msg[2])
+                else:
+                    p.q.put(msg[2])
+            elif kind == "end":
+                p.q.put(_END)
+            else:  # "ok" (a call's value) or "err"
+                p.q.put(msg[2])
+        self._on_end(self)
+
+    def _forward_stderr(self) -> None:
+        """The runner's log lines to this process's stderr, the last few kept for the reason of a death."""
+        stream = self.proc.stderr
+        assert stream is not None
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            try:
+                sys.stderr.write(line + "\n")
+            except (OSError, ValueError):  # stderr closed (shutdown)
+                pass
+
+    def end(self, err: ServiceError) -> None:
+        """Fail everything still waiting with ``err`` (the runner is gone)."""
+        with self._lock:
+            self.dead = err
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.q.put(err)
+            if p.stream:
+                p.q.put(_END)
+
+    def exited(self) -> bool:
+        """Whether the runner has ended (a zombie not reaped yet counts: ``Popen.poll`` cannot tell while another
+        thread is in ``wait``)."""
+        if self.dead is not None or self.noticed.is_set():
+            return True
+        try:
+            with open(f"/proc/{self.pid}/stat", encoding="ascii", errors="replace") as f:
+                return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+        except (OSError, IndexError):  # no /proc here
+            return self.proc.poll() is not None
+
+    def reap(self) -> int:
+        """Wait until the OS has reaped the runner; its exit status."""
+        rc = self.proc.wait()
+        self._stderr.join(timeout=5)
+        return rc
+
+    def last_lines(self, n: int = 3) -> str:
+        """The end of the runner's log (where llama.cpp wrote why it aborted)."""
+        lines = [ln for ln in self.tail if ln.strip()][-n:]
+        return " | ".join(lines)[-600:]
+
+    def stop(self) -> None:
+        """Ask the runner to unload and exit; kill it after ``EXIT_TIMEOUT_S``; return once it is reaped."""
+        self.stopping = True
+        self.try_send(("exit",))
+        try:
+            self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("runner of %s did not exit within %.0f s: killed", self.name, EXIT_TIMEOUT_S)
+            self.proc.kill()
+        self.reap()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        self._reader.join(timeout=5)
+
+
+class ProcessEngine:
+    """The ``Engine`` protocol over a runner process (see the module docstring)."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], *, name: str = "model", log_level: str = "info",
+                 max_restarts: int = 3, restart_window_s: float = 300.0, restart_wait_s: float = 60.0) -> None:
+        self._kwargs = dict(engine_kwargs)
+        self.name = name
+        self._log_level = log_level
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.restart_wait_s = restart_wait_s
+        self._ch: _Channel | None = None
+        self._path: str | None = None
+        self._plan: Plan | None = None
+        self._info: dict[str, Any] = {}
+        self._state = "unloaded"
+        """unloaded, loading, loaded, restarting, failed."""
+        self._ready = threading.Event()
+        self._ready.set()
+        self._lock = threading.Lock()
+        self._deaths: "collections.deque[float]" = collections.deque()
+        self.restarts = 0
+        self.last_exit: str | None = None
+        self.failure: str | None = None
+        self._listener: Listener | None = None
+        self._stats: dict[str, int] = {}
+
+    def watch(self, name: str, listener: Listener) -> None:
+        """Name the model (in errors and logs) and tell ``listener`` of deaths, restarts and the final failure."""
+        self.name = name
+        self._listener = listener
+
+    def _notify(self, event: str, detail: str) -> None:
+        if self._listener is not None:
+            try:
+                self._listener(event, detail)
+            except Exception:  # a listener's bug must not stop the supervisor
+                log.exception("runner listener failed")
+
+    # -- what the manager reads
+
+    @property
+    def pid(self) -> int | None:
+        ch = self._ch
+        return ch.pid if ch is not None and ch.dead is None else None
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def runner_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "state": self._state, "restarts": self.restarts, "last_exit": self.last_exit,
+                "failure": self.failure}
+
+    # -- lifecycle
+
+    def _spawn(self) -> _Channel:
+        return _Channel(self.name, self._kwargs, self._log_level, self._ended)
+
+    def _load_on(self, ch: _Channel, path: str, plan: Plan) -> tuple[LoadReport, dict[str, Any]]:
+        try:
+            report, info = ch.call("load", (path, plan))
+        except RunnerDied:
+            ch.reap()
+            tail = ch.last_lines()
+            raise EngineFailure(f"model '{self.name}': the runner process died loading {path} "
+                                f"({exit_reason(ch.proc.returncode)})" + (f": {tail}" if tail else "")) from None
+        except BaseException:
+            ch.stop()
+            raise
+        return report, info
+
+    def load(self, path: str, plan: Plan) -> LoadReport:
+        """Start a runner and load ``path`` with ``plan`` in it (a loaded one is replaced)."""
+        self.unload()
+        with self._lock:
+            self._state, self.failure = "loading", None
+            self._ready.clear()
+        try:
+            ch = self._spawn()
+            report, info = self._load_on(ch, path, plan)
+        except BaseException:
+            with self._lock:
+                self._state = "unloaded"
+                self._ready.set()
+            raise
+        with self._lock:
+            self._ch, self._info, self._path, self._plan = ch, info, path, plan
+            self._state = "loaded"
+            self._deaths.clear()
+            self._ready.set()
+        log.info("model %s runs in runner process %d", self.name, ch.pid)
+        return report  # type: ignore[no-any-return]
+
+    def unload(self) -> None:
+        """Stop the runner (its requests end with ``NotReady``) and return once the OS has reaped it."""
+        with self._lock:
+            ch, self._ch = self._ch, None
+            self._state = "unloaded"
+            self._info = {}
+            self._ready.set()
+        if ch is not None:
+            ch.stop()
+
+    def _ended(self, ch: _Channel) -> None:
+        """The reader of ``ch`` saw its socket close: an unload, or a death (then a restart, or the failure)."""
+        if ch.stopping:
+            ch.noticed.set()
+            ch.end(NotReady(f"model '{self.name}' was unloaded", retry_after_s=1))
+            return
+        rc = ch.reap()
+        reason = exit_reason(rc)
+        with self._lock:
+            current = ch is self._ch and self._state == "loaded"
+            if current:
+                self._state = "restarting"
+                self._ready.clear()
+                self.last_exit = reason
+        ch.noticed.set()
+        ch.end(RunnerDied(f"model '{self.name}': its runner process died ({reason}) during this request; it is "
+                          "being restarted, retry shortly"))
+        if not current:
+            return
+        log.error("runner of %s (pid %d) died: %s", self.name, ch.pid, reason)
+        self._notify("died", reason)
+        threading.Thread(target=self._restart, args=(reason,), name=f"runner-{self.name[:32]}-restart",
+                         daemon=True).start()
+
+    def _restart(self, reason: str) -> None:
+        """Start and load a new runner with the same file and plan, after a backoff; give up after too many deaths."""
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                self._deaths.append(now)
+                while self._deaths and now - self._deaths[0] > self.restart_window_s:
+                    self._deaths.popleft()
+                deaths = len(self._deaths)
+            if deaths > self.max_restarts:
+                self._give_up(f"the runner process died {deaths} times within {self.restart_window_s:g} s; "
+                              f"last: {reason}")
+                return
+            time.sleep(BACKOFF_S[min(deaths, len(BACKOFF_S)) - 1])
+            with self._lock:
+                if self._state != "restarting" or self._path is None or self._plan is None:
+                    return  # unloaded meanwhile
+                path, plan = self._path, self._plan
+            try:
+                ch = self._spawn()
+                _, info = self._load_on(ch, path, plan)
+            except Exception as exc:
+                reason = exc.message if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"
+                log.error("restarting the runner of %s failed: %s", self.name, reason)
+                continue
+            with self._lock:
+                if self._state != "restarting":  # unloaded while it loaded
+                    stale = ch
+                else:
+                    stale = None
+                    self._ch, self._info = ch, info
+                    self._state = "loaded"
+                    self.restarts += 1
+                    self._ready.set()
+            if stale is not None:
+                stale.stop()
+                return
+            log.warning("runner of %s restarted (pid %d; restart %d)", self.name, ch.pid, self.restarts)
+            self._notify("restarted", f"pid {ch.pid}")
+            return
+
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            self._state, self.failure = "failed", why
+            self._ready.set()
+        log.error("model %s failed: %s", self.name, why)
+        self._notify("failed", why)
+
+    def _channel(self) -> _Channel:
+        """The runner to send a request to: waits for a restart in progress; raises when there is none. A runner
+        already dead whose end its reader has not handled yet is waited for too: a request that comes after a
+        death is served by the next runner, not failed with the requests that were in the dead one."""
+        deadline = time.monotonic() + self.restart_wait_s
+        while True:
+            if not self._ready.wait(max(0.0, deadline - time.monotonic())):
+                raise NotReady(f"model '{self.name}' is restarting its runner process; retry shortly",
+                               retry_after_s=5, state="restarting")
+            with self._lock:
+                state, ch = self._state, self._ch
+            if state != "loaded" or ch is None or not ch.exited():
+                break
+            ch.noticed.wait(5)
+        if state == "loaded" and ch is not None:
+            return ch
+        if state == "failed":
+            raise NotReady(f"model '{self.name}' failed: {self.failure}", state="failed")
+        raise NotReady("no model is loaded")
+
+    # -- the Engine protocol
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self._info.get("n_ctx", 0))
+
+    @property
+    def kv_cells_allocated(self) -> int:
+        return int(self._info.get("kv_cells_allocated", 0))
+
+    @property
+    def slots(self) -> int:
+        return int(self._info.get("slots", 0))
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._info.get("n_vocab", 0))
+
+    def _gauges(self) -> dict[str, int]:
+        """The runner's gauges now (one round trip); the last ones read while it is restarting."""
+        ch = self._ch
+        if ch is not None and ch.dead is None and self._state == "loaded":
+            try:
+                self._stats = ch.call("stats", (), timeout_s=STATS_TIMEOUT_S)
+            except ServiceError:  # the runner is busy dying or restarting: the last figures stand
+                pass
+        return self._stats
+
+    @property
+    def kv_cells_used(self) -> int:
+        return int(self._gauges().get("kv_cells_used", 0))
+
+    @property
+    def running_sequences(self) -> int:
+        return int(self._gauges().get("running_sequences", 0))
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        return int(self._gauges().get("prompt_tokens_evaluated", 0))
+
+    def chat_format(self) -> Any:
+        """The loaded template's format, read at load (the API reads it on the event loop: it never waits)."""
+        fmt = self._info.get("chat_format")
+        if fmt is None:
+            raise NotReady("no model is loaded")
+        return fmt
+
+    def embedding_limits(self) -> tuple[int, int]:
+        return tuple(self._info.get("embedding_limits", (0, 0)))  # type: ignore[return-value]
+
+    def check(self, params: GenerationParams) -> None:
+        self._channel().call("check", (params,))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._channel().call("tokenize", (text,))  # type: ignore[no-any-return]
+
+    def count_tokens(self, text: str) -> int:
+        return int(self._channel().call("count_tokens", (text,)))
+
+    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        return int(self._channel().call("count_chat_tokens", (messages, tools)))
+
+    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
+        return self._channel().call("embed", (inputs,), cancel)  # type: ignore[no-any-return]
+
+    def forget(self) -> None:
+        self._channel().call("forget", ())
+
+    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._channel().generate("complete", (prompt, params), cancel)
+
+    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
+             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
+        return self._channel().generate("chat", (messages, params, tools), cancel)
+
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._channel().generate("generate", (tokens, params), cancel)
