@@ -12,10 +12,11 @@ style of vLLM's engine-core client and Ollama's runner (the house style's proces
                       ("exit",)                                    unload and end
     child -> parent   ("ok", id, value) | ("err", id, error)       a call's result
                       ("chunk", id, Chunk) ... ("end", id)          a generation (an "err" before its "end" ends it)
+                      ("many", [message, ...])                     what was waiting to be sent, in order
 
-Calls and generations run on a thread pool; a generation's chunks are sent by the engine's scheduler thread as it
-makes them (``base.direct_delivery``), so crossing the process costs one pickle and one write per chunk, off the
-GIL of the API process. Errors cross as the service's own (``ServiceError``); anything else becomes an
+Calls and generations run on a thread pool; a generation's chunks are handed over by the engine's scheduler thread
+as it makes them (``base.direct_delivery``) and a sender thread writes them, everything waiting in one message,
+while the next ``llama_decode`` computes: crossing the process costs one pickle and one write per step. Errors cross as the service's own (``ServiceError``); anything else becomes an
 ``EngineFailure`` naming it. When the parent goes away (its end of the socket closes: it exited or was killed)
 the child exits at once, so a runner never outlives its server.
 """
@@ -25,8 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -63,14 +66,28 @@ class Child:
     def __init__(self, conn: Connection, engine: Any) -> None:
         self.conn = conn
         self.engine = engine
-        self._send_lock = threading.Lock()
+        self._outbox: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
+        threading.Thread(target=self._sender, name="runner-sender", daemon=True).start()
         self._cancels: dict[int, Cancel] = {}
         self._cancels_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="runner")
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
+        """Queue ``msg`` for the sender thread: the engine's scheduler thread only appends here, and the pickling
+        and the write happen while its next ``llama_decode`` computes (which releases the GIL)."""
+        self._outbox.put(msg)
+
+    def _sender(self) -> None:
+        """Sends what was queued, everything waiting at once in one message (a step's chunks of every slot)."""
+        outbox = self._outbox
+        while True:
+            msgs = [outbox.get()]
+            while True:
+                try:
+                    msgs.append(outbox.get_nowait())
+                except queue.Empty:
+                    break
+            data = pickle.dumps(msgs[0] if len(msgs) == 1 else ("many", msgs), protocol=pickle.HIGHEST_PROTOCOL)
             try:
                 self.conn.send_bytes(data)
             except OSError:  # the parent is gone: the reader loop sees it and exits
@@ -167,6 +184,9 @@ class Child:
             self.engine.unload()
         except Exception:  # ending anyway: the OS frees what llama.cpp held
             log.exception("unload before exit failed")
+        deadline = time.monotonic() + 5
+        while not self._outbox.empty() and time.monotonic() < deadline:  # the last answers go out first
+            time.sleep(0.01)
         try:
             self.conn.close()
         finally:

@@ -205,23 +205,28 @@ class _Channel:
                 msg = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            kind, cid = msg[0], msg[1]
-            with self._lock:
-                p = self._pending.get(cid)
-                if p is not None and (kind in ("ok", "end") or (kind == "err" and not p.stream)):
-                    del self._pending[cid]
-            if p is None:
-                continue  # a caller that stopped waiting
-            if kind == "chunk":
-                if p.deliver is not None:
-                    p.deliver(msg[2])
-                else:
-                    p.q.put(msg[2])
-            elif kind == "end":
-                p.q.put(_END)
-            else:  # "ok" (a call's value) or "err"
-                p.q.put(msg[2])
+            for m in msg[1] if msg[0] == "many" else (msg,):
+                self._route(m)
         self._on_end(self)
+
+    def _route(self, msg: tuple[Any, ...]) -> None:
+        """One message of the runner to the caller waiting for it."""
+        kind, cid = msg[0], msg[1]
+        with self._lock:
+            p = self._pending.get(cid)
+            if p is not None and (kind in ("ok", "end") or (kind == "err" and not p.stream)):
+                del self._pending[cid]
+        if p is None:
+            return  # a caller that stopped waiting
+        if kind == "chunk":
+            if p.deliver is not None:
+                p.deliver(msg[2])
+            else:
+                p.q.put(msg[2])
+        elif kind == "end":
+            p.q.put(_END)
+        else:  # "ok" (a call's value) or "err"
+            p.q.put(msg[2])
 
     def _forward_stderr(self) -> None:
         """The runner's log lines to this process's stderr, the last few kept for the reason of a death."""
