@@ -10,7 +10,8 @@ low-level API:
   stream of ``n_ctx_seq = PAD(n_ctx / n_seq_max, 256)`` cells (src/llama-context.cpp);
   unified (the default, as llama-server's), all sequences share ``n_ctx`` cells,
   so one request may use the whole context.
-- **Prefix reuse** (llama-server's ``cache_prompt``). A new request goes to the
+- **Prefix reuse** (llama-server's ``cache_prompt``; the policy is ``service.engine.slots``,
+  pure). A new request goes to the
   idle slot whose cached tokens share the longest prefix with its prompt, when
   that prefix is more than ``slot_prompt_similarity`` of the prompt
   (``get_available_slot``), else to the least recently used slot. Only the rest
@@ -37,10 +38,10 @@ low-level API:
 - **Continuous batching.** A scheduler thread owns the context. Each step puts one
   token for every generating sequence into the batch, then fills the rest of
   ``n_batch`` with prompt tokens (oldest request first), in increasing sequence id.
-- **Sampling.** Each request has its own sampler chain, built as
+- **Sampling** (``service.engine.sampling``). Each request has its own sampler chain, built as
   ``Llama._init_sampler`` builds it (penalties, grammar, then greedy at
   temperature 0, or top_k/typical/top_p/min_p/temp/dist(seed)).
-- **Text.** Incremental UTF-8 decoding, stop strings held back until they cannot
+- **Text.** Incremental UTF-8 decoding, stop strings (``service.engine.text``) held back until they cannot
   start a stop string, log probabilities, EOG handling (``ignore_eos``), and a
   final chunk with the usage, the prompt tokens taken from the cache, and the
   measured prompt and decode seconds.
@@ -51,7 +52,9 @@ low-level API:
   ``InsufficientMemory`` or ``EngineFailure``.
 
 ``generate`` may be called, and iterated, from many threads at once: each call
-has its own queue of ``Chunk`` values.
+has its own queue of ``Chunk`` values. llama.cpp's load log is tapped and parsed
+by ``service.engine.loglines``. In the service this engine runs in a runner
+process of its own (``service.engine.process``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,6 @@ import logging
 import os
 import queue
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,13 +75,16 @@ from typing import Any, Callable, Iterator
 from sizing.plan import Plan
 
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
-from . import loglines as L
-from .base import (Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob,
-                   current_delivery)
+from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob, current_delivery
 from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .grammar import compile_grammar, grammar_sampler
+from .grammar import compile_grammar
+from .loglines import LogTap, parse_allocations
 from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
 from .prompting import Prompting
+from .sampling import SavedLogits, logprob_of, sampler_chain
+from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
+                    reusable)
+from .text import first_stop, split_stop
 
 log = logging.getLogger(__name__)
 
@@ -89,22 +94,10 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 ABORT_MIN_PROMPT_TOKENS = 256
 """A batch feeding this many tokens of one prompt is decoded with llama.cpp's abort callback set."""
-SLOT_PROMPT_SIMILARITY = 0.10
-"""llama-server's ``--slot-prompt-similarity`` default (common/common.h)."""
-INVARIANT_MIN_ROWS = 8
-"""Batch-invariant mode: the fewest rows with which a batch computes a token as a cold prompt evaluation does.
-ggml-cpu's mul_mat leaves batches of one row to ``vec_dot`` and gives larger ones to llamafile's tinyBLAS for
-Q8_0/Q5_0/Q4_0 weights (ggml/src/ggml-cpu/llamafile/sgemm.cpp: "only enable sgemm for prompt processing"); on
-gemma-3-270m Q4_K_M (x86 AVX2, 2 threads) a prompt's last logits came out bit-identical to a cold evaluation
-for every tail of 8 to 100 tokens evaluated over a cached prefix, and different for tails of 1 to 7."""
 _TOKENIZE_MEMO = 4
 """Prompts whose tokens ``_tokenize`` remembers (per engine, cleared at load and unload)..."""
 _TOKENIZE_MEMO_MAX_CHARS = 256 * 1024
 """...when they are at most this long (a bound on what the memo holds)."""
-_PENALTY_LAST_N_TOKENS = 64
-"""``Llama.last_n_tokens_size``'s default: the penalty window."""
-_MIB = 1 << 20
-_RE_DEVICE = re.compile(r"device (\d+)")
 _DONE = object()
 _STOP = object()
 SCHEDULER_IDLE_EXIT_S = 1.0
@@ -135,148 +128,6 @@ class _Call:
         self.done.set()
 
 
-# ---- load log: allocations, failed devices -------------------------------------------------------
-
-
-def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[int, int] | None]:
-    """Per-device bytes from llama.cpp's load log, and the offloaded/total layer counts."""
-    acc: dict[str, dict[str, float]] = {}
-    offloaded = None
-    for line in lines:
-        for rx, kind in ((L.MODEL_BUFFER, "weights"), (L.KV_BUFFER, "kv"), (L.OUTPUT_BUFFER, "output"),
-                         (L.COMPUTE_BUFFER, "compute")):
-            m = rx.search(line)
-            if m:
-                dev = L.row_of(m.group(1))
-                acc.setdefault(dev, {}).setdefault(kind, 0.0)
-                acc[dev][kind] += float(m.group(2))
-        m = L.OFFLOADED.search(line)
-        if m:
-            offloaded = (int(m.group(1)), int(m.group(2)))
-    allocs = tuple(
-        Allocation(
-            device=dev,
-            weights_bytes=int(f.get("weights", 0) * _MIB),
-            kv_bytes=int(f.get("kv", 0) * _MIB),
-            compute_bytes=int(f.get("compute", 0) * _MIB),
-            output_bytes=int(f.get("output", 0) * _MIB),
-        )
-        for dev, f in sorted(acc.items(), key=lambda kv: (kv[0] != "CPU", kv[0] not in L.EXTRA_CPU_BUFFERS, kv[0]))
-    )
-    return allocs, offloaded
-
-
-class _LogTap:
-    """One process-wide llama.cpp log callback; lines go to logging and, while capturing, to a list."""
-
-    _lock = threading.Lock()
-    _installed = False
-    _callback: Any = None
-    _capture: list[str] | None = None
-    _partial = ""
-    _recent: "collections.deque[str]" = collections.deque(maxlen=32)
-    """The last warning and error lines: where an allocation failed names its device."""
-
-    @classmethod
-    def install(cls) -> None:
-        import llama_cpp
-
-        with cls._lock:
-            if cls._installed:
-                return
-
-            @llama_cpp.llama_log_callback  # type: ignore[misc]
-            def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-                cls._on_text(level, text.decode("utf-8", "replace") if text else "")
-
-            cls._callback = _cb  # keep a reference: ctypes callbacks must outlive their use
-            llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
-            cls._installed = True
-
-    @classmethod
-    def _on_text(cls, level: int, text: str) -> None:
-        buf = cls._partial + text
-        *lines, cls._partial = buf.split("\n")
-        for line in lines:
-            if cls._capture is not None:
-                cls._capture.append(line)
-            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
-                cls._recent.append(line)
-                log.warning("llama.cpp: %s", line)
-            else:
-                log.debug("llama.cpp: %s", line)
-
-    @classmethod
-    def start(cls) -> list[str]:
-        cls._capture = []
-        return cls._capture
-
-    @classmethod
-    def stop(cls) -> None:
-        cls._capture = None
-
-    @classmethod
-    def failed_device(cls) -> str | None:
-        """The device of the latest failed allocation in llama.cpp's log (ggml-cuda.cu: "... on device N ...")."""
-        for line in reversed(cls._recent):
-            if "alloc" in line.lower() or "out of memory" in line.lower():
-                m = _RE_DEVICE.search(line)
-                if m:
-                    return f"CUDA{m.group(1)}"
-        return None
-
-
-# ---- text --------------------------------------------------------------------------------------
-
-
-def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
-    """(text safe to emit, text held back, stopped): hold back a suffix that may start a stop string."""
-    if not stops:
-        return text, "", False
-    first = -1
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and (first == -1 or i < first):
-            first = i
-    if first != -1:
-        return text[:first], "", True
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return text[: len(text) - hold], text[len(text) - hold :], False
-
-
-def _first_stop(text: str, stops: list[str]) -> str | None:
-    """The stop string found first in ``text`` (what ``_split_stop`` cut at)."""
-    best, at = None, -1
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and (at == -1 or i < at):
-            best, at = s, i
-    return best
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (``server_tokens::get_common_prefix``).
-
-    A binary search over slice comparisons: a few C-level list comparisons instead of a Python loop
-    over ~1,000 tokens per slot."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class _ModelView:
     """What ``ChatTemplate.from_llama`` reads from a ``Llama``, over a raw ``LlamaModel``."""
 
@@ -298,62 +149,6 @@ class _ModelView:
 
 
 @dataclass(eq=False)
-class _Slot:
-    """One sequence of the context and what its KV cells hold (owned by the scheduler thread)."""
-
-    id: int
-    tokens: list[int] = field(default_factory=list)
-    """The tokens whose KV this sequence holds, at positions 0..len-1."""
-    cells: list[int] = field(default_factory=list)
-    """An id per token's cell, shared with another slot after ``llama_memory_seq_cp`` (see ``_Cells``)."""
-    n_canon: int = 0
-    """Batch-invariant mode: leading tokens computed as a cold evaluation computes them (``INVARIANT_MIN_ROWS``)."""
-    logits: Any = None
-    """The logits after ``tokens[:logits_at]``: the last prompt evaluation's, so that the same prompt again
-    samples its first token from the very logits the first run used instead of re-evaluating a token."""
-    logits_at: int = 0
-    last_used: int = 0
-    req: "_Request | None" = None
-
-
-class _Cells:
-    """Which KV cells hold tokens: one id per cell with a count of the sequences holding it.
-
-    llama.cpp's unified cache shares a cell between sequences after ``seq_cp`` and frees it when the last
-    one removes it (src/llama-kv-cells.h ``seq_add``/``seq_rm``); counting the same way gives the cells in
-    use exactly, without a llama.cpp call (the public API has none)."""
-
-    def __init__(self) -> None:
-        self._refs: dict[int, int] = {}
-        self._next = 0
-
-    @property
-    def used(self) -> int:
-        return len(self._refs)
-
-    def new(self, n: int) -> list[int]:
-        ids = list(range(self._next, self._next + n))
-        self._next += n
-        for i in ids:
-            self._refs[i] = 1
-        return ids
-
-    def share(self, ids: list[int]) -> list[int]:
-        for i in ids:
-            self._refs[i] += 1
-        return list(ids)
-
-    def drop(self, ids: list[int]) -> None:
-        refs = self._refs
-        for i in ids:
-            left = refs[i] - 1
-            if left:
-                refs[i] = left
-            else:
-                del refs[i]
-
-
-@dataclass(eq=False)
 class _Request:
     """One generation's state, owned by the scheduler thread after admission."""
 
@@ -367,7 +162,7 @@ class _Request:
     """The runner's direct delivery (``base.direct_delivery``): chunks and errors go there, only the end to ``out``."""
     abandoned: bool = False
     """Set by the consumer when it stops iterating (client gone, stop string seen upstream)."""
-    slot: _Slot | None = None
+    slot: Slot | None = None
     n_cached: int = 0
     """Prompt tokens whose KV was reused instead of evaluated."""
     next_token: int | None = None
@@ -462,8 +257,8 @@ class LlamaEngine(Prompting):
         self._thread: threading.Thread | None = None
         self._sched_lock = threading.Lock()  # the scheduler thread's start and end against posts to its inbox
         self._sched_on = False  # a model is loaded: a post starts the scheduler thread if it has ended
-        self._slots: list[_Slot] = []
-        self._cells = _Cells()
+        self._slots: list[Slot] = []
+        self._cells = Cells()
         self._running = 0
         self._uses = 0
         self._batch: Any = None
@@ -474,8 +269,8 @@ class LlamaEngine(Prompting):
         """Token id -> its text bytes (``detokenize([tok])``), filled as tokens are seen: no ctypes call per token."""
         self._eog: dict[int, bool] = {}
         """Token id -> ``llama_vocab_is_eog``, filled as tokens are seen."""
-        self._cand: Any = None
-        """A reusable ``llama_token_data`` array for sampling from saved logits."""
+        self._saved = SavedLogits(0)
+        """Sampling from saved logits (a cached prompt's, a forked choice's), its candidates array reused."""
         self._tok_lock = threading.Lock()
         self._tok_memo: "collections.OrderedDict[tuple[str, bool, bool], list[int]]" = collections.OrderedDict()
         self._abort_cb: Any = None
@@ -537,7 +332,7 @@ class LlamaEngine(Prompting):
         import llama_cpp
         from llama_cpp import _internals
 
-        _LogTap.install()
+        LogTap.install()
         p = plan.placement
         mparams, cparams = plan_params(plan, use_extra_bufts=not self._batch_invariant)
         mp = llama_cpp.llama_model_default_params()
@@ -545,7 +340,7 @@ class LlamaEngine(Prompting):
         mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         cp = llama_cpp.llama_context_default_params()
         apply_context_params(cp, cparams, n_threads=self._n_threads)
-        lines = _LogTap.start()
+        lines = LogTap.start()
         t0 = time.perf_counter()
         model = ctx = emb = None
         eparams = embedding_context_params(plan.cfg)
@@ -568,7 +363,7 @@ class LlamaEngine(Prompting):
                 raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
             raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
         finally:
-            _LogTap.stop()
+            LogTap.stop()
         elapsed = time.perf_counter() - t0
         self.unload()
         with self._lock:
@@ -591,10 +386,10 @@ class LlamaEngine(Prompting):
             self._n_slots = int(llama_cpp.llama_n_seq_max(ctx.ctx))
             self._n_swa = int(llama_cpp.llama_model_n_swa(model.model))
             self._unified = bool(cparams.kv_unified) or self._n_slots == 1
-            self._slots = [_Slot(i) for i in range(self._n_slots)]
-            self._cells = _Cells()
+            self._slots = [Slot(i) for i in range(self._n_slots)]
+            self._cells = Cells()
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
-            self._cand = None
+            self._saved = SavedLogits(self._n_vocab)
 
             @llama_cpp.ggml_abort_callback  # type: ignore[misc]
             def _abort(_data: ctypes.c_void_p) -> bool:
@@ -661,7 +456,7 @@ class LlamaEngine(Prompting):
             self._template = None
             self._n_ctx = self._n_ctx_seq = self._n_slots = 0
             self._slots = []
-            self._cells = _Cells()
+            self._cells = Cells()
             self._running = 0
             with self._tok_lock:
                 self._tok_memo.clear()
@@ -980,25 +775,11 @@ class LlamaEngine(Prompting):
                 else:
                     r.out.put(item)
 
-    def _pick_slot(self, r: _Request) -> _Slot | None:
-        """llama-server's ``get_available_slot``: the idle slot whose cached tokens cover the largest share of the
-        prompt (more than ``slot_prompt_similarity``), else the least recently used one (lowest id first)."""
-        idle = [s for s in self._slots if s.req is None]
-        if not idle:
-            return None
-        if self._cache_prompt and r.params.cache_prompt and self._similarity > 0:
-            best, f_best = None, 0.0
-            for s in idle:
-                if not s.tokens:
-                    continue
-                f = common_prefix(s.tokens, r.tokens) / len(r.tokens)
-                if f > f_best and f > self._similarity:
-                    best, f_best = s, f
-            if best is not None:
-                return best
-        return min(idle, key=lambda s: (s.last_used, s.id))
+    def _pick_slot(self, r: _Request) -> Slot | None:
+        return pick_slot(self._slots, r.tokens, similarity=self._similarity,
+                         reuse=self._cache_prompt and r.params.cache_prompt)
 
-    def _swa_holds(self, slot: _Slot, n_keep: int) -> bool:
+    def _swa_holds(self, slot: Slot, n_keep: int) -> bool:
         """Whether the sequence still holds the KV a token at position ``n_keep`` attends to.
 
         A sliding-window layer attends to the ``n_swa`` positions before a token (``is_masked_swa``); the SWA
@@ -1010,7 +791,7 @@ class LlamaEngine(Prompting):
         pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot.id))
         return 0 <= pos_min <= max(0, n_keep - self._n_swa)
 
-    def _admit(self, r: _Request, slot: _Slot, active: list[_Request]) -> None:
+    def _admit(self, r: _Request, slot: Slot, active: list[_Request]) -> None:
         """Give ``r`` the slot: keep the longest usable common prefix of its KV, drop the rest."""
         import llama_cpp
 
@@ -1018,7 +799,7 @@ class LlamaEngine(Prompting):
         if self._cache_prompt and r.params.cache_prompt:
             n_keep = self._reusable(slot, r.tokens)
             if self._unified and self._n_slots > 1:
-                src, n_src = self._longer_prefix(slot, r.tokens, n_keep)
+                src, n_src = longer_prefix(self._slots, slot, r.tokens, n_keep, self._reusable)
                 if src is not None:
                     self._clear_slot(slot)
                     llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
@@ -1030,44 +811,17 @@ class LlamaEngine(Prompting):
         self._truncate(slot, n_keep)
         slot.req, r.slot = slot, slot
         r.n_cached = n_keep
-        r.sampler = _sampler_chain(self._model, self._n_vocab, r.params, r.grammar, r.seed)
+        r.sampler = sampler_chain(self._model, self._n_vocab, r.params, r.grammar, r.seed)
         r.t_start = time.perf_counter()
         active.append(r)
         if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
             r.first_logits = slot.logits
             self._on_logits(r, -1, None, active)
 
-    def _reusable(self, slot: _Slot, tokens: list[int]) -> int:
-        """How many leading ``tokens`` the slot's KV can stand for.
+    def _reusable(self, slot: Slot, tokens: list[int]) -> int:
+        return reusable(slot, tokens, batch_invariant=self._batch_invariant, holds=self._swa_holds)
 
-        The common prefix, less the prompt's last token (its logits give the first token) unless the slot kept
-        the logits after exactly this prompt; in batch-invariant mode only tokens computed as a cold evaluation
-        computes them, and at least ``INVARIANT_MIN_ROWS`` tokens left to evaluate; none when a sliding-window
-        cache no longer holds what the next token attends to."""
-        n = len(tokens)
-        lcp = common_prefix(slot.tokens, tokens)
-        if lcp == n and slot.logits_at == n and slot.logits is not None:
-            k = n
-        else:
-            k = min(lcp, n - 1)
-            if self._batch_invariant:
-                k = min(k, slot.n_canon, n - INVARIANT_MIN_ROWS)
-        if k <= 0 or not self._swa_holds(slot, k):
-            return 0
-        return k
-
-    def _longer_prefix(self, slot: _Slot, tokens: list[int], n_keep: int) -> tuple[_Slot | None, int]:
-        """Another slot whose cells hold a longer usable prefix of ``tokens`` than ``slot`` keeps, and its length."""
-        best, n_best = None, n_keep
-        for other in self._slots:
-            if other is slot or len(other.tokens) <= n_best:
-                continue
-            k = self._reusable(other, tokens)
-            if k > n_best:
-                best, n_best = other, k
-        return best, n_best
-
-    def _truncate(self, slot: _Slot, n_keep: int) -> None:
+    def _truncate(self, slot: Slot, n_keep: int) -> None:
         """Drop the slot's cells from position ``n_keep`` on (``llama_memory_seq_rm`` of the tail)."""
         import llama_cpp
 
@@ -1080,7 +834,7 @@ class LlamaEngine(Prompting):
         if slot.logits_at > n_keep:
             slot.logits, slot.logits_at = None, 0
 
-    def _clear_slot(self, slot: _Slot) -> None:
+    def _clear_slot(self, slot: Slot) -> None:
         self._truncate(slot, 0)
 
     def _release(self, r: _Request, active: list[_Request], *, keep: bool = True) -> None:
@@ -1240,14 +994,14 @@ class LlamaEngine(Prompting):
             slot = r.slot
             assert slot is not None
             slot.logits, slot.logits_at = row.copy(), len(slot.tokens)
-        lp = self._logprob(row, r.params.logprobs) if r.params.logprobs is not None else None
+        lp = logprob_of(row, r.params.logprobs, self._token_bytes) if r.params.logprobs is not None else None
         if r.greedy:
             # The chain is penalties (all zero: a no-op, llama-sampler.cpp ``llama_sampler_penalties_apply``) then
             # greedy (the first largest logit): argmax over the row, without llama_sampler_sample copying all
             # n_vocab candidates (0.4 ms a token for gemma-3's 262,144, measured; 3% at 75 tokens/s).
             tok = int(np.argmax(row))
         elif saved is not None:
-            tok = self._sample_saved(r.sampler, saved)
+            tok = self._saved.sample(r.sampler, saved)
         else:
             tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
         now = time.perf_counter()
@@ -1266,9 +1020,9 @@ class LlamaEngine(Prompting):
         r.pending += r.decoder.decode(self._token_bytes(tok))
         if r.stops:
             text = r.pending
-            emit, r.pending, stopped = _split_stop(text, r.stops)
+            emit, r.pending, stopped = split_stop(text, r.stops)
             if stopped:
-                r.stop_sequence = _first_stop(text, r.stops)
+                r.stop_sequence = first_stop(text, r.stops)
         else:
             emit, r.pending, stopped = r.pending, "", False
         if emit:
@@ -1304,7 +1058,7 @@ class LlamaEngine(Prompting):
             slot.tokens = list(src.tokens)
             slot.n_canon = src.n_canon
             f.n_cached = r.n_cached
-            f.sampler = _sampler_chain(self._model, self._n_vocab, f.params, f.grammar, f.seed)
+            f.sampler = sampler_chain(self._model, self._n_vocab, f.params, f.grammar, f.seed)
             f.t_start = r.t_start
             f.first_logits = logits.copy()
             active.append(f)
@@ -1316,44 +1070,6 @@ class LlamaEngine(Prompting):
         if piece is None:
             piece = self._piece[tok] = bytes(self._model.detokenize([tok], special=tok in self._preserved))
         return piece
-
-    def _sample_saved(self, sampler: Any, logits: Any) -> int:
-        """``llama_sampler_sample`` over saved logits (src/llama-sampler.cpp: the candidates, apply, accept)."""
-        import llama_cpp
-        import numpy as np
-
-        cand = self._cand
-        if cand is None:
-            cand = self._cand = np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-        cand["id"] = np.arange(self._n_vocab, dtype=np.int32)
-        cand["logit"] = logits
-        cand["p"] = 0.0
-        arr = llama_cpp.llama_token_data_array(
-            data=cand.ctypes.data_as(llama_cpp.llama_token_data_p), size=self._n_vocab, selected=-1, sorted=False)
-        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(arr))
-        tok = int(cand["id"][arr.selected])
-        llama_cpp.llama_sampler_accept(sampler, tok)
-        return tok
-
-    def _logprob(self, logits: Any, k: int) -> Any:
-        """A function of the sampled token: its log-softmax over ``logits`` (one row), and the top k."""
-        import numpy as np
-
-        x = logits.astype(np.float64)
-        m = x.max()
-        lse = m + np.log(np.exp(x - m).sum())
-        top: tuple[tuple[str, float], ...] = ()
-        if k > 0:
-            ids = np.argpartition(-x, k)[:k]
-            ids = ids[np.argsort(-x[ids])]
-            top = tuple((self._token_bytes(int(i)).decode("utf-8", "replace"), float(x[i] - lse))
-                        for i in ids)
-
-        def of(tok: int) -> TokenLogprob:
-            piece = self._token_bytes(tok)
-            return TokenLogprob(piece.decode("utf-8", "replace"), float(x[tok] - lse), tuple(piece), top)
-
-        return of
 
     def _decode_failed(self, code: int, members: list[_Request], active: list[_Request]) -> None:
         """llama_decode's codes (llama.h): 1 no KV slot, -2 allocation failed, 2 aborted (our callback).
@@ -1368,9 +1084,8 @@ class LlamaEngine(Prompting):
         for r in members:
             if r.slot is not None:
                 llama_cpp.llama_memory_seq_rm(self._mem, r.slot.id, r.n_past, -1)
-        idle = [s for s in self._slots if s.req is None and s.tokens]
-        if code == 1 and idle and self._unified:
-            victim_slot = min(idle, key=lambda s: s.last_used)
+        victim_slot = lru_idle_with_cells(self._slots)
+        if code == 1 and victim_slot is not None and self._unified:
             log.info("KV cache full: clearing idle slot %d (%d cached tokens)", victim_slot.id, len(victim_slot.tokens))
             self._clear_slot(victim_slot)
         elif code == 2:
@@ -1384,7 +1099,7 @@ class LlamaEngine(Prompting):
             prompting = [r for r in ordered if r.next_token is None]
             pool = prompting or ordered
             victim = max(reversed(pool), key=lambda r: r.n_past + r.batch_take)
-            device = _LogTap.failed_device() or self._device
+            device = LogTap.failed_device() or self._device
             max_tokens = victim.params.max_tokens
             err = InsufficientMemory(
                 f"out of memory on {device} during generation (llama_decode returned {code}) with "
@@ -1398,38 +1113,3 @@ class LlamaEngine(Prompting):
             err2 = EngineFailure(f"llama.cpp failed to decode a batch (llama_decode returned {code})")
             for r in members:
                 self._fail(r, err2, active)
-
-
-def _sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: Any, seed: int) -> Any:
-    """A sampler chain built as llama-cpp-python 0.3.36 ``Llama._init_sampler`` builds it for these arguments
-    (top_k 0, min_p 0, typical 1, repeat_penalty 1)."""
-    import llama_cpp
-
-    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-
-    def add(s: Any) -> None:
-        llama_cpp.llama_sampler_chain_add(chain, s)
-
-    if params.logit_bias:
-        # First, as llama-server's chain puts it (common/sampling.cpp): the bias applies to the raw logits.
-        arr = (llama_cpp.llama_logit_bias * len(params.logit_bias))()
-        for i, (tok, bias) in enumerate(params.logit_bias):
-            arr[i].token, arr[i].bias = tok, bias
-        add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), arr))
-    add(llama_cpp.llama_sampler_init_penalties(n_vocab, _PENALTY_LAST_N_TOKENS, 1.0,
-                                               params.frequency_penalty, params.presence_penalty))
-    if grammar is not None:
-        add(grammar_sampler(model.vocab, grammar))
-    temp = params.temperature
-    if temp < 0.0:
-        add(llama_cpp.llama_sampler_init_dist(seed))
-    elif temp == 0.0:
-        add(llama_cpp.llama_sampler_init_greedy())
-    else:
-        add(llama_cpp.llama_sampler_init_top_k(params.top_k))
-        add(llama_cpp.llama_sampler_init_typical(1.0, 1))
-        add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-        add(llama_cpp.llama_sampler_init_min_p(0.0, 1))
-        add(llama_cpp.llama_sampler_init_temp(temp))
-        add(llama_cpp.llama_sampler_init_dist(seed))
-    return chain

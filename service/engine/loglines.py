@@ -8,8 +8,18 @@ Formats of the llama.cpp vendored by llama-cpp-python 0.3.36: ``src/llama-model.
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import logging
 import re
+import threading
 from typing import Any
+
+from .base import Allocation
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+RE_DEVICE = re.compile(r"device (\d+)")
 
 MODEL_BUFFER = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
 KV_BUFFER = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
@@ -61,7 +71,7 @@ def model_buffers_mib(lines: Any) -> dict[str, float]:
 
 class LogCollector:
     """llama.cpp's log, as whole lines, for a process that only collects it (the dry-run child, a benchmark):
-    sets the process-wide log callback. The serving process logs through ``service.engine.llama._LogTap``."""
+    sets the process-wide log callback. The engine's process logs through ``LogTap``."""
 
     def __init__(self) -> None:
         import ctypes
@@ -82,3 +92,92 @@ class LogCollector:
     def text(self) -> list[str]:
         """The lines so far, the unfinished one included."""
         return self.lines + ([self.partial] if self.partial else [])
+
+
+def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[int, int] | None]:
+    """Per-device bytes from llama.cpp's load log, and the offloaded/total layer counts."""
+    acc: dict[str, dict[str, float]] = {}
+    offloaded = None
+    for line in lines:
+        for rx, kind in ((MODEL_BUFFER, "weights"), (KV_BUFFER, "kv"), (OUTPUT_BUFFER, "output"),
+                         (COMPUTE_BUFFER, "compute")):
+            m = rx.search(line)
+            if m:
+                dev = row_of(m.group(1))
+                acc.setdefault(dev, {}).setdefault(kind, 0.0)
+                acc[dev][kind] += float(m.group(2))
+        m = OFFLOADED.search(line)
+        if m:
+            offloaded = (int(m.group(1)), int(m.group(2)))
+    allocs = tuple(
+        Allocation(
+            device=dev,
+            weights_bytes=int(f.get("weights", 0) * MIB),
+            kv_bytes=int(f.get("kv", 0) * MIB),
+            compute_bytes=int(f.get("compute", 0) * MIB),
+            output_bytes=int(f.get("output", 0) * MIB),
+        )
+        for dev, f in sorted(acc.items(), key=lambda kv: (kv[0] != "CPU", kv[0] not in EXTRA_CPU_BUFFERS, kv[0]))
+    )
+    return allocs, offloaded
+
+
+class LogTap:
+    """One process-wide llama.cpp log callback for the engine's process; lines go to logging and, while
+    capturing (a load), to a list: warnings and errors at warning level, the rest at debug."""
+
+    _lock = threading.Lock()
+    _installed = False
+    _callback: Any = None
+    _capture: list[str] | None = None
+    _partial = ""
+    _recent: "collections.deque[str]" = collections.deque(maxlen=32)
+    """The last warning and error lines: where an allocation failed names its device."""
+
+    @classmethod
+    def install(cls) -> None:
+        import llama_cpp
+
+        with cls._lock:
+            if cls._installed:
+                return
+
+            @llama_cpp.llama_log_callback  # type: ignore[misc]
+            def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+                cls._on_text(level, text.decode("utf-8", "replace") if text else "")
+
+            cls._callback = _cb  # keep a reference: ctypes callbacks must outlive their use
+            llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+            cls._installed = True
+
+    @classmethod
+    def _on_text(cls, level: int, text: str) -> None:
+        buf = cls._partial + text
+        *lines, cls._partial = buf.split("\n")
+        for line in lines:
+            if cls._capture is not None:
+                cls._capture.append(line)
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+                cls._recent.append(line)
+                log.warning("llama.cpp: %s", line)
+            else:
+                log.debug("llama.cpp: %s", line)
+
+    @classmethod
+    def start(cls) -> list[str]:
+        cls._capture = []
+        return cls._capture
+
+    @classmethod
+    def stop(cls) -> None:
+        cls._capture = None
+
+    @classmethod
+    def failed_device(cls) -> str | None:
+        """The device of the latest failed allocation in llama.cpp's log (ggml-cuda.cu: "... on device N ...")."""
+        for line in reversed(cls._recent):
+            if "alloc" in line.lower() or "out of memory" in line.lower():
+                m = RE_DEVICE.search(line)
+                if m:
+                    return f"CUDA{m.group(1)}"
+        return None

@@ -11,7 +11,8 @@ from typing import Any, Iterator
 import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams
-from service.engine.llama import INVARIANT_MIN_ROWS, LlamaEngine, common_prefix
+from service.engine.llama import LlamaEngine
+from service.engine.slots import INVARIANT_MIN_ROWS, common_prefix
 from service.errors import ContextLengthExceeded, InsufficientMemory
 from sizing.devices import host_memory
 from sizing.gguf import probe_path

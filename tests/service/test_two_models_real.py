@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from service.engine.llama import parse_allocations
+from service.engine.loglines import parse_allocations
 from service.settings import Settings
 from sizing.device import MIB
 from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
