@@ -33,12 +33,15 @@ def _devices(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from .devices import cpu_features
     from .gguf import probe_location
     from .plan import PlanRequest, make_plan
+    from .repack import auto_reason, auto_repack
     from .report import plan_json, plan_table
 
     spec = probe_location(args.path)
     gpus, host = _devices(args)
+    features = cpu_features()
     req = PlanRequest(
         n_ctx=args.ctx,
         cache_type=args.cache_type,
@@ -55,6 +58,8 @@ def _plan(args: argparse.Namespace) -> int:
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
+        # The service's default (GGUF_CPU_REPACK=auto), with the features /proc/cpuinfo names.
+        cpu_repack=auto_repack(features), cpu_repack_reason=auto_reason(features), cpu_features=features,
     )
     plan = make_plan(spec, gpus, host, req)
     print(json.dumps(plan_json(plan), indent=2) if args.json else plan_table(plan))

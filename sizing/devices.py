@@ -35,6 +35,29 @@ def host_memory(meminfo_path: str = "/proc/meminfo") -> Device:
     return Device(index=0, name="host memory", free_bytes=free, total_bytes=total, kind="host")
 
 
+_CPUINFO_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX512",
+                     "avx512_vnni": "AVX512_VNNI", "amx_int8": "AMX_INT8", "asimd": "NEON", "asimddp": "DOTPROD",
+                     "i8mm": "MATMUL_INT8", "sve": "SVE"}
+"""/proc/cpuinfo flags under the names llama.cpp's ``llama_print_system_info`` gives the features."""
+
+
+def cpu_features(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This host's CPU features as llama.cpp names them, from /proc/cpuinfo (empty where it cannot be read), and
+    ``REPACK`` (llama-cpp-python's CPU builds have it: ``GGML_CPU_REPACK`` is on by default). The service asks
+    the llama.cpp it loads instead (``service.engine.cpu``); this is for the command line, which loads none."""
+    try:
+        with open(cpuinfo_path, encoding="ascii", errors="replace") as f:
+            flags: set[str] = set()
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags.update(rest.split())
+    except OSError:
+        return frozenset()
+    found = {name for flag, name in _CPUINFO_FEATURES.items() if flag in flags}
+    return frozenset(found | {"REPACK"}) if found else frozenset()
+
+
 def nvml_devices() -> list[Device]:
     """Live GPU inventory from NVML; an empty list when NVML or the driver is absent."""
     try:

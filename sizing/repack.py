@@ -65,11 +65,23 @@ _AMX_TILE_N2 = 32
 """``TILE_N * 2``: AMX takes a matrix only when its out_features are a multiple of it."""
 
 
+AMX_CRASH = "llama.cpp#20824"
+"""The llama.cpp issue of the AMX kernel's crash, cited where the choice is explained."""
+
+
 def auto_repack(features: frozenset[str]) -> bool:
     """The safe default: the extra buffer types off where llama.cpp reports ``AMX_INT8``, whose AMX kernel for
     repacked weights crashes this llama.cpp at the first decode (``ggml_backend_amx_mul_mat``, llama.cpp#20824);
     on elsewhere (CPU_REPACK: measured faster decode, docs/memory.md)."""
     return "AMX_INT8" not in features
+
+
+def auto_reason(features: frozenset[str]) -> str:
+    """Why ``auto_repack`` chose what it did, in the words the plan and the load's log line use."""
+    if not auto_repack(features):
+        return (f"auto: the CPU reports AMX_INT8, and llama.cpp's AMX kernel for repacked weights crashes "
+                f"({AMX_CRASH}); weights stay as the file lays them out")
+    return "auto: no AMX_INT8; repacked layouts (CPU_REPACK) where ggml has them"
 
 
 def _pad(n: int) -> int:
@@ -145,4 +157,5 @@ def extra_buffer_bytes(spec: ModelSpec, features: frozenset[str]) -> dict[str, i
     return out
 
 
-__all__ = ["ALIGNMENT", "EXTRA_BUFFERS", "Buffer", "auto_repack", "buffer_of", "extra_buffer_bytes"]
+__all__ = ["ALIGNMENT", "AMX_CRASH", "EXTRA_BUFFERS", "Buffer", "auto_reason", "auto_repack", "buffer_of",
+           "extra_buffer_bytes"]

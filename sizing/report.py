@@ -233,7 +233,9 @@ def plan_table(plan: Plan) -> str:
             dev = plan.host if d.device == "CPU" else by_label.get(d.device)
             free = dev.free_bytes if dev is not None else 0
             lines.append(
-                f"  {d.device:<6} layers {len(d.layers):>3}  weights {mib(d.weights_bytes):>9}  KV {mib(d.kv_bytes):>8}  "
+                f"  {d.device:<6} layers {len(d.layers):>3}  weights {mib(d.weights_bytes):>9}  "
+                + "".join(f"+ {b} {mib(n)}  " for b, n in d.extra_weights)
+                + f"KV {mib(d.kv_bytes):>8}  "
                 + (f"state {mib(d.state_bytes):>7}  " if d.state_bytes else "")
                 + f"compute {mib(d.compute_bytes):>8}  allowance {mib(d.allowance_bytes + d.pool_bytes):>6}  "
                 f"free {mib(free):>9}  "

@@ -34,6 +34,7 @@ from ..errors import BadRequest, EngineFailure, ServiceError
 from .choices import Answer, Event
 from .deps import ManagerDep, MetricsDep
 from .errors import _param_of, service_error_body
+from .admission import prompt_tokens
 from .openai import ChatRequest, Started, _chat_setup, _collect, _start, resolve_model
 from .tools import check_call_id, check_name
 from .validation import reject_surrogates
@@ -339,7 +340,8 @@ async def _stream(request: Request, started: Started, mid: str) -> AsyncIterator
 @router.post("/messages/count_tokens")
 async def count_tokens(request: Request, body: CountTokensRequest, manager: ManagerDep) -> dict[str, int]:
     """The prompt tokens a /v1/messages request with these messages, system and tools evaluates (its
-    ``input_tokens`` plus ``cache_read_input_tokens``): the same rendering, counted on the engine's worker."""
+    ``input_tokens`` plus ``cache_read_input_tokens``): the same rendering and tokens, counted off the engine's
+    queue (``service.api.admission``)."""
     reject_surrogates(body.model_dump(exclude_none=True))
     chat = to_chat(body, manager.settings)
     for i, m in enumerate(chat.messages):
@@ -350,7 +352,8 @@ async def count_tokens(request: Request, body: CountTokensRequest, manager: Mana
         engine = lease.engine
         _, _, tools = _chat_setup(chat, engine, manager.settings, params)
         messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-        n = await lease.runner.call(lambda: int(engine.count_chat_tokens(messages, tools)))
+        n = len(await prompt_tokens(request.app.state.admission, lease.name, engine, param="messages",
+                                    messages=messages, tools=tools))
     finally:
         lease.release()
     return {"input_tokens": n}

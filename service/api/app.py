@@ -16,6 +16,7 @@ from ..manager import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
 from ..settings import Settings
 from . import anthropic, errors, management, metrics, openai, ops
+from .admission import Admission
 from . import page, security
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
         manager = ModelManager(settings, registry, engines)
         app.state.settings = settings
         app.state.manager = manager
+        app.state.admission = Admission()
         app.state.metrics.attach(manager)
 
         def drain_expired() -> None:
@@ -73,6 +75,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
                 if s.runner is not None:
                     s.runner.stop()
             manager.close()
+            app.state.admission.close()
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()

@@ -41,6 +41,7 @@ from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotF
 from ..keepalive import parse_keep_alive
 from ..manager import Lease, ModelManager
 from ..runner import chunks
+from .admission import prompt_tokens
 from .choices import Answer, Choices, Event, tool_calls_json, usage_last
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
@@ -476,43 +477,44 @@ async def _admit(request: Request, lease: Lease, settings: Any, metrics: Metrics
     tools: list[dict[str, Any]] | None = None
     if kind == "completion":
         assert isinstance(body, CompletionRequest)
-        prompt = body.prompt_text()
-        count: Callable[[], int] = lambda: int(engine.count_tokens(prompt))  # noqa: E731
+        prompt: str | None = body.prompt_text()
+        messages: list[dict[str, Any]] | None = None
         prompt_param = "prompt"
     else:
         assert isinstance(body, ChatRequest)
         for i, m in enumerate(body.messages):
             m.check(i)
         params, choices, tools = _chat_setup(body, engine, settings, params)
+        prompt = None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        count = lambda: int(engine.count_chat_tokens(messages, tools))  # noqa: E731
         prompt_param = "messages"
     run = params
-
-    def generate() -> Iterator[Chunk]:
-        if kind == "completion":
-            return engine.complete(prompt, run, cancel)  # type: ignore[no-any-return]
-        return engine.chat(messages, run, cancel, tools)  # type: ignore[no-any-return]
+    tokens: list[int] = []
 
     def work() -> Iterator[Chunk]:
-        # On the engine thread, in FIFO order: every check that can refuse the request, then one
-        # empty "admitted" chunk, then the generation. The HTTP layer waits for that first item,
-        # so a refusal is a plain HTTP error even for a streamed request.
+        # On the engine's worker, in FIFO order: the checks that need the engine (grammar, logit_bias, n), then
+        # one empty "admitted" chunk, then the generation from the tokens admission made. The HTTP layer waits
+        # for that first item, so a refusal is a plain HTTP error even for a streamed request.
         engine.check(run)
-        n_prompt = count()
+        yield Chunk(prompt_tokens=len(tokens))
+        yield from engine.generate(tokens, run, cancel)
+
+    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
+    try:
+        if not await _compile_response_format(params, settings.grammar_timeout_s, watcher):
+            return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
+        # Tokenized off the engine's queue, bounded, refused unread if it cannot fit (service/api/admission.py).
+        tokens = await prompt_tokens(request.app.state.admission, name, engine, param=prompt_param, prompt=prompt,
+                                     messages=messages, tools=tools)
+        if cancel.cancelled:
+            return JSONResponse({}, status_code=499)  # the client left while its prompt was tokenized
+        n_prompt = len(tokens)
         _check_context(engine.n_ctx, n_prompt, asked, prompt_param)
         if asked is not None and run.n > 1 and n_prompt + run.n * asked > engine.n_ctx:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {engine.n_ctx} tokens; the prompt's {n_prompt} tokens plus "
                 f"{run.n} choices of max_tokens {asked} exceed it (the choices share the cache)",
                 param="n", prompt_tokens=n_prompt, max_tokens=asked, n_ctx=engine.n_ctx)
-        yield Chunk(prompt_tokens=n_prompt)
-        yield from generate()
-
-    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
-    try:
-        if not await _compile_response_format(params, settings.grammar_timeout_s, watcher):
-            return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
         job = lease.runner.submit(work, cancel, on_done=lease.release)  # 429 beyond the queue's bound
         lease.queued = True  # from here the runner releases the lease when the generation ends
         results = chunks(job)

@@ -236,6 +236,23 @@ class Engine(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary spells (0: unknown): a text of more than
+        ``n_ctx * max_token_chars()`` characters cannot fit the context (``service.api.admission``)."""
+        ...
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        """A completion prompt's tokens, as ``complete`` evaluates them (BOS added, control tokens parsed)."""
+        ...
+
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A chat's rendered prompt's tokens, as ``chat`` evaluates them (every client span tokenized as text)."""
+        ...
+
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        """A generation from prompt tokens (``prompt_tokens`` / ``chat_prompt_tokens``)."""
+        ...
+
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int: ...
 
     def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]: ...

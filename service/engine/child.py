@@ -39,7 +39,8 @@ from .base import Cancel, Chunk, direct_delivery
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"load", "check", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget"})
+CALLS = frozenset({"load", "check", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget", "prompt_tokens",
+                   "chat_prompt_tokens", "max_token_chars"})
 """Engine methods a "call" may name (nothing else of the engine is reachable from the socket)."""
 GENERATIONS = frozenset({"complete", "chat", "generate"})
 CANCELLABLE = frozenset({"embed"})

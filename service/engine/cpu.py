@@ -26,14 +26,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from sizing.repack import auto_repack
+from sizing.repack import auto_reason, auto_repack
 
 RepackSetting = Literal["auto", "on", "off"]
 
 _FEATURE = re.compile(r"([A-Z0-9_]+) = 1\b")
-
-AMX_CRASH = "llama.cpp#20824"
-"""The llama.cpp issue of the AMX kernel's crash, cited in the log line that says why repacking is off."""
 
 
 @dataclass(frozen=True)
@@ -66,11 +63,7 @@ def choose_repack(setting: RepackSetting, features: frozenset[str]) -> RepackCho
         return RepackChoice(True, "GGUF_CPU_REPACK=on", features)
     if setting == "off":
         return RepackChoice(False, "GGUF_CPU_REPACK=off", features)
-    if not auto_repack(features):
-        return RepackChoice(False, f"auto: llama.cpp reports AMX_INT8, and its AMX kernel for repacked weights crashes "
-                                   f"({AMX_CRASH}); weights stay as the file lays them out", features)
-    return RepackChoice(True, "auto: no AMX in this llama.cpp build; repacked layouts (CPU_REPACK) where ggml has them",
-                        features)
+    return RepackChoice(auto_repack(features), auto_reason(features), features)
 
 
 def host_repack(setting: RepackSetting) -> RepackChoice:

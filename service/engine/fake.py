@@ -145,6 +145,18 @@ class FakeEngine:
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         return self.count_tokens(self._chat_text(messages))
 
+    def max_token_chars(self) -> int:
+        return 0  # a word is a token: no bound
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        return self.tokenize(prompt)
+
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenize(self._chat_text(messages))
+
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._generate(len(tokens), params, cancel)
+
     def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         return self._generate(self.count_tokens(prompt), params, cancel)
 

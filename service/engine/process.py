@@ -549,6 +549,18 @@ class ProcessEngine:
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         return int(self._channel().call("count_chat_tokens", (messages, tools)))
 
+    def max_token_chars(self) -> int:
+        got = self._info.get("max_token_chars")
+        if got is None:  # computed by the runner on first use (a walk over the vocabulary), then kept
+            got = self._info["max_token_chars"] = int(self._channel().call("max_token_chars", ()))
+        return int(got)
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        return self._channel().call("prompt_tokens", (prompt,))  # type: ignore[no-any-return]
+
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._channel().call("chat_prompt_tokens", (messages, tools))  # type: ignore[no-any-return]
+
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         return self._channel().call("embed", (inputs,), cancel)  # type: ignore[no-any-return]
 

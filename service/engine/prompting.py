@@ -86,6 +86,14 @@ class Prompting:
     def count_tokens(self, text: str) -> int:
         return len(self._tokenize(text, add_bos=True))
 
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        """A completion prompt's tokens, as ``complete`` evaluates them."""
+        return self._tokenize(prompt, add_bos=True)
+
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A chat's prompt tokens, as ``chat`` evaluates them."""
+        return self._chat_tokens(messages, tools)
+
     def _token_spelling(self, token: int) -> str:
         """A token's text, a control token's spelling included (``llama_token_to_piece`` with ``special``, sized
         as llama.cpp's ``common_token_to_piece``: a negative answer is the size the piece needs)."""
