@@ -33,7 +33,7 @@ from typing import Any, Callable, Literal, Sequence, Union
 
 from sizing.device import MIB, Device
 from sizing.devices import host_memory, inventory
-from sizing.errors import ProbeError, UnsupportedModelError
+from sizing.errors import ProbeError, UnsupportedModelError, without_credentials
 from sizing.gguf import probe_path
 from sizing.plan import Plan
 from sizing.report import plan_json, plan_table
@@ -278,9 +278,10 @@ class ModelManager:
             try:
                 spec = probe_location(location, remote_limits(self.settings))
             except RemoteError as exc:
-                raise Upstream(f"{location[:300]}: {exc.reason}") from exc
+                raise Upstream(f"{without_credentials(location)[:300]}: {exc.reason}") from exc
             except (ProbeError, UnsupportedModelError) as exc:
-                raise BadRequest(f"{location[:300]} cannot be read: {exc}", param="url") from exc
+                why = exc.reason if isinstance(exc, ProbeError) else str(exc)  # its source is the location again
+                raise BadRequest(f"{without_credentials(location)[:300]} cannot be read: {why}", param="url") from exc
             return self.planner.place(spec, opts, residents=holdings, max_models=self.max_models)
 
         if run is not None:

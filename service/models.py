@@ -129,11 +129,15 @@ def _read_models_file(path: str) -> dict[str, Any]:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ModelsFileError(f"models file {path}: not valid YAML: {exc}") from exc
+        except RecursionError:  # a deeply nested document: the same one-line refusal as any other mistake
+            raise ModelsFileError(f"models file {path}: nested too deeply") from None
     else:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ModelsFileError(f"models file {path}: not valid TOML: {exc}") from exc
+        except RecursionError:
+            raise ModelsFileError(f"models file {path}: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -197,6 +201,8 @@ class Registry:
                 entries = _ModelsFileBody.model_validate(_read_models_file(path)).models
             except ValidationError as exc:
                 raise ModelsFileError(_validation_message(path, exc)) from exc
+            except RecursionError:
+                raise ModelsFileError(f"models file {path}: nested too deeply") from None
         for name, body in entries.items():
             where = f"models file {path}: models.{name}"
             if not _ALIAS_RE.match(name):

@@ -21,16 +21,29 @@ are caught, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+import re
+
 
 class SizingError(Exception):
     """Base of every error raised by the sizing package."""
 
 
+_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with the user and password of every URL in it replaced by ``***`` (``https://***@host/...``):
+    what an error or a log line may say of a location a client sent."""
+    return _CREDENTIALS.sub("***@", text)
+
+
 class ProbeError(SizingError):
-    """A GGUF header could not be read; ``offset`` is where the problem is."""
+    """A GGUF header could not be read; ``offset`` is where the problem is. A URL's credentials never reach the
+    message (``without_credentials``)."""
 
     def __init__(self, message: str, *, offset: int | None = None, source: str | None = None) -> None:
         self.offset = offset
+        source = without_credentials(source) if source else source
         self.source = source
         where = f" at offset {offset}" if offset is not None else ""
         origin = f"{source}: " if source else ""

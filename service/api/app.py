@@ -11,6 +11,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from ..engine.base import Engine
+from ..engine.chat_template import check_template
 from ..errors import NotReady
 from ..manager import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
@@ -37,6 +38,10 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     try:
         registry = Registry(settings)
     except ModelsFileError as exc:
+        raise security.ConfigurationError(str(exc)) from exc
+    try:
+        check_template(settings.chat_template())
+    except ValueError as exc:  # unreadable, or not a template: refused now, not at the first load
         raise security.ConfigurationError(str(exc)) from exc
 
     @asynccontextmanager

@@ -170,6 +170,19 @@ def _with_deadline(fn: Callable[[], Any], timeout_s: float) -> Any:
         sys.settrace(previous)
 
 
+def check_template(source: str | None) -> None:
+    """``ValueError`` naming the line when ``source`` (an operator's template, ``GGUF_CHAT_TEMPLATE_FILE``) does not
+    compile in the sandbox that renders it; None passes (no template given)."""
+    if source is None:
+        return
+    try:
+        ChatTemplate(source, "", "")
+    except TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        raise ValueError(f"GGUF_CHAT_TEMPLATE_FILE is not a valid chat template"
+                         + (f" (line {line})" if line else "") + f": {exc}") from None
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it refers to."""
 

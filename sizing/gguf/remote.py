@@ -146,8 +146,7 @@ class ProbeLimits:
             ip = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:
             return False
-        if ip.version == 6 and ip.ipv4_mapped is not None:  # type: ignore[union-attr]
-            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        ip = embedded_ipv4(ip)
         if not self.public_only or (ip.is_global and not ip.is_multicast):
             return True
         for entry in self.allow_hosts:
@@ -157,6 +156,28 @@ class ProbeLimits:
             except ValueError:
                 continue
         return False
+
+
+_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+"""NAT64 prefixes (RFC 6052's well-known one, RFC 8215's local-use one): the last 32 bits are an IPv4 address."""
+
+
+def embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The IPv4 address an IPv6 transition address reaches (IPv4-mapped ``::ffff:a.b.c.d``, NAT64
+    ``64:ff9b::a.b.c.d``, 6to4 ``2002:AABB:CCDD::``, Teredo's client), judged as the address it is; others as
+    they are. A NAT64 gateway or a 6to4 relay would carry a request for ``64:ff9b::7f00:1`` to 127.0.0.1."""
+    if ip.version != 6:
+        return ip
+    assert isinstance(ip, ipaddress.IPv6Address)
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if any(ip in net for net in _NAT64):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    return ip
 
 
 def parse_allow_hosts(text: str | None) -> tuple[str, ...]:
