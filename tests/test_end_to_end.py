@@ -142,3 +142,24 @@ def test_bad_json_is_400_in_the_openai_envelope(served):  # type: ignore[no-unty
     r = served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("clients", [1, 4, 8])
+def test_make_runs_defaults_serve_concurrent_clients(served, clients):  # type: ignore[no-untyped-def]
+    """Issue 28's acceptance on this host (whichever CPU it has: the AMX crash was at the first decode of such a
+    run): 1, 4 and 8 concurrent streamed completions on the defaults (4 slots, a runner process, the host's CPU
+    repacking choice) each end with every token and [DONE]; 8 is twice the slots, so half of them queue."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> tuple[int, int, str]:
+        body = {"prompt": f"Story {i}: Write about the sea.", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=300) as c, c.stream("POST", served.url + "/v1/completions", json=body) as r:
+            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        usage = next((json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")), None)
+        return r.status_code, usage["completion_tokens"] if usage else -1, events[-1]
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        results = list(pool.map(one, range(clients)))
+    assert results == [(200, 24, "[DONE]")] * clients
+    assert served.client.get("/health").status_code == 200
