@@ -178,6 +178,17 @@ class Settings(BaseSettings):
         description="Time limit for turning a request's response_format into a grammar (off the engine thread); "
         "beyond it 400. Schemas are also bounded in size, depth and count keywords (docs/reliability.md).",
     )
+    grammar_workers: int = Field(
+        2, ge=1, le=64,
+        description="How many grammars (response_format, tools) may compile at once past their first 0.1 s, each in "
+        "a process of its own that is killed at the time limit or when the client leaves; trivial schemas compile in "
+        "a separate fast lane, so they never wait for these (docs/reliability.md).",
+    )
+    grammar_memory_mb: int = Field(
+        256, ge=32,
+        description="Memory limit of one grammar's compilation process, MiB (its address space beyond the process's "
+        "start); past it the request gets 400. In all, compilations hold at most 4 x 32 + grammar_workers x this.",
+    )
     load_wait_s: float = Field(
         30.0, ge=0,
         description="How long a load or unload waits for running generations before answering 409 model_busy; "

@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.base import Cancel, Chunk, GenerationParams, TokenLogprob
 from ..engine.chat_format import ChatFormat
-from ..engine.grammar import check_schema_bounds, compile_grammar
+from ..engine.grammar import check_schema_bounds, grammar_source
+from ..engine.grammar_worker import compiler as grammar_compiler
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotFound, ServiceError
 from ..keepalive import parse_keep_alive
 from ..manager import Lease, ModelManager
@@ -397,23 +398,20 @@ def _completion_logprobs(lps: list[TokenLogprob], offset0: int = 0) -> dict[str,
     }
 
 
-async def _compile_response_format(params: GenerationParams, timeout_s: float, gone: "asyncio.Future[None]") -> bool:
-    """Compile the request's grammar off the engine thread, within ``timeout_s``; False when the client left first.
+async def _compile_response_format(params: GenerationParams, settings: Any, gone: "asyncio.Future[None]") -> bool:
+    """Compile the request's grammar (response_format, or the tools') in a worker process, within
+    ``settings.grammar_timeout_s`` and ``grammar_memory_mb``; False when the client left first.
 
-    The engines compile it again at admission and find it in the compiler's cache.
+    ``BadRequest`` when it cannot be used, did not compile in time or needed more memory: then it never reaches
+    the engine. The work stops with the answer, or when the client leaves: the process is killed
+    (``service.engine.grammar_worker``); trivial schemas never wait behind hostile ones (its fast lane). The engine
+    compiles the grammar again at admission, the same work under the same limits, which this proved bounded.
     """
-    if params.json_schema is None and not params.json_object and not params.grammar and not params.lark:
+    source = grammar_source(params)
+    if source is None:
         return True
-    task = asyncio.ensure_future(asyncio.to_thread(compile_grammar, params))
-    done, _ = await asyncio.wait({task, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()  # BadRequest for a schema that cannot be used
-        return True
-    # Left running, the compilation stops at llguidance's own limits (fuel, Earley items, grammar size).
-    task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-    if gone in done:
-        return False
-    raise BadRequest(f"response_format: the grammar did not compile within {timeout_s:g} s", param="response_format")
+    compiler = grammar_compiler(settings.grammar_workers, settings.grammar_memory_mb)
+    return await compiler.compile(*source, timeout_s=settings.grammar_timeout_s, gone=gone)
 
 
 @dataclass
@@ -501,7 +499,7 @@ async def _admit(request: Request, lease: Lease, settings: Any, metrics: Metrics
 
     watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
     try:
-        if not await _compile_response_format(params, settings.grammar_timeout_s, watcher):
+        if not await _compile_response_format(params, settings, watcher):
             return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
         # Tokenized off the engine's queue, bounded, refused unread if it cannot fit (service/api/admission.py).
         tokens = await prompt_tokens(request.app.state.admission, name, engine, param=prompt_param, prompt=prompt,

@@ -8,18 +8,24 @@ The grammar engine is llguidance (PyPI ``llguidance``, the library llama.cpp its
   llama.cpp's parser rejects makes ``llama_sampler_init_grammar`` return NULL, and the NULL sampler
   in a chain segfaults the process. llguidance is Rust: a bad grammar is an error value, and
   compilation and every mask step run under ``LLParserLimits`` (lexer fuel, Earley items,
-  grammar size), so no schema can take unbounded time or memory;
+  grammar size). Those limits do not bound every compilation (a few intersected regex patterns
+  take seconds and gigabytes before llguidance refuses them: issue 29), so the API compiles each
+  new grammar first in a process it can kill, under a memory limit (``grammar_worker``);
 - **speed**: llama.cpp's GBNF sampler tests every candidate token against the grammar, about 35 to
   50 ms per token for this vocabulary; llguidance computes the token mask in well under a
   millisecond (figures in docs/reliability.md).
 
-Before a request is admitted, ``compile_grammar`` checks the request's schema against fixed
-bounds (size, depth, nodes, and every count keyword such as ``maxItems`` or ``minLength``), turns
-it into an llguidance grammar and validates it: any failure is ``BadRequest`` naming the reason, a
-400 before any byte is streamed. Results are cached by their text, so the engines' own call (in
-``check`` and at generation) costs a dictionary look-up. ``grammar_sampler`` (the batched engine's
-sampler chain) and ``grammar_logits_processor`` (llama-cpp-python's ``Llama.generate``) mask the
-tokens the grammar forbids; nothing else in the engines knows how a grammar is represented.
+Before a request is queued, the API runs ``_compile`` on the request's grammar (``grammar_source``) in
+a compilation process (``grammar_worker``): it checks the schema against fixed bounds (size, depth,
+nodes, and every count keyword such as ``maxItems`` or ``minLength``), turns it into an llguidance
+grammar and validates it; any failure, a time-out or the memory limit is ``BadRequest`` naming the
+reason, a 400 before any byte is streamed. Only a grammar that compiled there reaches the engine,
+whose ``compile_grammar`` (in ``check`` and at generation, in the runner process) runs the same
+``_compile`` under the same ``LLParserLimits``: the work the worker finished within the budget.
+Results are cached by their text, so the engine's second call costs a dictionary look-up.
+``grammar_sampler`` (the batched engine's sampler chain) and ``grammar_logits_processor``
+(llama-cpp-python's ``Llama.generate``) mask the tokens the grammar forbids; nothing else in the
+engines knows how a grammar is represented.
 """
 
 from __future__ import annotations
@@ -140,21 +146,29 @@ def _compile(kind: str, text: str) -> Grammar:
     return Grammar(text=grammar, kind=kind)
 
 
+def grammar_source(params: GenerationParams) -> tuple[str, str] | None:
+    """The request's grammar as ``_compile`` takes it, ``(kind, text)``; None without one."""
+    if params.json_schema is not None:
+        return ("json_schema", params.json_schema)
+    if params.json_object:
+        return ("json_object", '{"type": "object"}')
+    if params.grammar:
+        return ("gbnf", params.grammar)
+    if params.lark:
+        return ("lark", params.lark)
+    return None
+
+
 def compile_grammar(params: GenerationParams) -> Grammar | None:
     """The request's grammar (json_schema, json_object or GBNF), bounded and validated; None without one.
 
     ``BadRequest`` when it cannot be, so a bad schema is a 400 before any byte is streamed. Cheap
-    after the first call for the same text (cached), so callers may call it more than once.
+    after the first call for the same text (cached), so callers may call it more than once. In this
+    process, unbounded but for ``LLParserLimits``: the engine's call, for grammars the API's worker
+    compiled (``grammar_worker``); a request's grammar is compiled there first.
     """
-    if params.json_schema is not None:
-        return _compile("json_schema", params.json_schema)
-    if params.json_object:
-        return _compile("json_object", '{"type": "object"}')
-    if params.grammar:
-        return _compile("gbnf", params.grammar)
-    if params.lark:
-        return _compile("lark", params.lark)
-    return None
+    source = grammar_source(params)
+    return _compile(*source) if source is not None else None
 
 
 # -- per-model tokenizer (llguidance's view of the vocabulary) ---------------------------------------------
