@@ -11,6 +11,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from ..engine.base import Engine
+from ..engine import grammar_worker
 from ..engine.chat_template import check_template
 from ..errors import NotReady
 from ..manager import EngineFactory, ModelManager, default_engine
@@ -81,6 +82,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
                     s.runner.stop()
             manager.close()
             app.state.admission.close()
+            grammar_worker.shutdown()  # the grammar zygote and its compilations (they also end with this process)
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()
