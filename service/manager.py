@@ -17,9 +17,24 @@ load that fails after unloading anything loads those models again.
 A request goes to the model its ``model`` names (or an alias's model):
 ``acquire`` returns a ``Lease`` that keeps the model busy until its generation
 ends. With ``GGUF_LOAD_ON_DEMAND`` a request for a model that is not loaded
-loads it; concurrent requests for it wait on one load, within
-``GGUF_LOAD_ON_DEMAND_WAIT_S``. Idle models are unloaded after their keep_alive
-(the model's, or the last request's; Ollama's semantics).
+waits in that model's queue (at most ``GGUF_QUEUE_SIZE``, for at most
+``GGUF_LOAD_ON_DEMAND_WAIT_S``, then 503 with Retry-After) and one scheduler
+task loads the models that requests wait for, oldest waiting request first;
+everything waiting for a model is admitted together when it loads (leases
+granted before the load lock is released, so nothing evicts it first).
+
+Swaps are fair: when a load needs the memory of busy models (the forced
+placement's victims), it waits for them instead of a 409, and they *yield*:
+they finish what they admitted, but new requests for them queue behind the
+swap, which runs once they are idle. A model yields only after its slice, as
+long as its own load took (at most a quarter of the wait limit), so a swap
+is paid for by at least as much serving and two busy models alternate instead
+of thrashing. When every request waiting for the swap has gone, the victims
+admit again. A reload (a load of a loaded model with new options) holds new
+requests for it the same way while it waits for running generations and loads:
+they are answered by the new model (by the old one when the reload gives up),
+and ``/ready`` keeps naming the model. Idle models are unloaded after their
+keep_alive (the model's, or the last request's; Ollama's semantics).
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence, Union
 
@@ -43,7 +59,8 @@ from sizing.spec import ModelSpec
 from .downloads import Download, Downloads, remote_limits
 from .engine.base import Engine, LoadReport
 from .engine.calibrate import Calibrator
-from .errors import BadRequest, Busy, InsufficientMemory, NotReady, ServiceError, SplitNotHonoured, Upstream
+from .errors import (BadRequest, Busy, EngineFailure, InsufficientMemory, NotReady, QueueFull, ServiceError,
+                     SplitNotHonoured, Upstream)
 from .keepalive import keep_alive_json, parse_keep_alive
 from .models import ModelEntry, Registry
 from .planning import LoadOptions, Placed, Planner, SetPlan, plan_request
@@ -51,7 +68,7 @@ from .runner import Runner
 from .settings import Settings
 
 __all__ = ["Download", "EngineFactory", "Lease", "LoadOptions", "ModelManager", "ModelState", "credit_current",
-           "default_engine", "plan_request", "raise_refusal", "remote_limits"]
+           "default_engine", "plan_request", "plan_summary", "raise_refusal", "remote_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +121,11 @@ class ModelState:
     """Wall-clock time its keep_alive unloads it (None: it stays)."""
     unloaded_why: str | None = None
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    loaded_at: float = 0.0
+    """Monotonic time it began serving (its slice before it yields to a swap counts from there)."""
+    load_s: float = 0.0
+    """Seconds its load took, as the manager timed it (planning, llama.cpp's confirmation, the unloads it needed and
+    the load with its runner's start; not a reload's wait for running generations): what a swap to it costs."""
 
     @property
     def busy(self) -> bool:
@@ -117,6 +139,63 @@ class ModelState:
         if self.plan is None or self.plan.estimate is None:
             return None
         return Holding(self.name, self.plan.estimate, self.last_used, self.busy, self.pinned)
+
+
+PLAN_URL = "/api/dry-run"
+"""Where a refused load's whole plan is: POST the load's body there (a refusal carries only a summary)."""
+
+_RECHECK_S = 2.0
+"""How often the scheduler looks again at a swap that waits for busy models, kicks aside (live memory changes)."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One request waiting to be admitted to a model: its future gets the lease (or the error)."""
+
+    fut: "asyncio.Future[Lease]"
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Queue:
+    """The requests waiting for one model to be admitted: it is not loaded (a load on demand, perhaps a swap), it
+    is reloading, or it yields to a swap another model waits for. Arrival order."""
+
+    name: str
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    blocked_on: tuple[str, ...] = ()
+    """The busy models whose memory its load needs (the forced placement's victims): they yield (admit no new
+    requests once their slice passed), and the load runs once they are idle."""
+    waits_for: tuple[str, ...] = ()
+    """Those of them that were busy when it was placed: one of them idle or gone, and it is placed again."""
+    blocked_at: float = 0.0
+    residency: int = -1
+    """The manager's residency count when it was found blocked: any load or unload since, and it is placed again."""
+    loading: bool = False
+    """The scheduler is loading it now."""
+
+    def prune(self) -> None:
+        while self.waiters and self.waiters[0].fut.done():
+            self.waiters.popleft()
+        if any(w.fut.done() for w in self.waiters):
+            self.waiters = deque(w for w in self.waiters if not w.fut.done())
+
+    def live(self) -> list[_Waiter]:
+        return [w for w in self.waiters if not w.fut.done()]
+
+    def head(self) -> float:
+        live = self.live()
+        return live[0].since if live else math.inf
+
+
+class _Blocked(Exception):
+    """A load on demand needs the memory of models that are busy: it waits for them. ``victims``: the models it
+    would unload; ``busy``: those of them that were busy when it was placed."""
+
+    def __init__(self, victims: Sequence[str], busy: Sequence[str]) -> None:
+        super().__init__(", ".join(victims))
+        self.victims = tuple(victims)
+        self.busy = tuple(busy)
 
 
 class Lease:
@@ -178,11 +257,23 @@ class ModelManager:
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
         self._load_lock = asyncio.Lock()
-        self._pending: dict[str, asyncio.Task[ModelState]] = {}
-        """On-demand loads in progress, one per model: concurrent requests wait on the same one."""
+        self._queues: dict[str, _Queue] = {}
+        """Per model, the requests waiting to be admitted to it (not loaded, reloading, or yielding to a swap)."""
+        self._scheduler: asyncio.Task[None] | None = None
+        """The one task that loads what requests wait for (``_schedule``), while any wait."""
+        self._wake: asyncio.Event | None = None
+        self._reloading: set[str] = set()
+        """Models a reload is replacing now: their new requests wait for it; /ready and routing still name them."""
+        self._holding_back: set[str] = set()
+        """Idle models a swap is about to unload: no new request is admitted to them meanwhile."""
+        self._residency = 0
+        """Counts loads and unloads: a swap that waits is placed again when it changed."""
+        self._closed = False
         self._tasks: set[asyncio.Future[Any]] = set()
         self.loads = 0
         """Engine loads done (each model load, restores included): what load-on-demand counts."""
+        self.swaps = 0
+        """Loads on demand that unloaded another model first."""
         self.runner_events: dict[str, int] = {}
         """Runner processes' deaths, restarts and failures so far (``died``, ``restarted``, ``failed``)."""
         self.host_bandwidth_bytes_per_s: float | None = None
@@ -316,11 +407,19 @@ class ModelManager:
 
         Loading a model that is loaded reloads it with the new options: that waits up to ``load_wait_s`` for its
         running generations (then ``Busy``, 409, and it keeps serving); ``force`` ends them instead, and makes
-        busy models eviction candidates too."""
-        async with self._load_lock:
-            return await self._load_locked(name, opts, force, keep_alive_s)
+        busy models eviction candidates too. New requests for it meanwhile wait for the reload."""
+        try:
+            async with self._load_lock:
+                return await self._load_locked(name, opts, force, keep_alive_s)
+        finally:
+            self._kick()
 
-    async def _load_locked(self, name: str, opts: LoadOptions, force: bool, keep_alive_s: float | None) -> ModelState:
+    async def _load_locked(self, name: str, opts: LoadOptions, force: bool, keep_alive_s: float | None,
+                           swap: _Queue | None = None) -> ModelState:
+        """The load, with the load lock held. ``swap``: a load on demand for the requests of that queue, which
+        raises ``_Blocked`` instead of ``Busy`` when it needs the memory of busy models, and admits no new request
+        to the idle models it unloads."""
+        t0 = time.monotonic()
         entry = await asyncio.to_thread(self.registry.resolve, name)
         key = entry.name
         previous = self.models.get(key)
@@ -333,10 +432,17 @@ class ModelManager:
             for attempt in range(3):
                 holdings = self._holdings()
                 _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
+                if swap is not None and placed.busy:  # wait for the fewest of them that make room
+                    _, forced = await asyncio.to_thread(self._place, key, opts, holdings, True)
+                    victims_ = forced.evict or placed.busy
+                    raise _Blocked(victims_, [h.name for h in holdings if h.busy and h.name in victims_])
                 raise_refusal(placed)
                 victims = [self.models[n] for n in placed.evict if n in self.models]
                 if force or not any(v.busy or not v.serving for v in victims):
                     break
+                if swap is not None:  # a victim became busy while the plan was made: wait for it
+                    late = [v.name for v in victims if v.busy or not v.serving]
+                    raise _Blocked(late, late)
                 if attempt == 2:  # a victim became busy while the plan was made, three times over
                     raise Busy(f"the models this load would unload became busy: "
                                f"{', '.join(v.name for v in victims if v.busy)}; retry")
@@ -344,6 +450,24 @@ class ModelManager:
             if placeholder is not None:  # a refusal changes nothing
                 self._put_back(key, previous)
             raise
+        held = {v.name for v in victims} - self._holding_back if swap is not None else set()
+        self._holding_back |= held
+        try:
+            state = await self._load_placed(entry, placed, victims, replacing, placeholder, previous, opts, force,
+                                            keep_alive_s, t0)
+        finally:
+            self._holding_back -= held
+            self._reloading.discard(key)
+        if swap is not None and victims:
+            self.swaps += 1
+        return state
+
+    async def _load_placed(self, entry: ModelEntry, placed: Placed, victims: list[ModelState],
+                           replacing: ModelState | None, placeholder: ModelState | None, previous: ModelState | None,
+                           opts: LoadOptions, force: bool, keep_alive_s: float | None, t0: float) -> ModelState:
+        """Confirm the placement with llama.cpp, unload the victims (and the model a reload replaces), load.
+        ``t0``: when the load began (its cost, ``load_s``, counts from there)."""
+        key = entry.name
         plan = placed.plan
         config = entry.config
         state = ModelState(name=key, state="loading", plan=plan, path=entry.path, entry=entry, pinned=config.pinned,
@@ -371,8 +495,13 @@ class ModelManager:
         # The dry-run workers hold no model, but on a GPU build a device context each: gone before the load.
         await asyncio.to_thread(self.planner.release)
         evicted: list[ModelState] = []
+        waited = 0.0
         if replacing is not None:  # the one that may wait for its generations (then 409, nothing unloaded)
+            # Its new requests wait for the reload (routing and /ready still name it), not "no model".
+            self._reloading.add(key)
+            t_wait = time.monotonic()
             await self._unload_state(replacing, force=force, wait_s=self.settings.load_wait_s, why="reloaded")
+            waited = time.monotonic() - t_wait
             self.models[key] = state
         for v in victims:
             await self._unload_state(v, force=force, wait_s=self.settings.load_wait_s, why=f"evicted for {key}")
@@ -389,6 +518,9 @@ class ModelManager:
             for old in ([replacing] if replacing is not None else []) + evicted:
                 await self._restore(old)
             raise
+        state.loaded_at = time.monotonic()
+        state.load_s = state.loaded_at - t0 - waited
+        self._residency += 1
         self.models[key] = state
         self._idle(state, keep_alive_s)
         assert state.report is not None
@@ -439,11 +571,15 @@ class ModelManager:
             return
         state = replace(previous, state="loading", engine=None, runner=None, report=None, leases=0, timer=None,
                         expires_at=None)
+        t0 = time.monotonic()
         try:
             await self._start(state, previous.plan)
         except Exception as exc:  # nothing to serve it with: /api/models says so
             log.error("could not reload %s after a failed load: %s", previous.name, exc)
             return
+        state.loaded_at = time.monotonic()
+        state.load_s = state.loaded_at - t0
+        self._residency += 1
         self.models[previous.name] = state
         self._idle(state, None)
 
@@ -472,7 +608,9 @@ class ModelManager:
             st.timer.cancel()
         st.state, st.report, st.engine, st.runner, st.timer, st.expires_at = "unloaded", None, None, None, None, None
         st.unloaded_why = why
+        self._residency += 1
         log.info("unloaded %s (%s)", st.name, why)
+        self._kick()
 
     async def unload(self, name: str | None = None, *, force: bool = False, limited: bool = True) -> list[str]:
         """Unload ``name`` (every loaded model when None), after its running generations (up to ``load_wait_s``,
@@ -485,29 +623,38 @@ class ModelManager:
             else:
                 targets = self.loaded()
             wait_s = self.settings.load_wait_s if limited else None
-            for st in targets:
-                await self._unload_state(st, force=force, wait_s=wait_s, why="unloaded on request")
+            try:
+                for st in targets:
+                    await self._unload_state(st, force=force, wait_s=wait_s, why="unloaded on request")
+            finally:
+                self._kick()  # an unload that gave up (409) leaves the model serving: what waited for it goes on
             return [s.name for s in targets]
 
     def close(self) -> None:
-        """Stop the calibration workers (at shutdown)."""
+        """Stop the calibration workers and the scheduler (at shutdown): requests still waiting get 503."""
+        self._closed = True
+        if self._scheduler is not None and not self._scheduler.done():
+            self._scheduler.cancel()
+        for q in list(self._queues.values()):
+            self._fail(q, NotReady("the server is shutting down", state="draining", retry_after_s=1))
         self.planner.close()
 
     # -- routing, load on demand, keep_alive
 
     def route(self, requested: str | None) -> str:
         """The model a request's ``model`` names: an alias's model, a name; None goes to the default model when
-        it is loaded (or loads on demand), else to the only loaded model. Raises 404 for an unknown name."""
+        it is loaded (or loads on demand), else to the only loaded model. A model that is reloading counts as
+        loaded (its requests wait for the reload). Raises 404 for an unknown name."""
         if requested is None:
-            loaded = self.loaded()
+            loaded = [s.name for s in self.models.values() if s.serving or s.name in self._reloading]
             default = self.registry.canonical(self.settings.default_model) if self.settings.default_model else None
-            if default is not None and any(s.name == default for s in loaded):
+            if default is not None and default in loaded:
                 return default
             if len(loaded) == 1:
-                return loaded[0].name
+                return loaded[0]
             if loaded:
                 raise BadRequest(f"model is required: {len(loaded)} models are loaded "
-                                 f"({', '.join(s.name for s in loaded)[:300]})", param="model")
+                                 f"({', '.join(loaded)[:300]})", param="model")
             if default is not None and self.settings.load_on_demand:
                 return default
             state, error = self.not_ready_state()
@@ -519,48 +666,236 @@ class ModelManager:
             return name
         return self.registry.resolve(requested).name  # 404 for an unknown name
 
+    def reloading(self) -> list[str]:
+        """The models a reload is replacing now (they serve again when it ends)."""
+        return sorted(self._reloading)
+
     async def acquire(self, requested: str | None) -> Lease:
-        """A lease on the loaded model a request goes to; loads it first with ``load_on_demand``."""
-        for _ in range(3):
-            name = self.route(requested)
-            st = self.models.get(name)
-            if st is not None and st.serving:
-                return Lease(self, st)
-            if not self.settings.load_on_demand:
-                if st is not None and st.state in ("loading", "unloading"):
-                    raise NotReady(f"model '{name}' is {st.state}; retry shortly", param="model", retry_after_s=2,
-                                   state=st.state)
-                raise NotReady(f"model '{name}' is not loaded; load it with POST /api/models/load", param="model")
-            await self._on_demand(name)
-        raise NotReady(f"model '{name}' was unloaded again before the request could use it; retry", retry_after_s=1)
+        """A lease on the loaded model a request goes to. It waits in the model's queue (``GGUF_QUEUE_SIZE``
+        at most, then 429; ``GGUF_LOAD_ON_DEMAND_WAIT_S`` at most, then 503 with Retry-After) while the model
+        reloads, while it yields to a swap, and, with ``load_on_demand``, while it is not loaded."""
+        name = self.route(requested)
+        st = self.models.get(name)
+        if st is not None and st.serving and self._admits(st):
+            return Lease(self, st)
+        if not self.settings.load_on_demand and name not in self._reloading and not (st is not None and st.serving):
+            if st is not None and st.state in ("loading", "unloading"):
+                raise NotReady(f"model '{name}' is {st.state}; retry shortly", param="model", retry_after_s=2,
+                               state=st.state)
+            raise NotReady(f"model '{name}' is not loaded; load it with POST /api/models/load", param="model")
+        return await self._wait(name)
 
-    async def _on_demand(self, name: str) -> None:
-        task = self._pending.get(name)
-        if task is None:
-            task = asyncio.create_task(self._ensure(name))
-            self._pending[name] = task
+    # -- admission: the queues, the swaps, the scheduler
 
-            def done(t: "asyncio.Task[ModelState]") -> None:
-                if self._pending.get(name) is t:
-                    del self._pending[name]
-                if not t.cancelled():
-                    t.exception()  # retrieved here: every waiter may have stopped waiting
+    def _slice_s(self, st: ModelState) -> float:
+        """How long a model admits new requests after its load even while a swap waits for its memory: as long
+        as its load took (a swap is paid for by at least as much serving: two models that both have work alternate
+        with at most half the time spent swapping), at most a quarter of the wait limit."""
+        return min(st.load_s, self.settings.load_on_demand_wait_s / 4)
 
-            task.add_done_callback(done)
+    def _asked_by(self, name: str) -> list[str]:
+        """The models whose waiting requests need ``name``'s memory (their swap waits for it to be idle)."""
+        return [q.name for q in self._queues.values() if q.name != name and name in q.blocked_on and q.live()]
+
+    def _yields(self, st: ModelState) -> bool:
+        """A swap waits for ``st``'s memory and its slice has passed: it finishes what it admitted, and new
+        requests for it wait behind the swap."""
+        return bool(self._asked_by(st.name)) and time.monotonic() >= st.loaded_at + self._slice_s(st)
+
+    def _admits(self, st: ModelState) -> bool:
+        """Whether a new request for this serving model gets its lease now (nothing of it waits ahead)."""
+        if st.name in self._reloading or st.name in self._holding_back or self._yields(st):
+            return False
+        q = self._queues.get(st.name)
+        return q is None or not q.live()
+
+    async def _wait(self, name: str) -> Lease:
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = _Queue(name)
+        waiting = len(q.live())
+        if waiting >= max(1, self.settings.queue_size):
+            if not waiting:
+                self._queues.pop(name, None)
+            raise QueueFull(f"{waiting} requests are already waiting for model '{name}' to be loaded; retry shortly",
+                            retry_after_s=5)
+        w = _Waiter(asyncio.get_running_loop().create_future())
+        q.waiters.append(w)
+        self._kick()
+        wait_s = self.settings.load_on_demand_wait_s
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=self.settings.load_on_demand_wait_s)
-        except TimeoutError:
-            raise NotReady(f"model '{name}' is still loading after {self.settings.load_on_demand_wait_s:g} s; "
-                           "retry shortly", param="model", retry_after_s=5, state="loading") from None
+            done, _ = await asyncio.wait({w.fut}, timeout=wait_s)
+        except asyncio.CancelledError:  # the request went away
+            self._withdraw(w)
+            raise
+        if not done:
+            err = self._timed_out(q, w, wait_s)
+            self._withdraw(w)
+            raise err
+        return w.fut.result()
 
-    async def _ensure(self, name: str) -> ModelState:
-        """Load ``name`` with its own options, unless it is loaded by the time the load lock is ours (a load that
-        was running when the request came finished it)."""
+    def _withdraw(self, w: _Waiter) -> None:
+        """A waiter that stopped waiting: its future cancelled (a lease granted meanwhile is given back)."""
+        if w.fut.done():
+            if not w.fut.cancelled() and w.fut.exception() is None:
+                w.fut.result().release()
+        else:
+            w.fut.cancel()
+        self._kick()
+
+    def _timed_out(self, q: _Queue, w: _Waiter, wait_s: float) -> NotReady:
+        live = q.live()
+        position = live.index(w) + 1 if w in live else 1
+        extra: dict[str, Any] = dict(param="model", retry_after_s=5, position=position, waiting=len(live))
+        st = self.models.get(q.name)
+        if q.loading or (st is not None and st.state == "loading" and q.name not in self._reloading):
+            return NotReady(f"model '{q.name}' is still loading after {wait_s:g} s; retry shortly", state="loading",
+                            **extra)
+        if q.name in self._reloading:
+            return NotReady(f"model '{q.name}' is still reloading after {wait_s:g} s; retry shortly",
+                            state="reloading", **extra)
+        if q.blocked_on:
+            held = ", ".join(f"{n} ({b.leases} in flight)" if (b := self.models.get(n)) is not None else n
+                             for n in q.blocked_on)
+            return NotReady(f"model '{q.name}' waited {wait_s:g} s for a swap: the memory it needs is held by "
+                            f"{held}, finishing what they admitted; retry shortly", state="waiting",
+                            blocked_on=list(q.blocked_on), **extra)
+        if st is not None and st.serving and (asked := self._asked_by(q.name)):
+            return NotReady(f"model '{q.name}' waited {wait_s:g} s behind a swap to {', '.join(asked)}; retry shortly",
+                            state="waiting", **extra)
+        return NotReady(f"model '{q.name}' waited {wait_s:g} s to be loaded; retry shortly", state="waiting", **extra)
+
+    def _kick(self) -> None:
+        """Something changed (a load, an unload, a model went idle, a waiter left): admit what can be admitted
+        now, and wake the scheduler for the rest."""
+        if not self._queues:
+            return
+        self._admit()
+        if not self._queues or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (shutdown): nothing to schedule
+            return
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = loop.create_task(self._schedule())
+        self._wake.set()
+
+    def _admit(self) -> None:
+        """Every queue whose model serves and admits gets its leases, all at once."""
+        for name, q in list(self._queues.items()):
+            q.prune()
+            if not q.waiters:
+                if self._queues.get(name) is q:
+                    del self._queues[name]
+                continue
+            st = self.models.get(name)
+            if st is None or not st.serving or name in self._reloading or name in self._holding_back \
+                    or self._yields(st):
+                continue
+            self._grant(q, st)
+
+    def _grant(self, q: _Queue, st: ModelState) -> None:
+        for w in q.waiters:
+            if not w.fut.done():
+                w.fut.set_result(Lease(self, st))
+        q.waiters.clear()
+        if self._queues.get(q.name) is q:
+            del self._queues[q.name]
+
+    def _fail(self, q: _Queue, exc: BaseException) -> None:
+        for w in q.waiters:
+            if not w.fut.done():
+                w.fut.set_exception(exc)
+        q.waiters.clear()
+        if self._queues.get(q.name) is q:
+            del self._queues[q.name]
+
+    def _unblocked(self, q: _Queue) -> bool:
+        """A swap that waits for busy models is placed again once one of them is idle or gone, once anything was
+        loaded or unloaded since, and every ``_RECHECK_S``."""
+        if self._residency != q.residency or time.monotonic() - q.blocked_at >= _RECHECK_S:
+            return True
+        return any((b := self.models.get(n)) is None or not b.serving or not b.busy for n in q.waits_for)
+
+    async def _schedule(self) -> None:
+        """Load what requests wait for, the queue whose oldest request came first first; one load at a time
+        (the load lock); a load that needs busy models' memory waits for them while they yield."""
+        assert self._wake is not None
+        wake = self._wake
+        while not self._closed:
+            wake.clear()
+            self._admit()
+            if not self._queues:
+                return
+            try:
+                progressed = await self._schedule_once()
+            except Exception:  # a bug here must not leave the waiters hanging: they still have their limit
+                log.exception("the load scheduler failed; it looks again in %g s", _RECHECK_S)
+                progressed = False
+            if progressed:
+                continue
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=_RECHECK_S)
+            except TimeoutError:
+                pass
+
+    async def _schedule_once(self) -> bool:
+        """One pass over the queues, oldest waiting request first; True when something changed (look again)."""
+        for q in sorted(self._queues.values(), key=lambda x: x.head()):
+            if self._queues.get(q.name) is not q or not q.live():
+                continue
+            st = self.models.get(q.name)
+            if q.name in self._reloading or (st is not None and st.state in ("loading", "unloading")):
+                continue  # an explicit load, reload or unload runs: its end kicks
+            if st is not None and st.serving:
+                continue  # it yields to a swap (or a swap unloads it): admitted when that ends, or loaded after
+            if not self.settings.load_on_demand:
+                self._fail(q, NotReady(f"model '{q.name}' is not loaded; load it with POST /api/models/load",
+                                       param="model"))
+                return True
+            if q.blocked_on and not self._unblocked(q):
+                continue
+            if await self._swap_in(q):
+                return True  # the residents changed: look at every queue again
+        return False
+
+    async def _swap_in(self, q: _Queue) -> bool:
+        """Load ``q``'s model for its requests (evicting idle models if it must) and grant them their leases
+        before the lock is released; False when it must wait for busy models (``q.blocked_on``)."""
         async with self._load_lock:
-            st = self.resident(name)
-            if st is not None:
-                return st
-            return await self._load_locked(name, LoadOptions(), False, None)
+            if self.resident(q.name) is not None:
+                return True  # an explicit load got there first: the next ``_admit`` grants
+            if not q.live():
+                return True
+            q.loading = True
+            try:
+                state = await self._load_locked(q.name, LoadOptions(), False, None, swap=q)
+            except _Blocked as b:
+                if b.victims != q.blocked_on:
+                    log.info("load of %s on demand waits for %s (busy) to finish what they admitted", q.name,
+                             ", ".join(b.victims))
+                q.blocked_on, q.blocked_at, q.residency = b.victims, time.monotonic(), self._residency
+                q.waits_for = b.busy
+                return False
+            except ServiceError as exc:  # a refusal reaches every waiting request
+                self._fail(q, exc)
+                return True
+            except Exception as exc:
+                log.exception("load of %s on demand failed", q.name)
+                self._fail(q, EngineFailure(f"loading '{q.name}' failed: {type(exc).__name__}: {exc}"))
+                return True
+            finally:
+                q.loading = False
+            q.blocked_on = q.waits_for = ()
+            # Before the lock is released: nothing may unload it before its requests hold it.
+            self._grant(q, state)
+            later = self._queues.get(q.name)
+            if later is not None:  # its waiters all left during the load, and others came since
+                self._grant(later, state)
+            return True
 
     def _released(self, st: ModelState, keep_alive_s: float | None) -> None:
         st.leases -= 1
@@ -569,6 +904,7 @@ class ModelManager:
             st.next_keep_alive_s = keep_alive_s
         if st.leases == 0:
             self._idle(st, None)
+            self._kick()
 
     def _idle(self, st: ModelState, keep_alive_s: float | None) -> None:
         """The model went idle: start its keep_alive (the given one, the last request's, or the model's)."""
@@ -613,6 +949,13 @@ class ModelManager:
             out["origin"] = state.entry.origin
         out["aliases"] = self.registry.aliases_of(state.name)
         out["pinned"] = state.pinned
+        q = self._queues.get(state.name)
+        if q is not None and (waiting := len(q.live())):
+            out["waiting"] = waiting
+        if state.name in self._reloading:
+            out["reloading"] = True
+        if state.serving and self._yields(state):
+            out["yields_to"] = self._asked_by(state.name)
         if state.plan is not None:
             out["plan"] = plan_json(state.plan)
         if state.confirmation is not None:
@@ -650,6 +993,19 @@ class ModelManager:
                 for a in state.report.allocations
             ]
         return out
+
+    def admission(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Per model with requests waiting to be admitted: how many (``waiting``), the oldest one's wait
+        (``oldest_s``), the busy models its swap waits for (``blocked_on``); and the loaded models that yield
+        (admit no new request until a swap that waits for their memory has run)."""
+        now = time.monotonic()
+        waiting: dict[str, dict[str, Any]] = {}
+        for q in list(self._queues.values()):
+            live = q.live()
+            if live:
+                waiting[q.name] = {"waiting": len(live), "oldest_s": now - live[0].since,
+                                   "blocked_on": list(q.blocked_on), "loading": q.loading}
+        return waiting, [s.name for s in self.loaded() if self._yields(s)]
 
     def devices_json(self) -> list[dict[str, Any]]:
         """Each device as read now, and what each loaded model holds there (its plan's bytes, its CUDA context included).
@@ -705,25 +1061,44 @@ def _refusal_message(plan: Plan, placed: Placed | None = None) -> str:
     return "; ".join(parts)
 
 
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """A refused plan in short, for an error body: its context, cache type, verdict and per device what it needs,
+    what is free and what is missing (MiB). The whole plan: ``POST /api/dry-run`` (``PLAN_URL``) with the body."""
+    est = plan.estimate
+    devices = []
+    if est is not None:
+        by_label = {g.label: g for g in plan.gpus}
+        for d in est.devices:
+            dev = plan.host if d.device == "CPU" else by_label.get(d.device)
+            free = dev.free_bytes if dev is not None else 0
+            devices.append({"device": d.device, "name": dev.name if dev is not None and d.device != "CPU" else None,
+                            "needs_mib": round(d.total_bytes / MIB), "free_mib": round(free / MIB),
+                            "missing_mib": round(max(d.total_bytes - free, 0) / MIB)})
+    return {"model": plan.model.name, "n_ctx": plan.cfg.n_ctx, "cache_type": plan.cfg.type_k,
+            "verdict": plan.verdict, "devices": devices}
+
+
 def raise_refusal(placed: Placed | Plan) -> None:
     """A placement that cannot be loaded becomes the domain error its refusal names (one place decides the
-    status): 409 when busy models hold the memory, 507 with every card's figures and the residents holding them."""
+    status): 409 when busy models hold the memory, 507 with every card's figures and the residents holding them.
+    The body stays short: the plan in summary (``plan``) and where the whole one is (``plan_url``)."""
     p = placed if isinstance(placed, Placed) else Placed(placed)
     plan = p.plan
     details: dict[str, Any] = {"residents": p.to_json()} if p.beside or p.busy else {}
+    details.update(plan=plan_summary(plan), plan_url=PLAN_URL)
     if p.busy:
         raise Busy(f"the memory '{plan.model.name}' needs is held by models generating now: {', '.join(p.busy)}; "
-                   "retry when they finish, or send force: true to end them", plan=plan_json(plan), **details)
+                   "retry when they finish, or send force: true to end them", **details)
     if plan.fits and p.count_limited:
         raise InsufficientMemory(
             f"{len(p.beside)} models are loaded (GGUF_MAX_LOADED_MODELS) and none of them may be unloaded "
-            f"(pinned: {', '.join(p.pinned) or 'none'}; the others are busy)", plan=plan_json(plan), **details)
+            f"(pinned: {', '.join(p.pinned) or 'none'}; the others are busy)", **details)
     if plan.fits:
         return
     reason = "; ".join(plan.reasons) or "the model does not fit"
     if plan.refusal == "SPLIT_NOT_HONOURED":
-        raise SplitNotHonoured(reason, param="gpu", plan=plan_json(plan))
+        raise SplitNotHonoured(reason, param="gpu", plan=plan_summary(plan), plan_url=PLAN_URL)
     if plan.refusal == "INVALID_CONFIG":
         param = "gpu" if "gpu" in reason or "tensor_split" in reason else "cache_type"
         raise BadRequest(reason, param=param)
-    raise InsufficientMemory(_refusal_message(plan, p), plan=plan_json(plan), **details)
+    raise InsufficientMemory(_refusal_message(plan, p), **details)

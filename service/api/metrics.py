@@ -9,8 +9,10 @@ process). Three kinds of series:
   token and between tokens per model (the OpenAI routes);
 - gauges read from the manager, each loaded model's runner and engine when scraped (``_ServerState``,
   a custom collector), per model (``model``): queue depth, running generations, KV cells, predicted vs
-  allocated bytes per device, measured vs predicted speeds. A scrape sees the state of that moment,
-  and a series exists only while what it measures does (a model not loaded has none);
+  allocated bytes per device, measured vs predicted speeds; requests waiting for a model to be loaded
+  (or reloaded, or admitted again after a swap) and the oldest one's wait, and the models yielding to a
+  swap. A scrape sees the state of that moment, and a series exists only while what it measures does
+  (a model not loaded has none);
 - the Model Server Protocol gauges of the Kubernetes Gateway API Inference Extension (pinned
   v1.0.0, ``docs/proposals/003-model-server-protocol``), per served model (``model_name``):
   TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization, under this server's names and
@@ -196,6 +198,26 @@ class _ServerState(Collector):
         yield device
         yield speed
         yield _gauge("gguf_model_loaded", "Models loaded and serving (1 or 0 with one model).", len(loaded))
+        yield from self._admission()
+
+    def _admission(self) -> Iterator[Metric]:
+        """Requests waiting to be admitted to a model (not loaded, reloading, or yielding to a swap), per model."""
+        waiting, yielding = self._manager.admission()
+        count = GaugeMetricFamily("gguf_requests_waiting_for_load", "Requests waiting for the model to be loaded "
+                                  "(on demand, perhaps a swap), reloaded, or admitted again after a swap it yields "
+                                  "to: the queue a new request joins at the end.", labels=["model"])
+        oldest = GaugeMetricFamily("gguf_load_wait_seconds", "How long the oldest request waiting for the model "
+                                   "(gguf_requests_waiting_for_load) has waited.", labels=["model"])
+        for name, w in sorted(waiting.items()):
+            count.add_metric([name], w["waiting"])
+            oldest.add_metric([name], w["oldest_s"])
+        ylds = GaugeMetricFamily("gguf_model_yielding", "1 for a loaded model that admits no new request: a swap "
+                                 "waits for its memory, and it finishes what it admitted first.", labels=["model"])
+        for name in yielding:
+            ylds.add_metric([name], 1)
+        yield count
+        yield oldest
+        yield ylds
 
     def _msp(self, models: list[tuple[str, int, int, int, int]]) -> Iterator[Metric]:
         """The Model Server Protocol gauges per served model, each under both names; none without a model."""

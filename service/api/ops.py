@@ -23,15 +23,24 @@ async def health() -> dict[str, str]:
 async def ready(manager: ManagerDep) -> Any:
     """200 once a model is loaded (``model``: the default one if loaded, else the first; ``models``: every loaded
     one), or at once with ``GGUF_LOAD_ON_DEMAND`` (a request loads what it names); otherwise 503 while loading, after
-    a failed load, or with none."""
+    a failed load, or with none. A model that a reload is replacing still counts (``reloading``: new requests for it
+    wait for the reload and are answered by the new model, while the old one finishes its generations)."""
     loaded = manager.loaded()
-    if not loaded and manager.settings.load_on_demand:
+    reloading = [n for n in manager.reloading() if not any(s.name == n for s in loaded)]
+    if not loaded and not reloading and manager.settings.load_on_demand:
         return {"status": "ready", "model": None, "n_ctx": 0, "models": [], "load_on_demand": True}
-    if loaded:
-        default = manager.resident(manager.settings.default_model) if manager.settings.default_model else None
-        first = default or loaded[0]
-        return {"status": "ready", "model": first.name, "n_ctx": first.engine.n_ctx if first.engine else 0,
-                "models": [{"name": s.name, "n_ctx": s.engine.n_ctx if s.engine else 0} for s in loaded]}
+    if loaded or reloading:
+        models: list[dict[str, Any]] = [{"name": s.name, "n_ctx": s.engine.n_ctx if s.engine else 0} for s in loaded]
+        for name in reloading:
+            st = manager.models.get(name)
+            models.append({"name": name, "n_ctx": st.engine.n_ctx if st is not None and st.engine else 0,
+                           "reloading": True})
+        default = manager.registry.canonical(manager.settings.default_model) if manager.settings.default_model else None
+        first = next((m for m in models if m["name"] == default), models[0])
+        out = {"status": "ready", "model": first["name"], "n_ctx": first["n_ctx"], "models": models}
+        if reloading:
+            out["reloading"] = reloading
+        return out
     state, error = manager.not_ready_state()
     message = {"loading": "Loading model", "failed": f"model load failed: {error or ''}"}.get(state, state)
     return JSONResponse(envelope(message, "unavailable_error", "model_not_ready", state=state), status_code=503)
