@@ -83,7 +83,8 @@ def default_engine(settings: Settings) -> Engine:
     runner process of its own (``GGUF_RUNNER_PROCESS``, ``service.engine.process``) or in this one."""
     kwargs: dict[str, Any] = dict(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
                                   slot_prompt_similarity=settings.slot_prompt_similarity,
-                                  chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling)
+                                  chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling,
+                                  batch_invariant=settings.batch_invariant)
     if settings.runner_process:
         from .engine.process import ProcessEngine
 
@@ -338,7 +339,8 @@ class ModelManager:
         """A request's options over the model's own (models file) over the settings'."""
         c = entry.config
         return replace(opts, cache_type=opts.cache_type or c.cache_type, n_seq_max=opts.n_seq_max or c.slots,
-                       ctx_ceiling=opts.ctx_ceiling or c.context_length)
+                       ctx_ceiling=opts.ctx_ceiling or c.context_length,
+                       batch_invariant=opts.batch_invariant if opts.batch_invariant is not None else c.batch_invariant)
 
     # -- planning (off the event loop)
 
@@ -533,7 +535,9 @@ class ModelManager:
         """A fresh engine and runner for ``state``, and the load (raises what the engine raised)."""
         assert state.path is not None
         slots = max(1, plan.cfg.n_seq_max)
-        engine = self._engine_factory(self.settings.model_copy(update={"parallel": slots}))
+        own = state.entry.config.batch_invariant if state.entry is not None else None
+        engine = self._engine_factory(self.settings.model_copy(update={
+            "parallel": slots, "batch_invariant": self.settings.batch_invariant if own is None else own}))
         watch = getattr(engine, "watch", None)
         if watch is not None:  # a runner process: its deaths, restarts and final failure come back here
             loop = asyncio.get_running_loop()

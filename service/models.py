@@ -63,6 +63,8 @@ class ModelConfig:
     pinned: bool = False
     keep_alive_s: float | None = None
     """Seconds idle before it is unloaded (``math.inf``: never; None: GGUF_KEEP_ALIVE)."""
+    batch_invariant: bool | None = None
+    """Outputs independent of the batch (None: GGUF_BATCH_INVARIANT)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class _ModelSpecBody(BaseModel):
     slots: int | None = Field(None, ge=1, le=64)
     pinned: bool = False
     keep_alive: str | int | float | None = None
+    batch_invariant: bool | None = None
 
     @field_validator("cache_type")
     @classmethod
@@ -212,7 +215,7 @@ class Registry:
             except BadRequest as exc:
                 raise ModelsFileError(f"{where}.{exc.message}") from exc
             config = ModelConfig(tuple(body.aliases), body.context_length, body.cache_type, body.slots, body.pinned,
-                                 keep)
+                                 keep, body.batch_invariant)
             self._configs[name] = config
             if body.file is not None:
                 file = Path(body.file) if os.path.isabs(body.file) else self._dir / body.file

@@ -84,6 +84,9 @@ class LoadOptions:
     """Confirm the plan with llama.cpp's dry run before loading (None: the setting)."""
     ctx_ceiling: int | None = None
     """This model's ceiling on n_ctx (its models-file ``context_length``; None: GGUF_CONTEXT_LENGTH)."""
+    batch_invariant: bool | None = None
+    """This model's batch-invariant outputs (its models-file ``batch_invariant``; None: GGUF_BATCH_INVARIANT): the
+    engine then loads without repacked weights, and the plan predicts none."""
 
 
 def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None,
@@ -97,6 +100,9 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         except ValueError as exc:
             raise BadRequest(f"GGUF_TENSOR_SPLIT is not a list of numbers: {settings.tensor_split}") from exc
     cache = opts.cache_type or settings.cache_type
+    invariant = opts.batch_invariant if opts.batch_invariant is not None else settings.batch_invariant
+    if invariant and repack is not None and repack.on:  # the engine loads without them (LlamaEngine batch_invariant)
+        repack = replace(repack, on=False, reason="batch-invariant outputs (GGUF_BATCH_INVARIANT or the models file)")
     return PlanRequest(
         n_ctx=opts.n_ctx,
         cache_types=tuple(t.strip() for t in settings.cache_types.split(",") if t.strip()),

@@ -97,6 +97,14 @@ class Settings(BaseSettings):
         "crashes this llama.cpp at the first decode (llama.cpp#20824), on elsewhere (faster prompts); the load's "
         "log line says which and why.",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="Outputs that do not depend on the requests batched beside them: the same seed (or greedy) gives "
+        "the same text alone or in a batch. llama.cpp's CPU kernels round by batch shape (repacked weights, tinyBLAS "
+        "row groups), so by default a batched request's tokens may differ from the same request alone "
+        "(docs/batching.md). On: no repacked weights, prompts fed one at a time and never in short last chunks "
+        "(slower prompts). Per model in the models file.",
+    )
     runner_process: bool = Field(
         True,
         description="Run each loaded model's engine in a runner process of its own: a llama.cpp crash (an abort, a "
