@@ -45,14 +45,14 @@ MAX_STOP_SEQUENCES = 4
 
 
 class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # JSON's own types (``openai.STRICT``)
 
     model: str = Field(max_length=256)
     max_tokens: int = Field(ge=1)
@@ -73,7 +73,7 @@ class MessagesRequest(BaseModel):
 
 
 class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(max_length=256)
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -130,8 +130,13 @@ def _choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
 
 
 def _messages(system: Any, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
-    """Anthropic turns as OpenAI messages: tool results become ``tool`` messages, tool uses ``tool_calls``."""
+    """Anthropic turns as OpenAI messages: tool results become ``tool`` messages, tool uses ``tool_calls``.
+
+    A ``tool_use`` id is used once in a conversation, and a ``tool_result`` answers an earlier ``tool_use`` of its id:
+    Anthropic refuses the others ("tool_use ids must be unique"; "Each tool_result block must have a corresponding
+    tool_use block"), and here they would reach the prompt as calls the model never made."""
     out: list[dict[str, Any]] = []
+    used: set[str] = set()
     if system:
         out.append({"role": "system", "content": _text_of(system, "system")})
     for i, m in enumerate(messages):
@@ -152,12 +157,19 @@ def _messages(system: Any, messages: list[AnthropicMessage]) -> list[dict[str, A
                                      param=f"{where}[{j}]")
                 check_call_id(b["id"], f"{where}[{j}].id")  # ids and names reach the prompt: safe characters only
                 check_name(b["name"], f"{where}[{j}].name")
+                if b["id"] in used:
+                    raise BadRequest(f"{where}[{j}].id: the tool_use id {b['id'][:64]!r} is used twice; tool_use ids "
+                                     "are unique", param=f"{where}[{j}].id")
+                used.add(b["id"])
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
             elif kind == "tool_result" and m.role == "user":
                 if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                     raise BadRequest(f"{where}[{j}].tool_use_id: the tool_use block it answers", param=f"{where}[{j}]")
                 check_call_id(b["tool_use_id"], f"{where}[{j}].tool_use_id")
+                if b["tool_use_id"] not in used:
+                    raise BadRequest(f"{where}[{j}].tool_use_id: no earlier tool_use block has the id "
+                                     f"{b['tool_use_id'][:64]!r}", param=f"{where}[{j}].tool_use_id")
                 text = _text_of(b.get("content"), f"{where}[{j}].content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": ("Error: " + text) if b.get("is_error") else text})
@@ -344,8 +356,7 @@ async def count_tokens(request: Request, body: CountTokensRequest, manager: Mana
     queue (``service.api.admission``)."""
     reject_surrogates(body.model_dump(exclude_none=True))
     chat = to_chat(body, manager.settings)
-    for i, m in enumerate(chat.messages):
-        m.check(i)
+    chat.check_messages()
     params = chat.params(manager.settings.max_tokens_default)
     lease = await resolve_model(manager, chat)
     try:

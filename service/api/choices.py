@@ -8,13 +8,15 @@ so a streamed answer reassembles to exactly the non-streamed one.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ..engine.base import Chunk, TokenLogprob
+from ..engine.base import Chunk, GenerationParams, TokenLogprob
 from ..engine.chat_format import ChatFormat
-from .reasoning import ReasoningFormat, ReasoningSplitter
-from .tools import ToolCallParser, ToolDelta
+from ..errors import BadRequest
+from .reasoning import Piece, ReasoningFormat, ReasoningSplitter
+from .tools import ToolCallParser, ToolDelta, _value_end
 
 
 @dataclass(frozen=True)
@@ -30,28 +32,90 @@ class Event:
     """``finish``: ``stop``, ``length`` or ``tool_calls`` (a call was parsed and the model stopped)."""
 
 
+JsonConstraint = Literal["object", "schema"]
+"""``response_format``: ``json_object`` (an object) or ``json_schema`` (a value of the schema)."""
+
+
 class _Choice:
-    def __init__(self, fmt: ChatFormat, reasoning: ReasoningFormat, tools: bool) -> None:
-        self.split = ReasoningSplitter(fmt.think, reasoning, starts_open=fmt.thinking_open)
-        self.parse = ToolCallParser(fmt, enabled=tools)
+    def __init__(self, fmt: ChatFormat, reasoning: ReasoningFormat, tools: bool, forced: bool,
+                 json_kind: JsonConstraint | None) -> None:
+        # A response_format grammar constrains the output from its first token and writes no thinking tags: the
+        # whole output is the answer even where the template's generation prompt opened the thinking
+        # (thinking_open), so the split starts outside it and the JSON is never taken for reasoning. A thinking
+        # the output itself opens (a grammar that allows one first) is still split.
+        self.split = ReasoningSplitter(fmt.think, reasoning, starts_open=fmt.thinking_open and json_kind is None)
+        # Forced calls are call syntax only, unless thinking reaches the parser as text (reasoning none/inline).
+        self.parse = ToolCallParser(fmt, enabled=tools, forced=forced,
+                                    calls_only=forced and (fmt.think is None or reasoning == "separate"))
+        self.json_kind = json_kind
+        self.answer: list[str] = []
+        """The content so far (constrained output only: what the end is checked against)."""
+
+
+def json_constraint(params: GenerationParams) -> JsonConstraint | None:
+    return "schema" if params.json_schema is not None else "object" if params.json_object else None
+
+
+def _whole_json(text: str, kind: JsonConstraint) -> bool:
+    """Whether ``text`` is one whole JSON value (an object for ``json_object``). The engine masks every token the
+    grammar forbids, and allows the end of generation only once the grammar accepts; what a failed grammar leaves
+    (nothing, a value cut short, a stray token after one) is not a whole value. The text is all the HTTP layer
+    sees of the grammar's state, so this is the check it can make."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # deeper than Python's parser goes (json_object allows any depth): balanced brackets
+        s = text.strip()
+        return s[:1] in "{[" and _value_end(s, 0) == len(s) and (kind == "schema" or s[0] == "{")
+    except ValueError:
+        return False
+    return kind == "schema" or isinstance(value, dict)
 
 
 class Choices:
-    """Per-choice state for one generation."""
+    """Per-choice state for one generation.
 
-    def __init__(self, fmt: ChatFormat | None = None, *, reasoning: ReasoningFormat = "none", tools: bool = False) -> None:
+    ``forced``: ``tool_choice`` required or a named function (the grammar writes calls only). ``json_kind``: a
+    ``response_format`` grammar constrains the answer. Either way the end is checked: an answer the model ended
+    (an end-of-generation token, not ``max_tokens``, not one of the request's stop strings) while it was cut or
+    empty means the grammar failed (a schema that cannot be satisfied: a recursion it requires; a ``logit_bias``
+    that bans what it needs), and the request fails with a 400 naming the field instead of a ``stop`` with
+    invalid content. Cut by ``max_tokens`` it is ``length``, as OpenAI reports it (a partial call included).
+    """
+
+    def __init__(self, fmt: ChatFormat | None = None, *, reasoning: ReasoningFormat = "none", tools: bool = False,
+                 forced: bool = False, json_kind: JsonConstraint | None = None, biased: bool = False) -> None:
         self.fmt = fmt or ChatFormat()
         self.reasoning: ReasoningFormat = reasoning if fmt is not None else "none"
         self.tools = tools
+        self.forced = forced and tools
+        self.json_kind = json_kind
+        self.biased = biased
+        """The request has a ``logit_bias`` (named in the error as a likely cause)."""
         self._state: dict[int, _Choice] = {}
 
     def _of(self, index: int) -> _Choice:
         st = self._state.get(index)
         if st is None:
-            st = self._state[index] = _Choice(self.fmt, self.reasoning, self.tools)
+            st = self._state[index] = _Choice(self.fmt, self.reasoning, self.tools, self.forced, self.json_kind)
         return st
 
-    def _answer(self, st: _Choice, index: int, pieces: list[tuple[str, str]], final: bool) -> list[Event]:
+    def _check_end(self, st: _Choice, c: Chunk) -> None:
+        """``BadRequest`` when the model ended a constrained answer before the grammar accepted it."""
+        if c.finish_reason != "stop" or c.stop_sequence is not None:
+            return  # length: cut, and said so; cancelled: nobody reads it; a stop string: the client's own cut
+        if st.json_kind is not None and not _whole_json("".join(st.answer), st.json_kind):
+            raise BadRequest(
+                "response_format: the model ended its answer before the "
+                + ("JSON object" if st.json_kind == "object" else "schema") + " was complete: the schema cannot be "
+                "satisfied (a recursion it requires, a pattern beyond the grammar's limits)"
+                + (" or logit_bias bans the tokens it needs" if self.biased else ""), param="response_format")
+        if st.parse.cut:
+            param = "tool_choice" if self.forced else "tools"
+            raise BadRequest(f"{param}: the model ended its answer inside a tool call: the call's schema cannot be "
+                             "satisfied" + (" or logit_bias bans the tokens it needs" if self.biased else ""),
+                             param=param)
+
+    def _answer(self, st: _Choice, index: int, pieces: list[Piece], final: bool) -> list[Event]:
         out: list[Event] = []
         for kind, text in pieces:
             if kind == "reasoning":
@@ -73,6 +137,10 @@ class Choices:
             out.append(Event("logprobs", c.index, logprobs=c.logprobs))
         if c.finish_reason is not None:
             out += self._answer(st, c.index, st.split.finish(), True)
+        if st.json_kind is not None:
+            st.answer += [e.text for e in out if e.kind == "content"]
+        if c.finish_reason is not None:
+            self._check_end(st, c)
             reason = "stop" if c.finish_reason in (None, "cancelled") else c.finish_reason
             if st.parse.called and reason == "stop":
                 reason = "tool_calls"

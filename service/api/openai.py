@@ -43,7 +43,7 @@ from ..keepalive import parse_keep_alive
 from ..manager import Lease, ModelManager
 from ..runner import chunks
 from .admission import prompt_tokens
-from .choices import Answer, Choices, Event, tool_calls_json, usage_last
+from .choices import Answer, Choices, Event, json_constraint, tool_calls_json, usage_last
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
 from .metrics import Metrics
@@ -75,10 +75,20 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 """Fields refused (400, param names the field) unless neutral (null, empty, "none")."""
 MAX_LOGIT_BIAS = 1024
 """Most ``logit_bias`` entries (OpenAI allows 300 tokens of one tokenizer; a bound, not a target)."""
-_TOKEN_ID = re.compile(r"^[0-9]{1,9}$")
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,8}")
+"""A ``logit_bias`` key (``fullmatch``): a token id as canonical decimal, ASCII digits without a sign, a leading zero
+or whitespace (``"5\\n"`` and ``"05"`` are not ids; ``$`` in a ``match`` would allow the trailing newline)."""
+
+
+STRICT = ConfigDict(strict=True)
+"""Request models take JSON's own types: ``"n": "2"``, ``"stream": "true"``, ``"max_tokens": 5.0`` or ``true`` for an
+integer are 400s naming the field, as OpenAI answers them ("Invalid type for 'n': expected an integer, but got a
+string instead"), where pydantic's lax mode would coerce them. Integers are still numbers (``"temperature": 1``)."""
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -87,6 +97,8 @@ def _float(default: float, **bounds: float) -> Any:
 
 
 class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
     name: str | None = Field(None, max_length=64)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -94,12 +106,14 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = STRICT
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = Field(None, max_length=256)
     max_tokens: int | None = Field(None, ge=1, description="Absent or null: 16 on /v1/completions (OpenAI's "
@@ -153,7 +167,7 @@ class _Common(BaseModel):
             raise BadRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
         out = []
         for key, value in self.logit_bias.items():
-            if not _TOKEN_ID.match(key):
+            if not _TOKEN_ID.fullmatch(key):
                 raise BadRequest(f"logit_bias: keys are token ids (decimal strings), not {key[:40]!r}", param="logit_bias")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not -100 <= value <= 100:
@@ -215,7 +229,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -288,6 +302,22 @@ class ChatRequest(_Common):
     audio: Any = Field(None, description="Not supported: audio output.")
     modalities: list[str] | None = Field(None, description="Only [\"text\"].")
     prediction: Any = Field(None, description="Not supported: predicted outputs.")
+
+    def check_messages(self) -> None:
+        """Each message (``ChatMessage.check``), then the conversation: a ``tool`` message answers a call that an
+        earlier assistant message made (its ``tool_calls[].id``). OpenAI refuses a result for no call ("messages
+        with role 'tool' must be a response to a preceding message with 'tool_calls'"); here it would reach the
+        prompt as the result of a call the model never made."""
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            m.check(i)
+            extra = m.model_extra or {}
+            if m.role == "assistant" and not _neutral(extra.get("tool_calls")):
+                called.update(c["id"] for c in extra["tool_calls"] if c.get("id") is not None)
+            elif m.role == "tool" and extra["tool_call_id"] not in called:
+                param = f"messages[{i}].tool_call_id"
+                raise BadRequest(f"{param}: no earlier assistant message made a tool call with id "
+                                 f"{extra['tool_call_id'][:64]!r}", param=param)
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -437,14 +467,16 @@ def _chat_setup(body: "ChatRequest", engine: Any, settings: Any,
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else None)
     allowed = check_tools(body.tools, choice)
     shown = body.tools if body.tools and choice != "none" else None
+    biased = bool(params.logit_bias)
     if not allowed:
-        return params, Choices(fmt, reasoning=mode), shown
+        return params, Choices(fmt, reasoning=mode, json_kind=json_constraint(params), biased=biased), shown
     if params.json_schema is not None or params.json_object:
         raise BadRequest("response_format and tools cannot constrain one answer together", param="response_format")
     named = isinstance(choice, dict)
+    forced = named or choice == "required"
     parallel = body.parallel_tool_calls is not False and not named
-    lark = tool_grammar(fmt, allowed, required=named or choice == "required", parallel=parallel)
-    return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True), shown
+    lark = tool_grammar(fmt, allowed, required=forced, parallel=parallel)
+    return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True, forced=forced, biased=biased), shown
 
 
 async def _start(request: Request, manager: ModelManager, metrics: Metrics, body: _Common,
@@ -471,7 +503,7 @@ async def _admit(request: Request, lease: Lease, settings: Any, metrics: Metrics
     asked = body.requested_max_tokens() if kind == "chat" else params.max_tokens
     engine = lease.engine
     cancel = Cancel()
-    choices = Choices()
+    choices = Choices(json_kind=json_constraint(params), biased=bool(params.logit_bias))
     tools: list[dict[str, Any]] | None = None
     if kind == "completion":
         assert isinstance(body, CompletionRequest)
@@ -480,8 +512,7 @@ async def _admit(request: Request, lease: Lease, settings: Any, metrics: Metrics
         prompt_param = "prompt"
     else:
         assert isinstance(body, ChatRequest)
-        for i, m in enumerate(body.messages):
-            m.check(i)
+        body.check_messages()
         params, choices, tools = _chat_setup(body, engine, settings, params)
         prompt = None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -673,10 +704,11 @@ MAX_EMBEDDING_INPUTS = 2048
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A string, strings, token ids, or lists of token ids; each within GGUF_EMBEDDING_TOKENS.")
+        description="A string, strings, token ids, or lists of token ids; each within GGUF_EMBEDDING_TOKENS. "
+        "Token ids are integers: true/false are not ids (strict types), as OpenAI refuses them.")
     model: str | None = Field(None, max_length=256)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Only the model's n_embd (no truncation).")

@@ -10,7 +10,9 @@
 - ``ToolCallParser`` turns the generated text into content and tool-call deltas (index, id, name, argument
   fragments) as it arrives: the text before a trigger is content, held back only while it may be a trigger;
   a call's arguments stream as the model writes them. Non-streamed answers run the same parser, so a streamed
-  call reassembles to exactly the non-streamed one.
+  call reassembles to exactly the non-streamed one. Under a forced choice (``required``, a named function) the
+  text is call syntax only: a call cut by max_tokens is a partial call or nothing, never content; ``cut`` says
+  when the output ended inside a call (``service.api.choices`` decides ``length`` or an error from it).
 """
 
 from __future__ import annotations
@@ -260,37 +262,63 @@ _FORMATS: dict[str, tuple[str, bool, str, str, str]] = {
 class ToolCallParser:
     """Generated text in, ``ToolDelta`` pieces out (``feed`` per piece, ``finish`` at the end)."""
 
-    def __init__(self, fmt: ChatFormat, *, enabled: bool = True) -> None:
+    def __init__(self, fmt: ChatFormat, *, enabled: bool = True, forced: bool = False,
+                 calls_only: bool = False) -> None:
+        """``forced``: ``tool_choice`` required or named, whose grammar ends only after a whole call.
+        ``calls_only``: forced, and no thinking reaches the parser as text (the split takes it): everything it
+        sees is call syntax, so what is not a whole call is a call cut short, never content."""
         self.trigger, self.keep, self.after, self.between, self.close = _FORMATS[fmt.tools]
         self.enabled = enabled
+        self.forced = forced and enabled
+        self.calls_only = calls_only and self.forced
         self.buf = ""
         self.state = "text"
         self.n_calls = 0
         self._args_start = -1
         self._sent = 0
         self._id: str | None = None
+        self._cut = False
+        self._stray = False
+        self._lead: str | None = None
+        """From a trigger to a call's head: the text consumed so far (content again if no call follows)."""
 
     @property
     def called(self) -> bool:
         return self.n_calls > 0
 
+    @property
+    def cut(self) -> bool:
+        """After ``finish``: the output ended inside a call's syntax (a call begun and not closed, its closing
+        marker missing) or, forced, with no whole call. The grammar allows the end of generation only after a
+        whole call, so a cut that the model ended (not max_tokens, not a stop string) means the grammar failed."""
+        return self._cut or (self.forced and (self._stray or not self.n_calls))
+
     def feed(self, text: str) -> list[ToolDelta]:
         if not self.enabled:
             return [ToolDelta(content=text)] if text else []
         self.buf += text
-        return self._run(final=False)
+        return self._calls_only(self._run(final=False))
 
     def finish(self) -> list[ToolDelta]:
         if not self.enabled:
             return []
         out = self._run(final=True)
+        if self.state == "object" and self._id is not None:
+            self._cut = True  # the arguments cut short: the partial call stands, as OpenAI returns it
         if self.state == "text" and self.buf:
             out.append(ToolDelta(content=self.buf))
         elif self.state == "object" and self._id is None and self.buf and not self.n_calls:
             out.append(ToolDelta(content=self.buf))  # cut off before any call began: it was text
         # Anything else left is the calls' own syntax cut short (a closing bracket, the start of another call).
         self.buf = ""
-        return out
+        return self._calls_only(out)
+
+    def _calls_only(self, out: list[ToolDelta]) -> list[ToolDelta]:
+        """Forced calls: text outside a call is the call syntax cut short (OpenAI never returns it as content)."""
+        if not self.calls_only:
+            return out
+        self._stray = self._stray or any(d.index < 0 and d.content.strip() for d in out)
+        return [d for d in out if d.index >= 0]
 
     def _match(self, pattern: str, final: bool) -> int | None:
         """Length of ``pattern`` at the start of the buffer; -1: it cannot match; None: wait for more text."""
@@ -318,14 +346,17 @@ class ToolCallParser:
                 if i:
                     out.append(ToolDelta(content=self.buf[:i]))
                 self.buf = self.buf[i:] if self.keep else self.buf[i + len(self.trigger):]
+                self._lead = "" if self.keep else self.trigger
                 self.state = "after"
             if self.state == "after":
                 k = self._match(self.after, final)
                 if k is None:
                     return out
                 if k < 0:
-                    self.state = "text"
+                    self._not_a_call(out)
                     continue
+                if self._lead is not None:
+                    self._lead += self.buf[:k]
                 self.buf = self.buf[k:]
                 self.state = "object"
                 self._id, self._args_start, self._sent = None, -1, 0
@@ -335,12 +366,14 @@ class ToolCallParser:
                     if m is None:
                         if final and self.n_calls and self._could_head():
                             self.buf = ""  # another call cut short by the end of the output
+                            self._cut = True
                             return out
                         if final or (len(self.buf) > 2 and not self._could_head()):
-                            self.state = "text"  # not a call after all
+                            self._not_a_call(out)
                             continue
                         return out
                     self._id = call_id()
+                    self._lead = None
                     name = json.loads(f'"{m.group(1)}"')
                     out.append(ToolDelta(index=self.n_calls, id=self._id, name=name))
                     self._args_start = m.end()
@@ -356,13 +389,14 @@ class ToolCallParser:
                 if end is None:
                     return out
                 rest = self.buf[end:]
-                k = re.match(r"\s*\}", rest)
-                if k is None:
+                brace = re.match(r"\s*\}", rest)
+                if brace is None:
                     if not final and not rest.strip():
                         return out
+                    self._cut = self._cut or (final and not rest.strip())  # the call's closing brace missing
                     self.buf = rest
                 else:
-                    self.buf = rest[k.end():]
+                    self.buf = rest[brace.end():]
                 self.n_calls += 1
                 self._id = None
                 self.state = "between"
@@ -382,8 +416,20 @@ class ToolCallParser:
                     return out
                 if c < 0 and final:
                     self.buf = ""  # a close cut short by the end of the output
+                    self._cut = True
                 self.buf = self.buf[max(c, 0):]
                 self.state = "text"
+
+    def _not_a_call(self, out: list[ToolDelta]) -> None:
+        """Back to text: what followed a trigger was no call, so the trigger and what was consumed after it are
+        content, and the search goes on past the trigger. (Left in the buffer, a kept trigger, llama3's
+        ``{"name"``, was found again at once: ``{"name": "Bob"}`` or a head cut by max_tokens looped forever.)"""
+        lead, self._lead = self._lead, None
+        if lead is not None and self.keep:
+            lead, self.buf = lead + self.buf[: len(self.trigger)], self.buf[len(self.trigger):]
+        if lead:
+            out.append(ToolDelta(content=lead))
+        self.state = "text"
 
     def _could_head(self) -> bool:
         """Whether the buffer may still become ``{"name": "...", "arguments": ``."""
