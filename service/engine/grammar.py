@@ -34,6 +34,7 @@ import ctypes
 import functools
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -85,8 +86,57 @@ def _refuse(reason: str, param: str = "response_format") -> BadRequest:
     return BadRequest(f"{param}: {reason}", param=param)
 
 
+_COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def pattern_repetition(pattern: str) -> int:
+    """The largest product of nested counted repetitions (``{n}``, ``{m,n}``) in a regex: ``(a{4096}){4096}`` is
+    16,777,216. llguidance accepts such a pattern and then constrains nothing (measured, llguidance 1.9.1: the
+    output ignored it and decoded at 3 tokens/s), so it is refused before generation like a count keyword beyond
+    ``MAX_SCHEMA_COUNT``. ``*``, ``+`` and ``?`` cost nothing here: they are loops, not copies."""
+    stack = [1]  # per open group: the largest product inside it
+    i, n = 0, len(pattern)
+    last = 1  # the product of the atom or group just read (what a quantifier after it multiplies)
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            i, last = i + 2, 1
+            continue
+        if ch == "[":  # a character class is one atom
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i, last = j + 1, 1
+            stack[-1] = max(stack[-1], 1)
+            continue
+        if ch == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if ch == ")" and len(stack) > 1:
+            last = stack.pop()
+            stack[-1] = max(stack[-1], last)
+            i += 1
+            continue
+        m = _COUNTED.match(pattern, i) if ch == "{" else None
+        if m is not None:
+            upper = int(m.group(2)) if m.group(2) else int(m.group(1))
+            stack[-1] = max(stack[-1], last * max(upper, 1))
+            last = last * max(upper, 1)
+            i = m.end()
+            continue
+        last = 1
+        i += 1
+    return max(stack)
+
+
 def check_schema_bounds(schema: Any) -> None:
-    """``BadRequest`` for a schema beyond the fixed bounds (depth, nodes, count keywords); walks it iteratively."""
+    """``BadRequest`` for a schema beyond the fixed bounds (depth, nodes, count keywords, counted repetitions in a
+    pattern); walks it iteratively."""
     stack: list[tuple[Any, int]] = [(schema, 1)]
     nodes = 0
     while stack:
@@ -101,6 +151,10 @@ def check_schema_bounds(schema: Any) -> None:
                 value = node.get(key)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_SCHEMA_COUNT:
                     raise _refuse(f"{key} {value:g} is above the limit of {MAX_SCHEMA_COUNT}")
+            pattern = node.get("pattern")
+            if isinstance(pattern, str) and pattern_repetition(pattern) > MAX_SCHEMA_COUNT:
+                raise _refuse(f"the pattern {pattern[:60]!r} repeats {pattern_repetition(pattern)} times in all, "
+                              f"above the limit of {MAX_SCHEMA_COUNT}")
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
