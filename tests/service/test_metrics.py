@@ -258,7 +258,7 @@ def test_a_second_lifespan_replaces_the_gauges_of_the_first() -> None:
 
     def manager(waiting: int) -> SimpleNamespace:
         state = SimpleNamespace(name="m", runner=SimpleNamespace(waiting=waiting, running=0), engine=FakeEngine())
-        return SimpleNamespace(loaded=lambda: [state], describe=lambda state: None)
+        return SimpleNamespace(loaded=lambda: [state], describe=lambda state: None, admission=lambda: ({}, []))
 
     m = Metrics()
     m.attach(manager(3))  # type: ignore[arg-type]
