@@ -241,6 +241,13 @@ class Settings(BaseSettings):
         "mean", description="Pooling of /v1/embeddings for models whose GGUF declares none ({arch}.pooling_type); "
         "a declared one (mean, cls, last) is used as declared.",
     )
+    embedding_max_request_tokens: int = Field(
+        300_000, ge=1,
+        description="Most tokens of one /v1/embeddings request, all its inputs together (OpenAI's limit, 300,000); "
+        "beyond it 400 (param input) before any is evaluated. Each input also fits GGUF_EMBEDDING_TOKENS. Embeddings "
+        "yield to generations (docs/reliability.md, issue 29): this bounds how long one request keeps the embedding "
+        "context busy, not how long a generation waits.",
+    )
     remote_probes: int = Field(
         2, ge=1, le=32,
         description="Remote probes that may run at once (their own threads, apart from loads); beyond it 429.",

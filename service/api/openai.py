@@ -42,7 +42,7 @@ from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotF
 from ..keepalive import parse_keep_alive
 from ..manager import Lease, ModelManager
 from ..runner import chunks
-from .admission import prompt_tokens
+from .admission import LARGE_TEXT_CHARS, prompt_tokens
 from .choices import Answer, Choices, Event, json_constraint, tool_calls_json, usage_last
 from .deps import ManagerDep, MetricsDep
 from .errors import service_error_body, sse
@@ -714,40 +714,53 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1, description="Only the model's n_embd (no truncation).")
     user: str | None = Field(None, max_length=256)
 
-    def inputs(self) -> list[str] | list[list[int]]:
+    def inputs(self, max_tokens: int) -> list[str] | list[list[int]]:
+        """The inputs, each a string or token ids; token ids beyond ``max_tokens`` in all are refused here (strings
+        are counted as they are tokenized, ``_embed``)."""
         value = self.input
         if isinstance(value, str):
             value = [value]
         if not value:
             raise BadRequest("input: at least one input", param="input")
-        if len(value) > MAX_EMBEDDING_INPUTS:
-            raise BadRequest(f"input: at most {MAX_EMBEDDING_INPUTS} inputs", param="input")
         if isinstance(value[0], int):
-            return [value]  # type: ignore[list-item]
+            value = [value]  # type: ignore[list-item]
+        elif len(value) > MAX_EMBEDDING_INPUTS:
+            raise BadRequest(f"input: at most {MAX_EMBEDDING_INPUTS} inputs", param="input")
         for i, v in enumerate(value):
             if isinstance(v, str):
                 if not v:
                     raise BadRequest(f"input[{i}]: an empty string has no embedding", param="input")
                 if "\x00" in v:
                     raise BadRequest(f"input[{i}]: contains a NUL character", param="input")
+        ids = sum(len(v) for v in value if not isinstance(v, str))
+        if ids > max_tokens:
+            raise _too_many_tokens(ids, max_tokens)
         return value  # type: ignore[return-value]
+
+
+def _too_many_tokens(n: int, max_tokens: int, *, more: bool = False) -> BadRequest:
+    return BadRequest(f"input: {'more than ' if more else ''}{n} tokens in all; one request embeds at most "
+                      f"{max_tokens} (GGUF_EMBEDDING_MAX_REQUEST_TOKENS)", param="input")
 
 
 @router.post("/embeddings")
 async def embeddings(request: Request, body: EmbeddingRequest, manager: ManagerDep, metrics: MetricsDep) -> Any:
     """Pooled, L2-normalised embeddings from the embedding context (``LlamaEngine.embed``), through the same queue."""
     reject_surrogates(body.model_dump(exclude_none=True))
-    inputs = body.inputs()
+    max_tokens = manager.settings.embedding_max_request_tokens
+    inputs = body.inputs(max_tokens)
     lease = await resolve_model(manager, body)
     try:
-        return await _embed(request, lease, metrics, body, inputs)
+        return await _embed(request, lease, metrics, body, inputs, max_tokens)
     finally:
         if not lease.queued:
             lease.release()
 
 
 async def _embed(request: Request, lease: Lease, metrics: Metrics, body: EmbeddingRequest,
-                 inputs: list[str] | list[list[int]]) -> Any:
+                 inputs: list[str] | list[list[int]], max_tokens: int) -> Any:
+    """Tokenize, count and embed ``inputs``: at most ``max_tokens`` tokens in all (``BadRequest`` naming ``input``
+    before any batch runs), each within one embedding batch (``engine.embed``)."""
     name, engine = lease.name, lease.engine
     n_embd, limit = engine.embedding_limits()
     if not limit:
@@ -755,17 +768,44 @@ async def _embed(request: Request, lease: Lease, metrics: Metrics, body: Embeddi
     if body.dimensions is not None and body.dimensions != n_embd:
         raise BadRequest(f"dimensions: this model's embeddings have {n_embd} dimensions (no truncation)",
                          param="dimensions")
+    admission = request.app.state.admission
+    chars = sum(len(t) for t in inputs if isinstance(t, str))
     cancel = Cancel()
     box: dict[str, Any] = {}
 
-    def work() -> Iterator[Chunk]:
-        tokens = [engine.tokenize(t) if isinstance(t, str) else list(t) for t in inputs]
+    def tokenize() -> list[list[int]]:
+        tokens: list[list[int]] = []
+        total = 0
+        for t in inputs:  # the exact count, stopped at the limit: no more tokenizing than it allows
+            tokens.append(engine.tokenize(t) if isinstance(t, str) else list(t))
+            total += len(tokens[-1])
+            if total > max_tokens:
+                raise _too_many_tokens(total, max_tokens, more=len(tokens) < len(inputs))
+        return tokens
+
+    def work(tokens: list[list[int]]) -> Iterator[Chunk]:
         box["result"] = engine.embed(tokens, cancel)
         return iter(())
 
     watcher = asyncio.ensure_future(_watch_disconnect(request, cancel))
     try:
-        job = lease.runner.submit(work, cancel, on_done=lease.release)
+        if chars >= LARGE_TEXT_CHARS:
+            # More than n x max_token_chars characters hold more than n tokens however they are tokenized: refused
+            # unread, before the tokenizer spends seconds on megabytes (as prompts are, service/api/admission.py).
+            per_token = int(await admission.run(name, 0, engine.max_token_chars))
+            if per_token > 0 and chars > max_tokens * per_token:
+                raise _too_many_tokens(max_tokens, max_tokens, more=True)
+            for i, t in enumerate(inputs):
+                if per_token > 0 and isinstance(t, str) and len(t) > limit * per_token:
+                    raise ContextLengthExceeded(
+                        f"input[{i}] holds {len(t)} characters; a token of this model spells at most {per_token}, "
+                        f"so it takes more than the {limit} tokens an embedding holds (GGUF_EMBEDDING_TOKENS)",
+                        param="input", n_ctx=limit)
+        # Tokenized off the engine's queue, in the admission pool's lanes (a long text in the bounded one).
+        tokens = await admission.run(name, chars, tokenize) if chars else tokenize()
+        if cancel.cancelled:
+            return JSONResponse({}, status_code=499)  # the client left while its inputs were tokenized
+        job = lease.runner.submit(lambda: work(tokens), cancel, on_done=lease.release)
         lease.queued = True
         async for _ in chunks(job):
             pass

@@ -35,6 +35,13 @@ low-level API:
   (another model, or a runner thread that evaluated embeddings) slowed
   generation on 2 cores from 62-65 to 41-50 tokens/s; when that thread ended,
   the speed came back (measured, gemma-3-270m; ``bench/openmp_bench.py``).
+- **Embeddings yield to generation** (issue 29). /v1/embeddings runs on a second context (the embedding
+  context, same weights), its decodes on the same scheduler thread, which runs one only while no generation is
+  active or waiting, or once it has waited ``EMBEDDING_MAX_DEFER_S`` (then between two steps). A causal model
+  (``llama_get_causal_attn``) that declares no pooling is evaluated in pieces of ``EMBEDDING_PIECE_TOKENS``
+  (the cache carries a sequence from one piece to the next; the pooled values are combined), so a generation
+  waits for one piece at most; a whole batch (non-causal attention needs a sequence in one ubatch) is aborted
+  when a generation arrives (the abort callback) and run again from a cleared cache.
 - **Continuous batching.** A scheduler thread owns the context. Each step puts one
   token for every generating sequence into the batch, then fills the rest of
   ``n_batch`` with prompt tokens (oldest request first), in increasing sequence id.
@@ -63,6 +70,7 @@ import codecs
 import collections
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -106,15 +114,32 @@ it); a request starts a new one, which costs its first token about 10 ms (22 -> 
 measured), so an engine alone keeps its thread."""
 _engines_loaded = 0
 _engines_lock = threading.Lock()
+EMBEDDING_PIECE_TOKENS = 32
+"""Tokens of one embedding decode of a causal model: what a generation that arrives may wait for. gemma-3-270m on
+2 cores: 0.2-0.25 s (a 480-token batch took 2.9-3.4 s, half of it one unabortable node, the logits of every token
+through the 262,144-token vocabulary; measured, bench/embedding_fairness_bench.py). Fixed, so that a request's
+vectors do not depend on what ran beside it."""
+EMBEDDING_MAX_DEFER_S = 1.0
+"""An embedding decode that has waited this long behind generations runs between two of their steps (and to its
+end: not aborted), so that embeddings progress while generations never stop: at least one piece a second."""
 
 
 class _Call:
-    """Work for the scheduler thread (an embedding batch's ``llama_decode``): run between two steps."""
+    """Work for the scheduler thread, run between two steps: an embedding decode (``embed``).
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    ``yields``: deferred while a generation is active or waiting, until it has waited ``EMBEDDING_MAX_DEFER_S``
+    (``_embedding_turn``); ``abort_ctx``: the context whose ``llama_decode`` ``fn`` runs may be aborted when
+    something arrives for the scheduler (``fn`` then returns 2 and is run again later: it must be repeatable)."""
+
+    def __init__(self, fn: Callable[[], Any], *, yields: bool = False, abort_ctx: Any = None) -> None:
         self.fn, self.done = fn, threading.Event()
+        self.yields, self.abort_ctx = yields, abort_ctx
+        self.posted = time.monotonic()
         self.result: Any = None
         self.error: BaseException | None = None
+
+    def overdue(self) -> bool:
+        return time.monotonic() - self.posted >= EMBEDDING_MAX_DEFER_S
 
     def run(self) -> None:
         try:
@@ -233,6 +258,14 @@ class LlamaEngine(Prompting):
         self._emb_tokens = 0
         self._emb_seqs = 0
         self._emb_batch: Any = None
+        self._emb_pooling = 0
+        self._emb_pieces = False
+        """Embedding batches are evaluated in pieces (``embed``): a causal model that declares no pooling."""
+        self._emb_abort_cb: Any = None
+        self._emb_watch: "queue.SimpleQueue[Any] | None" = None
+        """While an abortable embedding decode runs: the scheduler's inbox (anything in it aborts the decode)."""
+        self._emb_aborted = 0
+        """Embedding decodes aborted for a generation since load (each run again)."""
         self._n_embd = 0
         self._evaluated = 0
         self._preserved: set[int] = set()
@@ -345,6 +378,7 @@ class LlamaEngine(Prompting):
         lines = LogTap.start()
         t0 = time.perf_counter()
         model = ctx = emb = None
+        emb_pieces = False
         eparams = embedding_context_params(plan.cfg)
         try:
             model = _internals.LlamaModel(path_model=path, params=mp, verbose=False)
@@ -355,6 +389,10 @@ class LlamaEngine(Prompting):
                 apply_context_params(ecp, eparams, n_threads=self._n_threads)
                 ecp.pooling_type = self._pooling(model)
                 emb = _internals.LlamaContext(model=model, params=ecp, verbose=False)
+                # Pieces carry a sequence through the cache, which needs causal attention (``decode`` asserts a
+                # non-causal sequence whole in one ubatch) and a pooling this engine can combine: a model that
+                # declares one may pool through layers of its own (a classifier, dense projections).
+                emb_pieces = bool(llama_cpp.llama_get_causal_attn(emb.ctx)) and self._declared_pooling(model) is None
         except ValueError as exc:
             if ctx is not None:
                 ctx.close()
@@ -376,6 +414,15 @@ class LlamaEngine(Prompting):
                 self._emb_tokens = int(llama_cpp.llama_n_batch(emb.ctx))
                 self._emb_seqs = eparams.n_seq_max
                 self._emb_batch = llama_cpp.llama_batch_init(self._emb_tokens, 0, 1)
+                self._emb_pooling, self._emb_pieces = int(ecp.pooling_type), emb_pieces
+                self._emb_aborted = 0
+
+                @llama_cpp.ggml_abort_callback  # type: ignore[misc]
+                def _emb_abort(_data: ctypes.c_void_p) -> bool:
+                    watch = self._emb_watch
+                    return watch is not None and not watch.empty()
+
+                self._emb_abort_cb = _emb_abort  # kept: llama.cpp holds the pointer
             self._vocab = model.vocab
             self._keep = keep
             self._piece, self._eog = {}, {}
@@ -469,6 +516,7 @@ class LlamaEngine(Prompting):
                 model.close()
             self._keep = []
             self._abort_cb = None
+            self._emb_abort_cb = None
 
     def _require(self) -> Any:
         model = self._model
@@ -478,19 +526,23 @@ class LlamaEngine(Prompting):
 
     # -- embeddings (a second context on the same weights) -------------------
 
-    def _pooling(self, model: Any) -> int:
-        """The model's pooling type (GGUF ``{arch}.pooling_type``: mean, cls, last), else the configured one."""
-        import llama_cpp
+    _POOLING = {"mean": 1, "cls": 2, "last": 3}
+    """llama.h's ``LLAMA_POOLING_TYPE_MEAN``, ``_CLS``, ``_LAST``: the poolings ``embed`` reads."""
 
-        names = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
-                 "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+    def _declared_pooling(self, model: Any) -> int | None:
+        """The pooling the GGUF declares (``{arch}.pooling_type``) when it is mean, cls or last; else None."""
         meta = model.metadata()
         declared = meta.get(f"{meta.get('general.architecture', '')}.pooling_type")
         try:
             value = int(declared) if declared is not None else -1
         except ValueError:
             value = -1
-        return value if value in names.values() else names.get(self._pooling_fallback, names["mean"])
+        return value if value in self._POOLING.values() else None
+
+    def _pooling(self, model: Any) -> int:
+        """The model's pooling type (GGUF ``{arch}.pooling_type``: mean, cls, last), else the configured one."""
+        declared = self._declared_pooling(model)
+        return declared if declared is not None else self._POOLING.get(self._pooling_fallback, self._POOLING["mean"])
 
     def max_token_chars(self) -> int:
         """The longest piece of the vocabulary, in bytes (at least its characters): computed on first use, a walk
@@ -519,7 +571,13 @@ class LlamaEngine(Prompting):
 
         Inputs are packed into batches of at most ``embedding_limits()[1]`` tokens and ``EMBEDDING_SEQS``
         sequences, one sequence each; the cache is cleared before every batch, so nothing is kept between them.
-        A sequence is evaluated whole in one ubatch: pooling is per ubatch in llama.cpp (``build_pooling``)."""
+        Pooling is per ubatch in llama.cpp (``build_pooling``; cls and last take the lowest and highest position
+        of a sequence in the ubatch, ``llm_graph_input_cls::set_input``), so a batch is decoded whole, or, for a
+        causal model that declares no pooling (``_emb_pieces``), in pieces of ``EMBEDDING_PIECE_TOKENS`` whose
+        pooled values are combined: the token-weighted mean of the pieces' means, cls from the piece holding
+        position 0, last from the piece holding the last token. Every decode runs on the scheduler thread when
+        generations let it (``_embedding_turn``); the pieces are fixed by the inputs alone, so the vectors are
+        the same whatever ran beside them."""
         import llama_cpp
         import numpy as np
 
@@ -540,33 +598,58 @@ class LlamaEngine(Prompting):
                                      param="input")
             mem = llama_cpp.llama_get_memory(emb.ctx)
             batch = self._emb_batch
+            piece = min(EMBEDDING_PIECE_TOKENS, limit) if self._emb_pieces else limit
+            pooling = self._emb_pooling
+            mean = pooling == self._POOLING["mean"]
+
+            def decode(clear: bool) -> int:
+                # On the scheduler thread. A batch starts from an empty cache; a later piece adds to its cells. An
+                # aborted decode removes the cells of its ubatch (``llama_context::decode``: ``seq_rm`` from each
+                # sequence's lowest position in it) and extracts nothing; a whole batch, run again, clears the
+                # cache first: the same computation on the same cells, the same vectors.
+                if clear:
+                    llama_cpp.llama_memory_clear(mem, True)
+                return int(llama_cpp.llama_decode(emb.ctx, batch))
+
             out: list[tuple[float, ...]] = []
             i = 0
             while i < len(inputs):
-                if cancel.cancelled:
-                    raise NotReady("the client went away")
                 group: list[list[int]] = []
                 used = 0
                 while i + len(group) < len(inputs) and len(group) < self._emb_seqs \
                         and used + len(inputs[i + len(group)]) <= limit:
                     used += len(inputs[i + len(group)])
                     group.append(inputs[i + len(group)])
-                llama_cpp.llama_memory_clear(mem, True)
-                n = 0
-                for seq, toks in enumerate(group):
-                    for pos, tok in enumerate(toks):
+                flat = [(seq, pos, tok) for seq, toks in enumerate(group) for pos, tok in enumerate(toks)]
+                parts: list[list[tuple[Any, int]]] = [[] for _ in group]  # per sequence: (a piece's pooled value, its tokens there)
+                for start in range(0, len(flat), piece):
+                    if cancel.cancelled:
+                        raise NotReady("the client went away")
+                    chunk = flat[start:start + piece]
+                    held: dict[int, list[int]] = {}  # sequence -> [tokens, lowest position, highest position] here
+                    for n, (seq, pos, tok) in enumerate(chunk):
                         batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = tok, pos, 1, 1
                         batch.seq_id[n][0] = seq
-                        n += 1
-                batch.n_tokens = n
-                ret = self._on_scheduler(lambda: int(llama_cpp.llama_decode(emb.ctx, batch)))
-                if ret != 0:
-                    raise EngineFailure(f"llama.cpp failed to evaluate an embedding batch (llama_decode returned {ret})")
-                for seq in range(len(group)):
-                    ptr = llama_cpp.llama_get_embeddings_seq(emb.ctx, seq)
-                    if not ptr:
-                        raise EngineFailure("llama.cpp returned no pooled embedding")
-                    v = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+                        h = held.setdefault(seq, [0, pos, pos])
+                        h[0] += 1
+                        h[2] = pos
+                    batch.n_tokens = len(chunk)
+                    whole = len(chunk) == len(flat)  # a batch in one decode: abortable (see ``decode``)
+                    ret = self._on_scheduler(functools.partial(decode, start == 0), yields=True,
+                                             abort_ctx=emb.ctx if whole else None)
+                    if ret != 0:
+                        raise EngineFailure(f"llama.cpp failed to evaluate an embedding batch (llama_decode returned {ret})")
+                    for seq, (count, lo, hi) in held.items():
+                        if not (mean or (pooling == self._POOLING["cls"] and lo == 0)
+                                or (pooling == self._POOLING["last"] and hi == len(group[seq]) - 1)):
+                            continue
+                        ptr = llama_cpp.llama_get_embeddings_seq(emb.ctx, seq)
+                        if not ptr:
+                            raise EngineFailure("llama.cpp returned no pooled embedding")
+                        parts[seq].append((np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64), count))
+                for got in parts:
+                    # One piece: its value as llama.cpp pooled it (cls and last have one); else the weighted mean.
+                    v = got[0][0] if len(got) == 1 else sum(p * c for p, c in got) / sum(c for _, c in got)
                     norm = float(np.linalg.norm(v))
                     out.append(tuple(float(x) for x in (v / norm if norm > 0 else v)))
                 i += len(group)
@@ -664,9 +747,10 @@ class LlamaEngine(Prompting):
             self._inbox.put(item)
             return True
 
-    def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the scheduler thread, between two of its steps (see "One compute thread" above)."""
-        call = _Call(fn)
+    def _on_scheduler(self, fn: Callable[[], Any], *, yields: bool = False, abort_ctx: Any = None) -> Any:
+        """``fn()`` on the scheduler thread, between two of its steps (see "One compute thread" above); ``yields``
+        and ``abort_ctx``: see ``_Call``."""
+        call = _Call(fn, yields=yields, abort_ctx=abort_ctx)
         if not self._post(call):
             raise NotReady("the model was unloaded")
         call.done.wait()
@@ -689,12 +773,13 @@ class LlamaEngine(Prompting):
     def _run(self, inbox: "queue.SimpleQueue[Any]") -> None:
         waiting: collections.deque[_Request] = collections.deque()
         active: list[_Request] = []
+        deferred: collections.deque[_Call] = collections.deque()  # embedding decodes, behind the generations
         try:
             while True:
                 # Block only when idle (and end the thread once idle long enough); else take what has arrived and
                 # go on decoding.
                 items = []
-                if not active and not waiting:
+                if not active and not waiting and not deferred:
                     try:
                         items.append(inbox.get(timeout=SCHEDULER_IDLE_EXIT_S))
                     except queue.Empty:
@@ -716,7 +801,10 @@ class LlamaEngine(Prompting):
                                 self._clear_slot(s)
                         it.set()
                     elif isinstance(it, _Call):
-                        it.run()
+                        if it.yields:
+                            deferred.append(it)
+                        else:
+                            it.run()
                     else:
                         waiting.append(it)
                 if stop:
@@ -742,6 +830,12 @@ class LlamaEngine(Prompting):
                     self._finish(r, "cancelled", active)
                 if active:
                     self._step(active)
+                # Generations first: an embedding decode runs when none is active or waiting, or once it has
+                # waited EMBEDDING_MAX_DEFER_S, after a step (a request admitted now has had its first one).
+                if deferred and (not (active or waiting) or deferred[0].overdue()):
+                    self._flush()  # the step's tokens go out while the embedding decodes
+                    if self._embedding_turn(deferred[0], inbox):
+                        deferred.popleft()
                 self._running = len(active)
                 self._flush()
         except BaseException as exc:  # a bug here must not leave clients waiting forever
@@ -754,7 +848,12 @@ class LlamaEngine(Prompting):
                 r.out.put(err)
                 r.out.put(_DONE)
             waiting.clear()
+            for c in deferred:
+                c.fail(err)
+            deferred.clear()
         gone = NotReady("the model was unloaded")
+        for c in deferred:
+            c.fail(gone)
         for r in list(active):
             self._fail(r, gone, active)
         self._flush()
@@ -773,6 +872,36 @@ class LlamaEngine(Prompting):
                 it.set()
             elif isinstance(it, _Call):
                 it.fail(gone)
+
+    def _embedding_turn(self, call: _Call, inbox: "queue.SimpleQueue[Any]") -> bool:
+        """Run a deferred embedding decode now; False when something arrived for the scheduler meanwhile and
+        aborted it (it stays first in line and runs again when the generations let it).
+
+        The abort callback is set on the embedding context only for an abortable decode that is not overdue:
+        ggml-cpu calls it after every graph node (``ggml_graph_compute_thread``), so a generation that arrives
+        waits for the node being computed (the largest, the logits of the batch, 1.3-1.5 s for 402 tokens of
+        gemma-3-270m on 2 cores), not the whole batch; ``llama_decode`` then returns 2."""
+        import llama_cpp
+
+        ctx = call.abort_ctx if call.abort_ctx is not None and not call.overdue() else None
+        if ctx is not None:
+            self._emb_watch = inbox
+            llama_cpp.llama_set_abort_callback(ctx, self._emb_abort_cb, None)
+        try:
+            result = call.fn()
+        except BaseException as exc:  # handed to the caller, who raises it
+            call.fail(exc)
+            return True
+        finally:
+            if ctx is not None:
+                llama_cpp.llama_set_abort_callback(ctx, llama_cpp.ggml_abort_callback(), None)
+                self._emb_watch = None
+        if ctx is not None and result == 2:
+            self._emb_aborted += 1
+            return False
+        call.result = result
+        call.done.set()
+        return True
 
     def _send(self, r: _Request, item: Any) -> None:
         if r.index and isinstance(item, Chunk):
