@@ -172,7 +172,9 @@ def test_a_request_for_another_model_waits_for_the_busy_one_and_new_ones_queue_b
     assert _ask(svc.client, A).status_code == 200  # A loaded on demand; its slice (its 0.05 s load) passes at once
     started, streamed = threading.Event(), dict[str, Any]()
     stream = threading.Thread(target=stream_events, args=(
-        svc.url + "/v1/completions", {"model": A, "prompt": "x", "max_tokens": 60, "stream": True}, started, streamed))
+        svc.url + "/v1/completions", {"model": A, "prompt": "x", "max_tokens": 300, "stream": True}, started, streamed))
+    # 300 tokens of 0.02 s: the stream outlasts what follows on a loaded machine (with 60, 1.2 s, it ended first in
+    # a CI run, and the swaps ran before the request for A could be seen waiting).
     stream.start()
     assert started.wait(10)
     t_b, b = _in_thread(lambda: _ask(httpx.Client(base_url=svc.url, timeout=60), B))
