@@ -173,12 +173,14 @@ def test_a_request_for_another_model_waits_for_the_busy_one_and_new_ones_queue_b
     started, streamed = threading.Event(), dict[str, Any]()
     stream = threading.Thread(target=stream_events, args=(
         svc.url + "/v1/completions", {"model": A, "prompt": "x", "max_tokens": 300, "stream": True}, started, streamed))
-    # 300 tokens of 0.02 s: the stream outlasts what follows on a loaded machine (with 60, 1.2 s, it ended first in
-    # a CI run, and the swaps ran before the request for A could be seen waiting).
+    # 300 tokens of 0.02 s: the stream outlasts what follows on a loaded machine.
     stream.start()
     assert started.wait(10)
     t_b, b = _in_thread(lambda: _ask(httpx.Client(base_url=svc.url, timeout=60), B))
     _until(lambda: _gauges(svc).get(("gguf_requests_waiting_for_load", B)) == 1, what="B waiting")
+    # A yields once B's swap has tried and found it busy (B counts as waiting a moment before that: a request for
+    # A sent in between is admitted, which is right, and then no wait for A could be seen).
+    _until(lambda: _gauges(svc).get(("gguf_model_yielding", A)) == 1, what="A yielding")
     # A yields: what it admitted (the stream) runs on, but a new request for it waits behind the swap, although
     # A has a free slot (parallel 2).
     t_a, a = _in_thread(lambda: _ask(httpx.Client(base_url=svc.url, timeout=60), A))
