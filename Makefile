@@ -32,11 +32,12 @@ router:
 test: setup browser router
 	$(BIN)/python -m pytest
 
-# The long reliability runs (10-minute RSS soak, longer API, schema and probe fuzzing); `make test` runs their
+# The long reliability runs (10-minute RSS soak, longer API, schema and probe fuzzing, the architecture matrix with 8
+# slots too); `make test` runs their
 # short versions.
 soak: setup
 	GGUF_SOAK=1 $(BIN)/python -m pytest tests/reliability -m soak -s
-	GGUF_SOAK=1 $(BIN)/python -m pytest tests/reliability/test_fuzz_api.py tests/reliability/test_fuzz_schema.py -s
+	GGUF_SOAK=1 $(BIN)/python -m pytest tests/reliability/test_fuzz_api.py tests/reliability/test_fuzz_schema.py tests/sizing/test_arch_matrix.py -s
 	$(BIN)/python bench/fuzz_probe.py --seconds 120
 
 clean:

@@ -5,13 +5,14 @@ Per architecture, one dry-run worker (the model loaded once) answers everything:
 - 8 configurations (cache types, flash attention on/off, n_ubatch, 1 and 4 sequences): the KV caches and
   the recurrent state equal llama.cpp's ``llama_kv_cache`` / ``llama_memory_recurrent`` lines to the log's
   0.01 MiB; the compute buffer, where the graph is not mirrored, is llama.cpp's own once calibrated;
-- plans for every cache type with 1, 4 and 8 sequences, on the host alone and on one card, calibrated; each
+- plans for every cache type with 1 and 4 sequences (and 8 in ``make soak``), on the host alone and on one card, calibrated; each
   row that says it fits is dry-run at its chosen context and llama.cpp's figures must fit the device too.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Callable
 
 import pytest
@@ -33,6 +34,9 @@ from sizing.spec import ModelSpec
 from .conftest import ACCURACY
 
 GIB = 1 << 30
+PARALLEL = (1, 4, 8) if os.environ.get("GGUF_SOAK") == "1" else (1, 4)
+"""Slots the plans are made for: 8 too in ``make soak`` (a third more dry runs, ~150 s of ``make test``; 4 and 8
+take the same code paths, multi-sequence KV and output)."""
 HYBRID_OR_RECURRENT = {"mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h", "lfm2", "rwkv7",
                        "qwen3next"}
 
@@ -86,7 +90,7 @@ def _check_plans(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> int:
     settings = Settings(min_context=1024)
     host, card = devices_that_limit(spec, settings)
     planned = limited = 0
-    for par in (1, 4, 8):
+    for par in PARALLEL:
         for gpus in ([], [card]):
             planner = Planner(settings, lambda gpus=gpus: (list(gpus), host), cal)
             plan = planner.plan(spec, LoadOptions(n_seq_max=par), path=path)
