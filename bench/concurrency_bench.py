@@ -144,9 +144,9 @@ def main() -> None:
 
     from service.engine.base import GenerationParams
     from service.models import embedded_model_path
-    from sizing.devices import host_memory
-    from sizing.gguf import probe_path
-    from sizing.plan import PlanRequest, make_plan
+    from sizing.probe.devices import host_memory
+    from sizing.probe import probe_path
+    from sizing.plan.planner import PlanRequest, make_plan
 
     path = args.model or embedded_model_path()
     clients = [int(x) for x in args.clients.split(",")]

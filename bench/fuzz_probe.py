@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sizing.errors import SizingError  # noqa: E402
-from sizing.gguf import probe_bytes  # noqa: E402
+from sizing.probe import probe_bytes  # noqa: E402
 from tests.gguf.conftest import minimal_llama  # noqa: E402
 
 ALLOC_FACTOR = 64

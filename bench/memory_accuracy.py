@@ -3,7 +3,7 @@
     .venv/bin/python bench/memory_accuracy.py [--models Qwen3-14B,Falcon-H1-0.5B] [--dir /tmp/gguf-fixtures]
                                               [--timing-model Qwen3-Next-80B-A3B] [--no-plans]
 
-One row per architecture (every fixture of ``sizing.gguf.fixtures.ALL_FIXTURES``, plus the embedded model):
+One row per architecture (every fixture of ``sizing.testing.fixtures.ALL_FIXTURES``, plus the embedded model):
 
 - ``kv+state``: configurations (cache types, flash attention on/off, n_ubatch, 1 and 4 sequences, and the
   sliding-window variants) whose KV caches and recurrent state equal llama.cpp's log lines to 0.01 MiB;
@@ -33,16 +33,16 @@ from service.engine.calibrate import Calibrator  # noqa: E402
 from service.engine.params import ModelParams  # noqa: E402
 from service.planning import LoadOptions, Planner, needs_calibration  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from sizing import arch as archs  # noqa: E402
-from sizing.compute import compute_bytes, compute_mirrored  # noqa: E402
-from sizing.config import ContextConfig  # noqa: E402
-from sizing.device import Device  # noqa: E402
-from sizing.gguf import probe_path  # noqa: E402
-from sizing.gguf.fixtures import ALL_FIXTURES, write_fixture  # noqa: E402
-from sizing.kv import kv_split_bytes, recurrent_state_bytes  # noqa: E402
-from sizing.memory import resolve_flash_attn  # noqa: E402
-from sizing.request import context_config  # noqa: E402
-from sizing.spec import ModelSpec  # noqa: E402
+from sizing.memory.compute import compute_bytes, compute_mirrored  # noqa: E402
+from sizing.memory.context import ContextConfig  # noqa: E402
+from sizing.memory.estimate import resolve_flash_attn  # noqa: E402
+from sizing.memory.kv import kv_split_bytes, recurrent_state_bytes  # noqa: E402
+from sizing.model import arch as archs  # noqa: E402
+from sizing.model.spec import ModelSpec  # noqa: E402
+from sizing.plan.device import Device  # noqa: E402
+from sizing.plan.request import context_config  # noqa: E402
+from sizing.probe import probe_path  # noqa: E402
+from sizing.testing.fixtures import ALL_FIXTURES, write_fixture  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -87,8 +87,8 @@ def memory_row(spec: ModelSpec, cal: Calibrator, path: str) -> tuple[int, int, f
 
 def devices_that_limit(spec: ModelSpec) -> tuple[Device, Device]:
     """A host and a card with room for about half the trained context at f16 (simulated)."""
-    from sizing.placement import Placement
-    from sizing.sizer import Sizer
+    from sizing.memory.placement import Placement
+    from sizing.plan.sizer import Sizer
 
     req = Planner(Settings(min_context=1024), lambda: ([], Device(0, "h", 0, 0, "host"))).request(LoadOptions())
     big = spec.weights_bytes + 256 * GIB

@@ -20,7 +20,7 @@ after the load and at the peak. The plan holds where ``peak <= predicted``.
     python bench/offload_gpu.py [--budget-mib 600] [--model PATH] [--n-ctx 4096] [--cases one-card,split-like,...]
 
 Not run in this project yet (no GPU machine was available): the figures it prints are the first
-measurement of ``sizing.gpu``'s bound.
+measurement of ``sizing.memory.gpu``'s bound.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sizing.device import MIB, Device  # noqa: E402
-from sizing.devices import host_memory, nvml_devices  # noqa: E402
-from sizing.gguf import probe_path  # noqa: E402
-from sizing.plan import Plan, PlanRequest, make_plan  # noqa: E402
-from sizing.report import plan_table  # noqa: E402
+from sizing.plan import Device, Plan, PlanRequest, make_plan, plan_table  # noqa: E402
+from sizing.probe import host_memory, probe_path  # noqa: E402
+from sizing.probe.devices import nvml_devices  # noqa: E402
+from sizing.units import MIB  # noqa: E402
 
 CASES = ("one-card", "split-like", "partial-offload", "moe-override")
 
@@ -227,13 +226,13 @@ def _split_like(path: str, real: Device, req: PlanRequest) -> Plan:
 
 
 def _moe(directory: str, real: Device, req: PlanRequest) -> tuple[str, Plan]:
-    from sizing.gguf.fixtures import write_fixture
+    from sizing.testing.fixtures import write_fixture
 
     path = write_fixture("OLMoE-1B-7B", directory, "q4_k_m")
     spec = probe_path(path)
     plan = make_plan(spec, [real], host_memory(), req)
     if plan.fits and plan.placement.n_gpu_layers:
-        from sizing.sizer import Sizer
+        from sizing.plan.sizer import Sizer
 
         # the experts of half the blocks in host memory, whatever fits: the override case itself
         pinned = replace(plan.placement, n_cpu_moe=spec.n_layer // 2)

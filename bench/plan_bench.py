@@ -18,11 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sizing.devices import Device  # noqa: E402
-from sizing.gguf import probe_path  # noqa: E402
-from sizing.gguf.fixtures import write_fixture  # noqa: E402
-from sizing.plan import PlanRequest, make_plan  # noqa: E402
-from sizing.report import plan_table  # noqa: E402
+from sizing.plan import Device, PlanRequest, make_plan, plan_table  # noqa: E402
+from sizing.probe import probe_path  # noqa: E402
+from sizing.testing.fixtures import write_fixture  # noqa: E402
 
 GIB = 1 << 30
 MB = 1000 * 1000

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/probe_bench.py [--repeat 21] [--no-gguf-py] [PATH]
 
-Prints, in one run: the probe's median (``sizing.gguf.probe_path``: header
+Prints, in one run: the probe's median (``sizing.probe.probe_path``: header
 walk plus spec), ggml's ``gguf_init_from_file`` (no_alloc) called through
 ctypes from llama-cpp-python's libggml-base, median of the same number of
 runs, and one run of ``gguf.GGUFReader`` (about 14 s: it builds numpy views
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sizing.gguf import probe_path  # noqa: E402
+from sizing.probe import probe_path  # noqa: E402
 
 TARGET_MS = 40.0
 
@@ -125,7 +125,7 @@ def _fixtures(lib: ctypes.CDLL, repeat: int) -> None:
     """The probe and ggml's C parser on each sparse real-shape fixture (header-only, full vocabularies)."""
     import tempfile
 
-    from sizing.gguf.fixtures import FIXTURES, write_fixture
+    from sizing.testing.fixtures import FIXTURES, write_fixture
 
     print()
     print(f"{'fixture':<20} {'header':>12} {'tokens':>8} {'probe ms':>9} {'ggml C ms':>10} {'ratio':>6}")

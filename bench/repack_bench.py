@@ -26,9 +26,8 @@ from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.cpu import host_repack  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
 from service.models import embedded_model_path  # noqa: E402
-from sizing.devices import host_memory  # noqa: E402
-from sizing.gguf import probe_path  # noqa: E402
-from sizing.gguf.fixtures import FixtureShape, write_fixture  # noqa: E402
+from sizing.probe import host_memory, probe_path  # noqa: E402
+from sizing.testing.fixtures import FixtureShape, write_fixture  # noqa: E402
 
 ZERO_LLAMA = FixtureShape("llama", 1024, 8, 16, 4, 64, 2816, 32000, 4096, tokenizer="llama")
 from sizing.plan import PlanRequest, make_plan  # noqa: E402

@@ -35,10 +35,10 @@ MIB = 1 << 20
 def decision(repeat: int) -> None:
     from service.planning import LoadOptions, Planner
     from service.settings import Settings
-    from sizing.device import Device
-    from sizing.gguf import probe_path
-    from sizing.gguf.fixtures import FixtureShape, write_fixture
-    from sizing.residency import Holding
+    from sizing.plan.device import Device
+    from sizing.probe import probe_path
+    from sizing.testing.fixtures import FixtureShape, write_fixture
+    from sizing.plan.residency import Holding
 
     d = tempfile.mkdtemp(prefix="residency-bench-")
 
@@ -96,7 +96,7 @@ def demand(quick: bool) -> None:
 
     from service.api.app import create_app
     from service.settings import EMBEDDED_MODEL_NAME, Settings
-    from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
+    from sizing.testing.fixtures import TINY_LLAMA, write_fixture
     from tests.conftest import free_port
 
     models = Path(tempfile.mkdtemp(prefix="residency-bench-models-"))

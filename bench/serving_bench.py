@@ -117,9 +117,9 @@ class InProcess:
         from service.engine.llama import LlamaEngine
         from service.manager import LoadOptions, plan_request
         from service.settings import Settings
-        from sizing.devices import host_memory
-        from sizing.gguf import probe_path
-        from sizing.plan import make_plan
+        from sizing.probe.devices import host_memory
+        from sizing.probe import probe_path
+        from sizing.plan.planner import make_plan
 
         settings = Settings()
         plan = make_plan(probe_path(model), [], host_memory(), plan_request(settings, LoadOptions()))

@@ -1,7 +1,7 @@
 """Models from Hugging Face: downloads into the models directory, and a repo's files planned before any download.
 
 ``huggingface_hub`` does the transfers (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE honoured); a repo's files are
-read by their headers alone (``sizing.gguf.remote``) and planned on these devices beside the loaded models.
+read by their headers alone (``sizing.probe.remote``) and planned on these devices beside the loaded models.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
-from sizing.device import MIB
 from sizing.errors import ProbeError, SizingError, UnsupportedModelError
 from sizing.memory import MemoryEstimate
-from sizing.report import plan_json
+from sizing.plan import plan_json
+from sizing.units import MIB
 
 from .errors import BadRequest, ModelNotFound, ServiceError, Upstream
 from .models import Registry
@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def remote_limits(settings: Settings) -> Any:
-    """What a remote probe for a client may do (``sizing.gguf.remote.ProbeLimits``): public addresses only,
+    """What a remote probe for a client may do (``sizing.probe.remote.ProbeLimits``): public addresses only,
     unless ``remote_allow_hosts`` names them; one deadline and byte budget."""
-    from sizing.gguf.remote import ProbeLimits, parse_allow_hosts
+    from sizing.probe import ProbeLimits, parse_allow_hosts
 
     return ProbeLimits(deadline_s=settings.remote_timeout_s, max_bytes=settings.remote_max_bytes, public_only=True,
                        allow_hosts=parse_allow_hosts(settings.remote_allow_hosts))
@@ -141,7 +141,7 @@ class Downloads:
     def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
         """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.
 
-        Blocking (network): call from a thread. Headers only (``sizing.gguf.remote.probe_hf``:
+        Blocking (network): call from a thread. Headers only (``sizing.probe.remote.probe_hf``:
         range requests); a split model is probed and planned once, from its first shard.
         """
         import re as _re
@@ -150,7 +150,7 @@ class Downloads:
         from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
 
         from sizing.errors import RemoteError
-        from sizing.gguf.remote import probe_hf
+        from sizing.probe import probe_hf
 
         try:
             info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)

@@ -47,14 +47,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence, Union
 
-from sizing.device import MIB, Device
-from sizing.devices import host_memory, inventory
 from sizing.errors import ProbeError, UnsupportedModelError, without_credentials
-from sizing.gguf import probe_path
-from sizing.plan import Plan
-from sizing.report import plan_json, plan_table
-from sizing.residency import Holding, available, held_bytes
-from sizing.spec import ModelSpec
+from sizing.model import ModelSpec
+from sizing.plan import available, Device, held_bytes, Holding, Plan, plan_json, plan_table
+from sizing.probe import host_memory, inventory, probe_path
+from sizing.units import MIB, mib
 
 from .downloads import Download, Downloads, remote_limits
 from .engine.base import Engine, LoadReport
@@ -233,7 +230,7 @@ class Lease:
 
 
 def credit_current(gpus: Sequence[Device], host: Device, current: "ModelState | None") -> tuple[list[Device], Device]:
-    """Live free memory as it will be once ``current`` is unloaded (``sizing.residency.available``)."""
+    """Live free memory as it will be once ``current`` is unloaded (``sizing.plan.residency.available``)."""
     if current is None or current.state != "loaded" or current.plan is None or current.plan.estimate is None:
         return list(gpus), host
     return available(gpus, host, (), [current.plan.estimate], live=True)
@@ -279,7 +276,7 @@ class ModelManager:
         """Runner processes' deaths, restarts and failures so far (``died``, ``restarted``, ``failed``)."""
         self.host_bandwidth_bytes_per_s: float | None = None
         if settings.host_bandwidth_gbps is None:
-            from sizing.devices import measure_host_bandwidth
+            from sizing.probe import measure_host_bandwidth
 
             self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
         self.planner = Planner(settings, lambda: self._devices(), Calibrator(timeout_s=settings.calibrate_timeout_s),
@@ -366,7 +363,7 @@ class ModelManager:
 
         def work() -> Placed:
             from sizing.errors import RemoteError
-            from sizing.gguf.remote import probe_location
+            from sizing.probe import probe_location
 
             try:
                 spec = probe_location(location, remote_limits(self.settings))
@@ -984,15 +981,15 @@ class ModelManager:
             out["memory"] = [
                 {
                     "device": a.device,
-                    "allocated_mib": round(a.total_bytes / MIB, 2),
+                    "allocated_mib": mib(a.total_bytes),
                     "allocated": {
-                        "weights_mib": round(a.weights_bytes / MIB, 2),
-                        "kv_mib": round(a.kv_bytes / MIB, 2),
-                        "compute_mib": round(a.compute_bytes / MIB, 2),
-                        "output_mib": round(a.output_bytes / MIB, 2),
+                        "weights_mib": mib(a.weights_bytes),
+                        "kv_mib": mib(a.kv_bytes),
+                        "compute_mib": mib(a.compute_bytes),
+                        "output_mib": mib(a.output_bytes),
                     },
-                    "predicted_mib": round(rows[a.device] / MIB, 2) if a.device in rows else None,
-                    "held_mib": round(held[a.device] / MIB, 2) if a.device in held else None,
+                    "predicted_mib": mib(rows[a.device]) if a.device in rows else None,
+                    "held_mib": mib(held[a.device]) if a.device in held else None,
                 }
                 for a in state.report.allocations
             ]
@@ -1021,10 +1018,10 @@ class ModelManager:
         holdings = self._holdings()
         out = []
         for dev in (*gpus, host):
-            shares = [{"model": h.name, "held_mib": round(n / MIB, 2), "pinned": h.pinned, "busy": h.busy}
+            shares = [{"model": h.name, "held_mib": mib(n), "pinned": h.pinned, "busy": h.busy}
                       for h in holdings if (n := held_bytes(h.estimate).get(dev.label, 0))]
-            out.append({"device": dev.label, "name": dev.name, "total_mib": round(dev.total_bytes / MIB, 2),
-                        "free_mib": round(dev.free_bytes / MIB, 2), "live": self.planner.live or dev.kind == "host",
+            out.append({"device": dev.label, "name": dev.name, "total_mib": mib(dev.total_bytes),
+                        "free_mib": mib(dev.free_bytes), "live": self.planner.live or dev.kind == "host",
                         "models": shares})
         return out
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sizing.ggml import CACHE_TYPES
+from sizing.model import CACHE_TYPES
 
 from .errors import BadRequest, ModelNotFound
 from .keepalive import parse_keep_alive

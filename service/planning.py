@@ -1,14 +1,14 @@
 """Planning: a load or dry-run request turned into a ``Plan``, calibrated by llama.cpp where the model is not proven.
 
-The pure planner (``sizing.plan.make_plan``) answers in milliseconds from the
-simulation where it is proven: the mirrored graphs (``sizing.arch.MIRRORED``)
+The pure planner (``sizing.plan.planner.make_plan``) answers in milliseconds from the
+simulation where it is proven: the mirrored graphs (``sizing.model.arch.MIRRORED``)
 on a CPU build. Everywhere else (architectures whose graph is not mirrored, the
 ``special`` caches, unknown architectures, any GPU backend) ``Planner`` takes
 llama.cpp's own figures first (``service.engine.calibrate``):
 
 1. sample each cache type's configuration at a few contexts (the minimum, the
    largest allowed, the sliding-window kink, midway) in a long-lived dry-run
-   worker, fit the figures (``sizing.measured``) and solve on them;
+   worker, fit the figures (``sizing.memory.measured``) and solve on them;
 2. confirm each row at its chosen context with one more dry run; where that
    point was not sampled yet, solve again with it, until every row's context
    was measured (llama-server's ``--fit`` interpolates the same way, loading
@@ -22,7 +22,7 @@ plan's on a device, the measurement joins the calibration and the plan is solved
 again; a refusal comes only when no arrangement fits. Both figures are reported.
 
 Several models on the same devices (``Planner.place``): the plan is made on the
-memory left beside the residents (``sizing.residency.available``); when it does not
+memory left beside the residents (``sizing.plan.residency.available``); when it does not
 fit there, the smallest set of idle, unpinned residents whose memory makes it fit
 is chosen (least recently used first) before anything is unloaded. ``plan_set``
 answers whether several models fit together, and how.
@@ -39,20 +39,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence
 
-from sizing import arch as archs
-from sizing.compute import compute_mirrored
-from sizing.config import ContextConfig
-from sizing.device import MIB, Device
-from sizing.devices import host_memory, parse_declared
 from sizing.errors import ConfigError, DeviceError, SizingError
-from sizing.kv import kv_cells
-from sizing.measured import Calibration, ConfigKey, placement_key
-from sizing.memory import MemoryEstimate, resolve_flash_attn
-from sizing.plan import Plan, PlanRequest, make_plan
-from sizing.request import context_config, ctx_cap, ctx_floor
-from sizing.residency import Holding, available, choose_eviction, decision_request, held_bytes, held_summary, lru
-from sizing.report import plan_json
-from sizing.spec import ModelSpec
+from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, kv_cells, MemoryEstimate,
+                           placement_key, resolve_flash_attn)
+from sizing.model import arch as archs, ModelSpec
+from sizing.plan import (available, choose_eviction, context_config, ctx_cap, ctx_floor, decision_request, Device,
+                         held_bytes, held_summary, Holding, lru, make_plan, Plan, plan_json, PlanRequest)
+from sizing.probe import host_memory, parse_declared
+from sizing.units import MIB, mib
 
 from .engine.calibrate import Calibrator, FileIdentity, add_samples, points
 from .engine.cpu import RepackChoice, host_repack
@@ -194,7 +188,7 @@ class Placed:
     def to_json(self) -> dict[str, Any]:
         return {"beside": list(self.beside), "evict": list(self.evict), "busy": list(self.busy),
                 "pinned": list(self.pinned),
-                "held_mib": {d: {n: round(b / MIB, 2) for n, b in by.items()} for d, by in self.held.items()}}
+                "held_mib": {d: {n: mib(b) for n, b in by.items()} for d, by in self.held.items()}}
 
 
 @dataclass(frozen=True)
@@ -230,20 +224,20 @@ class SetPlan:
                 d = next((x for x in est.devices if x.device == label), None) if est is not None else None
                 if d is None or not m.held.get(label):
                     continue
-                models.append({"model": m.name, "weights_mib": round(d.weights_bytes / MIB, 2),
-                               "kv_mib": round(d.kv_bytes / MIB, 2), "state_mib": round(d.state_bytes / MIB, 2),
-                               "compute_mib": round(d.compute_bytes / MIB, 2),
-                               "output_mib": round(d.output_bytes / MIB, 2),
-                               "gpu_pool_mib": round(d.pool_bytes / MIB, 2),
-                               "allowance_mib": round(d.allowance_bytes / MIB, 2),
-                               "total_mib": round(m.held[label] / MIB, 2)})
-            # Each model's runner process holds its own CUDA context on the card (sizing.residency): in its total.
+                models.append({"model": m.name, "weights_mib": mib(d.weights_bytes),
+                               "kv_mib": mib(d.kv_bytes), "state_mib": mib(d.state_bytes),
+                               "compute_mib": mib(d.compute_bytes),
+                               "output_mib": mib(d.output_bytes),
+                               "gpu_pool_mib": mib(d.pool_bytes),
+                               "allowance_mib": mib(d.allowance_bytes),
+                               "total_mib": mib(m.held[label])})
+            # Each model's runner process holds its own CUDA context on the card (sizing.plan.residency): in its total.
             allowance = sum(g.allowance_bytes for m in self.members if m.plan.estimate is not None
                             for g in m.plan.estimate.gpus if g.device == label)
             used = sum(m.held.get(label, 0) for m in self.members)
-            devices.append({"device": label, "name": dev.name, "total_mib": round(dev.total_bytes / MIB, 2),
-                            "free_mib": round(dev.free_bytes / MIB, 2), "models": models,
-                            "allowance_mib": round(allowance / MIB, 2),
+            devices.append({"device": label, "name": dev.name, "total_mib": mib(dev.total_bytes),
+                            "free_mib": mib(dev.free_bytes), "models": models,
+                            "allowance_mib": mib(allowance),
                             "left_mib": round((dev.free_bytes - used) / MIB, 2)})
         return {"fits": self.fits, "how": self.how, "refused": list(self.refused),
                 "models": [{"model": m.name, "verdict": m.plan.verdict, "n_ctx": m.plan.cfg.n_ctx,
@@ -318,7 +312,7 @@ class Planner:
 
         ``replacing``: the resident this load reloads (its memory counts as free). The plan is made beside the
         others; when it does not fit there (or ``max_models`` are loaded), the smallest set of idle, unpinned
-        residents whose memory makes it fit is chosen, least recently used first (``sizing.residency``). A
+        residents whose memory makes it fit is chosen, least recently used first (``sizing.plan.residency``). A
         model that fits only partly on the cards beside them evicts idle residents too, when that keeps it
         whole on the cards. Busy residents are candidates only with ``force``; pinned ones never.
         """
@@ -628,7 +622,7 @@ def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int,
         return Confirmation("confirmed", plan, seconds, layer_devices=layers)
     compute: dict[str, dict[str, float | None]] = {}
     for d in est.devices:
-        compute[d.device] = {"predicted": round(d.compute_bytes / MIB, 2),
+        compute[d.device] = {"predicted": mib(d.compute_bytes),
                              "llama_cpp": _measured_compute(plan, result, d.device)}
     weights: dict[str, list[str]] = {}
     if buffers:
@@ -638,8 +632,8 @@ def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int,
                    + [b for b, n in est.host.extra_weights if n], "llama_cpp": sorted(buffers)}
     return Confirmation(
         "confirmed", plan, seconds,
-        kv_mib={"predicted": round(est.kv_bytes / MIB, 2), "llama_cpp": result.kv_mib},
-        state_mib={"predicted": round(est.state_bytes / MIB, 2), "llama_cpp": result.state_mib},
+        kv_mib={"predicted": mib(est.kv_bytes), "llama_cpp": result.kv_mib},
+        state_mib={"predicted": mib(est.state_bytes), "llama_cpp": result.state_mib},
         compute_mib=compute, layer_devices=layers, weight_buffers=weights,
     )
 

@@ -12,8 +12,8 @@ from .errors import SizingError
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from .gguf import probe_location
-    from .report import spec_json
+    from .probe import probe_location
+    from .plan.report import spec_json
 
     # PATH may also be an http(s) URL or hf://owner/repo/file.gguf[@revision] (header bytes only).
     spec = probe_location(args.path)
@@ -27,17 +27,17 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _devices(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from .devices import host_memory, inventory
+    from .probe.devices import host_memory, inventory
 
     return inventory(declared_path=args.gpus), host_memory()
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .devices import cpu_features
-    from .gguf import probe_location
-    from .plan import PlanRequest, make_plan
-    from .repack import auto_reason, auto_repack
-    from .report import plan_json, plan_table
+    from .probe.devices import cpu_features
+    from .probe import probe_location
+    from .plan.planner import PlanRequest, make_plan
+    from .memory.repack import auto_reason, auto_repack
+    from .plan.report import plan_json, plan_table
 
     spec = probe_location(args.path)
     gpus, host = _devices(args)
@@ -67,9 +67,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from .config import ContextConfig
-    from .gguf import probe_path
-    from .memory import estimate
+    from .memory.context import ContextConfig
+    from .probe import probe_path
+    from .memory.estimate import estimate
 
     spec = probe_path(args.path)
     cfg = ContextConfig(

@@ -87,7 +87,7 @@ def test_the_memory_benches_import_and_offload_gpu_says_it_needs_a_gpu(bench: st
     finally:
         del sys.modules[spec.name]
     assert callable(mod.main)
-    from sizing.devices import nvml_devices
+    from sizing.probe.devices import nvml_devices
 
     if bench == "offload_gpu" and not nvml_devices():
         r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ from tests.conftest import EMBEDDED_NAME
 pytestmark = pytest.mark.slow
 
 # Room for some layers only: the model's 514 MiB compute buffer (a 262k-token vocabulary's logits) and the
-# CUDA pool bound every GPU plan carries (sizing.gpu) leave part of the weights on the host.
+# CUDA pool bound every GPU plan carries (sizing.memory.gpu) leave part of the weights on the host.
 SMALL_CARD = [{"name": "NVIDIA GeForce RTX 3060", "free_mib": 800, "total_mib": 12288}]
 
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sizing.ggml import CACHE_TYPES
-from sizing.report import plan_json
+from sizing.model import CACHE_TYPES
+from sizing.plan import plan_json
 
 from ..errors import BadRequest, QueueFull
 from ..keepalive import parse_keep_alive

@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sizing.devices import MIB
+from sizing.units import MIB
 
 if TYPE_CHECKING:
     from ..manager import ModelManager

@@ -28,7 +28,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Iterator, Literal
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse

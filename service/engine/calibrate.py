@@ -4,7 +4,7 @@ A ``Calibrator`` keeps a few ``DryRunWorker`` children (``service.engine.dryrun`
 the model loaded once with no_alloc and LLAMA_LOAD_MODE_NONE, contexts created and
 freed per request; a child that dies is restarted, every request has a timeout)
 and caches what they measured per (file identity, backend), as the pure core's
-``sizing.measured.Calibration`` value: per configuration (``ConfigKey``) and, on a
+``sizing.memory.measured.Calibration`` value: per configuration (``ConfigKey``) and, on a
 GPU backend, per placement, the samples taken. A second dry run of the same model
 answers from the cache without a child.
 
@@ -24,10 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from sizing.config import ContextConfig, pad
-from sizing.kv import kv_cells
-from sizing.measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes
-from sizing.spec import ModelSpec
+from sizing.memory import Calibrated, Calibration, ConfigKey, ContextConfig, kv_cells, mib_to_bytes, pad, Sample
+from sizing.model import ModelSpec
 
 from .dryrun import DryRunError, DryRunResult, DryRunWorker
 from .params import ModelParams

@@ -179,7 +179,7 @@ def check_template(source: str | None) -> None:
         ChatTemplate(source, "", "")
     except TemplateError as exc:
         line = getattr(exc, "lineno", None)
-        raise ValueError(f"GGUF_CHAT_TEMPLATE_FILE is not a valid chat template"
+        raise ValueError("GGUF_CHAT_TEMPLATE_FILE is not a valid chat template"
                          + (f" (line {line})" if line else "") + f": {exc}") from None
 
 

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from sizing.repack import auto_reason, auto_repack
+from sizing.memory import auto_reason, auto_repack
 
 RepackSetting = Literal["auto", "on", "off"]
 
@@ -40,7 +40,7 @@ class RepackChoice:
     on: bool
     reason: str
     features: frozenset[str] = frozenset()
-    """The CPU features llama.cpp reported, with which the plan predicts the buffers (``sizing.repack``)."""
+    """The CPU features llama.cpp reported, with which the plan predicts the buffers (``sizing.memory.repack``)."""
 
 
 def parse_system_info(text: str) -> frozenset[str]:

@@ -6,7 +6,7 @@ with mmap llama.cpp aborts on ``GGML_ASSERT(!ml.no_alloc)``) make
 then sizes the KV cache and runs ``sched_reserve`` as a real load does, and
 logs the figures. Because an abort kills the process, the dry run always runs
 in a child process (``python -m service.engine.dryrun``), with a timeout. A
-sparse header-only file (``sizing.gguf.fixtures``) is enough: no weight is read.
+sparse header-only file (``sizing.testing.fixtures``) is enough: no weight is read.
 
 The API is small: ``dry_run(path, cfg) -> DryRunResult``; ``dry_run_many``
 loads the model once and creates one context per configuration (the load,
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
-from sizing.config import ContextConfig
+from sizing.memory import ContextConfig
 
 from . import loglines as L
 from .params import ContextParams, ModelParams, context_params

@@ -44,7 +44,7 @@ FLASH_ATTN_RESOLVED = re.compile(r"resolve_fused_ops: Flash Attention (enabled|n
 
 
 EXTRA_CPU_BUFFERS = ("AMX", "CPU_REPACK")
-"""The CPU backend's extra buffer types (``sizing.repack.EXTRA_BUFFERS``): rows of their own in what is reported."""
+"""The CPU backend's extra buffer types (``sizing.memory.repack.EXTRA_BUFFERS``): rows of their own in what is reported."""
 
 
 def row_of(buffer_name: str) -> str:

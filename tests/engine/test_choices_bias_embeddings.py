@@ -11,9 +11,9 @@ import pytest
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
 from service.errors import BadRequest, ContextLengthExceeded
-from sizing.devices import host_memory
-from sizing.gguf import probe_path
-from sizing.plan import PlanRequest, make_plan
+from sizing.probe.devices import host_memory
+from sizing.probe import probe_path
+from sizing.plan.planner import PlanRequest, make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -109,8 +109,8 @@ def test_embeddings_are_pooled_unit_vectors(engine: LlamaEngine) -> None:
 
 @pytest.mark.parametrize("tokens", [128, 512])
 def test_the_plan_sizes_the_embedding_context_as_llama_cpp_allocates_it(embedded_model: str, tokens: int) -> None:
-    from sizing.device import MIB
-    from sizing.report import plan_json, plan_table
+    from sizing.plan.device import MIB
+    from sizing.plan.report import plan_json, plan_table
 
     plan = make_plan(probe_path(embedded_model), [], host_memory(),
                      PlanRequest(n_ctx=1024, n_seq_max=4, kv_unified=True, min_ctx=256, embedding_tokens=tokens))

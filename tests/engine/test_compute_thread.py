@@ -14,9 +14,9 @@ import pytest
 import service.engine.llama as llama_engine
 from service.engine.base import Cancel, GenerationParams
 from service.engine.llama import LlamaEngine
-from sizing.devices import host_memory
-from sizing.gguf import probe_path
-from sizing.plan import PlanRequest, make_plan
+from sizing.probe.devices import host_memory
+from sizing.probe import probe_path
+from sizing.plan.planner import PlanRequest, make_plan
 
 pytestmark = pytest.mark.slow
 

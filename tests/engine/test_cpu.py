@@ -11,9 +11,9 @@ from service.engine.cpu import choose_repack, parse_system_info, system_features
 from service.engine.params import plan_params, repack_of
 from service.planning import LoadOptions, plan_request
 from service.settings import Settings
-from sizing.device import Device
-from sizing.gguf import probe_path
-from sizing.plan import PlanRequest, make_plan
+from sizing.plan.device import Device
+from sizing.probe import probe_path
+from sizing.plan.planner import PlanRequest, make_plan
 
 # llama_print_system_info of two hosts (the first: the Sapphire Rapids host of the AMX crash).
 AMX_HOST = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | "

@@ -14,9 +14,9 @@ from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
 from service.engine.slots import INVARIANT_MIN_ROWS, common_prefix
 from service.errors import ContextLengthExceeded, InsufficientMemory
-from sizing.devices import host_memory
-from sizing.gguf import probe_path
-from sizing.plan import Plan, PlanRequest, make_plan
+from sizing.probe.devices import host_memory
+from sizing.probe import probe_path
+from sizing.plan.planner import Plan, PlanRequest, make_plan
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from sizing.config import ContextConfig
-from sizing.devices import Device
-from sizing.placement import Placement
+from sizing.memory.context import ContextConfig
+from sizing.probe.devices import Device
+from sizing.memory.placement import Placement
 
 from service.engine.params import (
     LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -65,8 +65,8 @@ def test_physical_cores_is_at_least_one_and_at_most_logical() -> None:
 
 
 def test_plan_params_use_the_plans_device_indexes(embedded_model: str) -> None:
-    from sizing.gguf import probe_path
-    from sizing.plan import PlanRequest, make_plan
+    from sizing.probe import probe_path
+    from sizing.plan.planner import PlanRequest, make_plan
     from service.engine.params import plan_params
 
     gib = 1 << 30

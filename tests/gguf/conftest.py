@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 
-from sizing.gguf.fixtures import add_key
+from sizing.testing.fixtures import add_key
 
 # ---------------------------------------------------------------- GGUFWriter models
 

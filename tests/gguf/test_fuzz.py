@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sizing.errors import ProbeError, SizingError
-from sizing.gguf import probe_bytes
-from sizing.spec import ModelSpec
+from sizing.probe import probe_bytes
+from sizing.model.spec import ModelSpec
 from tests.gguf.conftest import minimal_llama
 
 # 100 tokens: long enough to go through the unchecked skip_strings walk.

@@ -16,9 +16,9 @@ from sizing.errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
-from sizing.gguf import probe_bytes
-from sizing.gguf.reader import parse_header
-from sizing.gguf.sources import BytesSource
+from sizing.probe import probe_bytes
+from sizing.probe.reader import parse_header
+from sizing.probe.sources import BytesSource
 from tests.gguf.conftest import RawGGUF, gstr, kv_arr_u32, kv_str, kv_u32, minimal_llama, tensor_info
 
 HUGE = (1 << 63) - 1

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from sizing.errors import LayerArrayError, UnsupportedModelError
-from sizing.gguf import probe_bytes, probe_path, tensor_nbytes
-from sizing.gguf.probe import read_header
-from sizing.gguf.reader import ArraySummary
-from sizing.gguf.sources import FileSource
+from sizing.probe import probe_bytes, probe_path, tensor_nbytes
+from sizing.probe.gguf import read_header
+from sizing.probe.reader import ArraySummary
+from sizing.probe.sources import FileSource
 from tests.gguf.conftest import kv_arr_u32, minimal_llama, write_model
 
 

@@ -10,13 +10,13 @@ import pytest
 
 from sizing.__main__ import main
 from sizing.errors import ProbeError, RemoteError
-from sizing.gguf import probe_hf, probe_path, probe_url
-from sizing.gguf.remote import shard_urls
+from sizing.probe import probe_hf, probe_path, probe_url
+from sizing.probe.remote import shard_urls
 from tests.gguf.conftest import RangeServer, link_into, write_model
 
 
 def _same(a: object, b: object) -> None:
-    from sizing.spec import ModelSpec
+    from sizing.model.spec import ModelSpec
 
     assert isinstance(a, ModelSpec) and isinstance(b, ModelSpec)
     assert a.tensors == b.tensors
@@ -181,7 +181,7 @@ MALFORMED_URLS = [
 @pytest.mark.parametrize("url", MALFORMED_URLS)
 def test_malformed_urls_are_the_callers_error_before_any_request(url: str) -> None:
     from sizing.errors import InvalidURLError
-    from sizing.gguf.remote import ProbeLimits
+    from sizing.probe.remote import ProbeLimits
 
     sent: list[httpx.Request] = []
 
@@ -206,7 +206,7 @@ def test_malformed_urls_are_the_callers_error_before_any_request(url: str) -> No
     "http://" + "a" * 63 + ".com/x?q=1#f",
 ])
 def test_well_formed_urls_pass_the_check(url: str) -> None:
-    from sizing.gguf.remote import check_url
+    from sizing.probe.remote import check_url
 
     check_url(url)
 
@@ -215,7 +215,7 @@ def test_well_formed_urls_pass_the_check(url: str) -> None:
                                       "hf://acme/tiny/x.gguf@", "hf://acme/x.gguf", "hf://acme//x.gguf"])
 def test_malformed_hf_locations_are_the_callers_error(location: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from sizing.errors import InvalidURLError
-    from sizing.gguf.remote import probe_location
+    from sizing.probe.remote import probe_location
 
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would be a RemoteError
     with pytest.raises(InvalidURLError):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sizing.errors import ProbeError, ShardError
-from sizing.gguf import probe_path, shard_paths
+from sizing.probe import probe_path, shard_paths
 from tests.gguf.conftest import write_model
 
 

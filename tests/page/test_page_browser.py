@@ -385,7 +385,7 @@ def test_the_bars_draw_each_loaded_models_share_and_the_offload_candidates(
     the plan of a third, too big for the card, is drawn beside them (each share named) with its candidates."""
     from selenium.webdriver.common.by import By
 
-    from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
+    from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 
     models = tmp_path / "models"
     tiny = Path(write_fixture("tiny-llama", models, shape=TINY_LLAMA)).stem

@@ -1,4 +1,4 @@
-"""Measured figures as the pure planner takes them (``sizing.measured``): reading, bounding, using, reporting."""
+"""Measured figures as the pure planner takes them (``sizing.memory.measured``): reading, bounding, using, reporting."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ from typing import Callable
 
 import pytest
 
-from sizing.config import ContextConfig
-from sizing.device import MIB, Device
+from sizing.memory.context import ContextConfig
+from sizing.plan.device import MIB, Device
 from sizing.errors import ConfigError
-from sizing.kv import kv_cells, kv_split_bytes
-from sizing.measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes
-from sizing.memory import estimate
-from sizing.plan import PlanRequest, make_plan
-from sizing.request import context_config
-from sizing.spec import ModelSpec
+from sizing.memory.kv import kv_cells, kv_split_bytes
+from sizing.memory.measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes
+from sizing.memory.estimate import estimate
+from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.request import context_config
+from sizing.model.spec import ModelSpec
 
 GIB = 1 << 30
 HOST = Device(0, "host memory", 48 * GIB, 64 * GIB, "host")
@@ -86,14 +86,14 @@ def test_a_configuration_llama_cpp_refused_is_refused(model_spec: Callable[..., 
 
 
 def test_unknown_cache_type_is_a_config_error() -> None:
-    from sizing.ggml import cache_type
+    from sizing.model.ggml import cache_type
 
     with pytest.raises(ConfigError, match="unknown KV cache type"):
         cache_type("q3_k")
 
 
 def test_a_gpu_plan_carries_the_cuda_pool_bound(model_spec: Callable[..., ModelSpec]) -> None:
-    from sizing.gpu import CUBLAS_WORKSPACE_BYTES, cuda_pool_bound_bytes
+    from sizing.memory.gpu import CUBLAS_WORKSPACE_BYTES, cuda_pool_bound_bytes
 
     spec = model_spec("Qwen3-30B-A3B")
     card = Device(0, "H100", 75 * GIB, 80 * GIB)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from sizing.device import Device
-from sizing.plan import PlanRequest, make_plan
-from sizing.spec import ModelSpec
+from sizing.plan.device import Device
+from sizing.plan.planner import PlanRequest, make_plan
+from sizing.model.spec import ModelSpec
 
 GIB = 1 << 30
 Spec = Callable[..., ModelSpec]
@@ -28,8 +28,8 @@ def test_qwen3_14b_bf16_on_the_laptop_is_a_partial_offload(model_spec: Spec) -> 
     gpu = est.gpus[0]
     assert gpu.total_bytes <= LAPTOP_GPU.free_bytes
     # The most slots that fit: one more would not.
-    from sizing.offload import fits
-    from sizing.plan import Sizer
+    from sizing.plan.offload import fits
+    from sizing.plan.planner import Sizer
 
     sz = Sizer(spec, [LAPTOP_GPU], LAPTOP_HOST, plan.request, "f16")
     from dataclasses import replace
@@ -133,7 +133,7 @@ def test_more_free_memory_never_slows_a_row_nor_drops_it_below_the_minimum(
 
 
 def test_every_row_has_its_placement_and_speed_in_json_and_table(model_spec: Spec) -> None:
-    from sizing.report import plan_json, plan_table
+    from sizing.plan.report import plan_json, plan_table
 
     spec = model_spec("Qwen3-14B")
     plan = make_plan(spec, [LAPTOP_GPU], LAPTOP_HOST, PlanRequest())

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sizing.config import ContextConfig
-from sizing.device import MIB, Device
-from sizing.kv import kv_bytes, kv_bytes_per_token
-from sizing.memory import estimate
-from sizing.placement import Placement, assign_slots
-from sizing.plan import PlanRequest, make_plan
-from sizing.spec import ModelSpec
+from sizing.memory.context import ContextConfig
+from sizing.plan.device import MIB, Device
+from sizing.memory.kv import kv_bytes, kv_bytes_per_token
+from sizing.memory.estimate import estimate
+from sizing.memory.placement import Placement, assign_slots
+from sizing.plan.planner import PlanRequest, make_plan
+from sizing.model.spec import ModelSpec
 
 MB = 1000 * 1000
 GIB = 1 << 30
@@ -78,7 +78,7 @@ def test_qwen25_14b_bf16_at_32k_is_refused_with_both_shortfalls(model_spec: Spec
     assert need > free
     shortfalls = [g.total_bytes - d.free_bytes for g, d in zip(est.gpus, (RTX_3080_TI, RTX_3090))]
     assert all(s > 0 for s in shortfalls), shortfalls
-    from sizing.report import plan_json
+    from sizing.plan.report import plan_json
 
     devices = {d["device"]: d for d in plan_json(plan)["estimate"]["devices"]}  # type: ignore[index]
     assert devices["CUDA0"]["missing_mib"] == round(shortfalls[0] / MIB, 2)

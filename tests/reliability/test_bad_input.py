@@ -175,7 +175,7 @@ def no_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     thread); each fails. Loopback names still resolve: the test's own client and server use them."""
     import socket
 
-    from sizing.gguf import remote
+    from sizing.probe import remote
 
     attempts: list[str] = []
     real_getaddrinfo = socket.getaddrinfo

@@ -14,7 +14,7 @@ import pytest
 
 from service.engine.chat_template import check_template
 from sizing.errors import ProbeError, without_credentials
-from sizing.gguf.remote import ProbeLimits, embedded_ipv4, probe_url
+from sizing.probe.remote import ProbeLimits, embedded_ipv4, probe_url
 from tests.conftest import ROOT
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from sizing.errors import ProbeError, RemoteError, ShardError
-from sizing.gguf.remote import ProbeLimits, probe_url
+from sizing.probe.remote import ProbeLimits, probe_url
 from tests.gguf.conftest import RangeServer, link_into, range_server  # noqa: F401  (a fixture, used here)
 
 from .conftest import FakeService

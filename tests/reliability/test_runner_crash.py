@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
+from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 
 pytestmark = pytest.mark.slow

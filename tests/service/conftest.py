@@ -92,6 +92,6 @@ def fake(fake_factory: Callable[..., FakeService]) -> FakeService:
 @pytest.fixture(scope="session")
 def big_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A sparse header-only gemma-3-27b bf16 GGUF (50 GiB apparent, nothing written): too big for these hosts."""
-    from sizing.gguf.fixtures import write_fixture
+    from sizing.testing.fixtures import write_fixture
 
     return write_fixture("gemma-3-27b", tmp_path_factory.mktemp("fixtures"))

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from sizing.device import MIB, Device
-from sizing.gguf import probe_path
-from sizing.plan import PlanRequest, make_plan
+from sizing.plan.device import MIB, Device
+from sizing.probe import probe_path
+from sizing.plan.planner import PlanRequest, make_plan
 from service.engine.llama import LlamaEngine
 from service.engine.params import plan_params
 from service.manager import credit_current, ModelState

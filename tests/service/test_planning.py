@@ -17,13 +17,13 @@ from service.engine.params import ModelParams, plan_params
 from service.errors import InsufficientMemory
 from service.planning import LoadOptions, Planner, needs_calibration
 from service.settings import Settings
-from sizing.config import ContextConfig
-from sizing.device import MIB, Device
-from sizing.gguf import probe_path
-from sizing.gguf.fixtures import write_fixture
-from sizing.measured import Calibrated, Calibration, ConfigKey
-from sizing.plan import make_plan
-from sizing.request import context_config
+from sizing.memory.context import ContextConfig
+from sizing.plan.device import MIB, Device
+from sizing.probe import probe_path
+from sizing.testing.fixtures import write_fixture
+from sizing.memory.measured import Calibrated, Calibration, ConfigKey
+from sizing.plan.planner import make_plan
+from sizing.plan.request import context_config
 
 GIB = 1 << 30
 UNMIRRORED = "Falcon-H1-0.5B"

@@ -2,7 +2,7 @@
 (the smallest idle set, least recently used first, never a busy or pinned model), refusals with figures, load on
 demand, keep_alive, aliases, the models file and the set dry-run.
 
-The models are llama-shaped header-only files (``sizing.gguf.fixtures``) of 4, 8, 16 and 32 layers; the cards
+The models are llama-shaped header-only files (``sizing.testing.fixtures``) of 4, 8, 16 and 32 layers; the cards
 are declared with 2500 MiB free each, so two or three models share them and a fourth needs room. Each model's
 runner process holds its own CUDA context (the 477 MiB allowance) on every card it uses.
 """
@@ -21,7 +21,7 @@ import pytest
 
 from service.engine.fake import FakeEngine
 from service.settings import Settings
-from sizing.gguf.fixtures import FixtureShape, write_fixture
+from sizing.testing.fixtures import FixtureShape, write_fixture
 
 from tests.conftest import stream_events
 

@@ -23,7 +23,7 @@ import pytest
 
 from service.engine.fake import FakeEngine
 from service.settings import Settings
-from sizing.gguf.fixtures import FixtureShape, write_fixture
+from sizing.testing.fixtures import FixtureShape, write_fixture
 
 from tests.conftest import stream_events
 from tests.prom import samples

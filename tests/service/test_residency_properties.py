@@ -27,9 +27,9 @@ from service.manager import Lease, ModelManager
 from service.models import Registry
 from service.planning import LoadOptions
 from service.settings import Settings
-from sizing.device import MIB, Device
-from sizing.residency import available, decision_request, held_bytes
-from sizing.gguf import probe_path
+from sizing.plan.device import MIB, Device
+from sizing.plan.residency import available, decision_request, held_bytes
+from sizing.probe import probe_path
 
 from .test_residency import _shape
 
@@ -39,7 +39,7 @@ LAYERS = {"a4": 4, "b4": 4, "c8": 8, "d8": 8, "e16": 16, "f24": 24}
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sizing.gguf.fixtures import write_fixture
+    from sizing.testing.fixtures import write_fixture
 
     d = tmp_path_factory.mktemp("props")
     for name, n in LAYERS.items():
@@ -159,6 +159,6 @@ def _check_state(m: ModelManager, engines: list[FakeEngine], gpus: list[Device])
         assert {a["device"]: a["allocated_mib"] for a in described["memory"]} == {
             a.device: round(a.total_bytes / MIB, 2) for a in eng.report.allocations}
     for g in gpus:
-        # Each model's runner process holds its own CUDA context there: in its held bytes (sizing.residency).
+        # Each model's runner process holds its own CUDA context there: in its held bytes (sizing.plan.residency).
         held = [held_bytes(x.plan.estimate).get(g.label, 0) for x in loaded if x.plan and x.plan.estimate]
         assert sum(held) <= g.free_bytes, (g.label, sum(held), g.free_bytes)

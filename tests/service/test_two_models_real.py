@@ -18,8 +18,8 @@ import pytest
 
 from service.engine.loglines import parse_allocations
 from service.settings import Settings
-from sizing.device import MIB
-from sizing.gguf.fixtures import TINY_LLAMA, write_fixture
+from sizing.plan.device import MIB
+from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 from tests.conftest import EMBEDDED_NAME, free_port, in_process_service
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ from typing import Callable
 
 import pytest
 
-from sizing.gguf import probe_path
-from sizing.gguf.fixtures import write_fixture
-from sizing.spec import ModelSpec
+from sizing.probe import probe_path
+from sizing.testing.fixtures import write_fixture
+from sizing.model.spec import ModelSpec
 
 # Worst errors seen by test_memory_vs_llama, reported in the terminal summary.
 ACCURACY: dict[str, tuple[float, str]] = {}

@@ -7,11 +7,11 @@ from typing import Callable
 
 import pytest
 
-from sizing import arch as archs
-from sizing.config import ContextConfig
-from sizing.gguf import probe_path
-from sizing.kv import kv_layers, recurrent_state_bytes, state_layers
-from sizing.spec import ModelSpec
+from sizing.model import arch as archs
+from sizing.memory.context import ContextConfig
+from sizing.probe import probe_path
+from sizing.memory.kv import kv_layers, recurrent_state_bytes, state_layers
+from sizing.model.spec import ModelSpec
 
 
 def test_set_swa_pattern_examples_of_llama_hparams() -> None:

@@ -1,4 +1,4 @@
-"""Every architecture of ``sizing.gguf.arch_fixtures`` against llama.cpp's own dry run (issue 19's acceptance).
+"""Every architecture of ``sizing.testing.arch_fixtures`` against llama.cpp's own dry run (issue 19's acceptance).
 
 Per architecture, one dry-run worker (the model loaded once) answers everything:
 
@@ -21,15 +21,15 @@ from service.engine.calibrate import Calibrator, sample_of
 from service.engine.params import ModelParams
 from service.planning import LoadOptions, Planner
 from service.settings import Settings
-from sizing.config import ContextConfig
-from sizing.device import MIB, Device
-from sizing.gguf import probe_path
-from sizing.gguf.arch_fixtures import ARCH_FIXTURES
-from sizing.kv import kv_split_bytes, recurrent_state_bytes
-from sizing.measured import Calibrated, ConfigKey
-from sizing.memory import output_buffer_bytes, resolve_flash_attn
-from sizing.request import context_config
-from sizing.spec import ModelSpec
+from sizing.memory.context import ContextConfig
+from sizing.plan.device import MIB, Device
+from sizing.probe import probe_path
+from sizing.testing.arch_fixtures import ARCH_FIXTURES
+from sizing.memory.kv import kv_split_bytes, recurrent_state_bytes
+from sizing.memory.measured import Calibrated, ConfigKey
+from sizing.memory.estimate import output_buffer_bytes, resolve_flash_attn
+from sizing.plan.request import context_config
+from sizing.model.spec import ModelSpec
 
 from .conftest import ACCURACY
 
@@ -126,8 +126,8 @@ def _check_plans(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> int:
 def devices_that_limit(spec: ModelSpec, settings: Settings) -> tuple[Device, Device]:
     """A host and a card with room for about half the trained context at f16 (simulated): the rows are
     limited by memory wherever the context costs memory."""
-    from sizing.placement import Placement
-    from sizing.sizer import Sizer
+    from sizing.memory.placement import Placement
+    from sizing.plan.sizer import Sizer
 
     req = Planner(settings, lambda: ([], Device(0, "h", 0, 0, "host"))).request(LoadOptions())
     big_host = Device(0, "host memory", spec.weights_bytes + 256 * GIB, spec.weights_bytes + 256 * GIB, "host")

@@ -6,13 +6,13 @@ from typing import Callable
 
 import pytest
 
-import sizing.graph_alloc as ga
-from sizing.compute import compute_bytes, logits_bytes, output_phase_bytes
-from sizing.reserve import _build, _simulate, graph_shape
-from sizing.config import ContextConfig
+import sizing.memory.graph_alloc as ga
+from sizing.memory.compute import compute_bytes, logits_bytes, output_phase_bytes
+from sizing.memory.graph import _build, _simulate, graph_shape
+from sizing.memory.context import ContextConfig
 from sizing.errors import FlashAttentionRequiredError
-from sizing.memory import estimate, output_buffer_bytes, resolve_flash_attn
-from sizing.spec import ModelSpec
+from sizing.memory.estimate import estimate, output_buffer_bytes, resolve_flash_attn
+from sizing.model.spec import ModelSpec
 
 MIB = 1 << 20
 MODELS = ["Qwen3-14B", "Llama-3.1-8B", "gemma-3-27b", "gemma-2-9b", "Mistral-Nemo-12B", "Qwen3-30B-A3B", "DeepSeek-V2-Lite"]

@@ -7,7 +7,7 @@ from typing import Callable
 import pytest
 
 from service.engine.dryrun import dry_run, parse_context_log
-from sizing.config import ContextConfig
+from sizing.memory.context import ContextConfig
 
 LOG = [
     "llama_context: n_ctx                 = 5120",

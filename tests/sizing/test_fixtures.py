@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sizing.gguf import probe_path
-from sizing.gguf.fixtures import FIXTURES, write_fixture
+from sizing.probe import probe_path
+from sizing.testing.fixtures import FIXTURES, write_fixture
 
 
 def test_qwen3_14b_shape_and_sparseness(tmp_path: Path) -> None:

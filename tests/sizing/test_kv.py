@@ -6,12 +6,12 @@ from typing import Callable
 
 import pytest
 
-from sizing.config import ContextConfig
+from sizing.memory.context import ContextConfig
 from sizing.errors import ConfigError
-from sizing.ggml import CACHE_TYPES, cache_type
-from sizing.gguf import probe_path
-from sizing.kv import kv_bytes, kv_bytes_per_token, kv_cells, kv_split_bytes
-from sizing.spec import LayerSpec, ModelSpec
+from sizing.model.ggml import CACHE_TYPES, cache_type
+from sizing.probe import probe_path
+from sizing.memory.kv import kv_bytes, kv_bytes_per_token, kv_cells, kv_split_bytes
+from sizing.model.spec import LayerSpec, ModelSpec
 
 MIB = 1 << 20
 
@@ -66,7 +66,7 @@ def test_mla_caches_k_only(fixture_spec: Callable[..., ModelSpec]) -> None:
     spec = fixture_spec("DeepSeek-V2-Lite")
     assert kv_bytes_per_token(spec) == 27 * 576 * 2
     with pytest.raises(ConfigError, match="different K"):
-        from sizing.kv import check_cache_types
+        from sizing.memory.kv import check_cache_types
 
         check_cache_types(spec, ContextConfig(n_ctx=4096, type_k="q8_0", type_v="f16"))
 
@@ -90,7 +90,7 @@ def test_v_is_padded_to_the_widest_layer_without_flash_attention() -> None:
 def test_recurrent_layers_have_no_kv_and_block_size_must_divide_head() -> None:
     spec = _spec([LayerSpec(0, 8, 2, 80, 80), LayerSpec(1, 8, 0, 80, 80, is_recurrent=True)])
     assert kv_bytes(spec, ContextConfig(n_ctx=512), flash=True) == 512 * 2 * 160 * 2
-    from sizing.kv import check_cache_types
+    from sizing.memory.kv import check_cache_types
 
     with pytest.raises(ConfigError, match=r"block size 32 does not divide n_embd_head_k=80"):
         check_cache_types(spec, ContextConfig(n_ctx=512, type_k="q8_0", type_v="f16"), flash=True)

@@ -3,7 +3,7 @@
 One child process per model (the load is the slow part) creates one context
 per configuration. KV must match to the log's resolution (0.01 MiB) in every
 case, refusals must agree, and the compute buffer (the simulated ``ggml_gallocr`` peak,
-``sizing/graph_alloc.py``) is within 5% of llama.cpp's in every case for every model (MoE and
+``sizing/memory/graph_alloc.py``) is within 5% of llama.cpp's in every case for every model (MoE and
 MLA included); the worst errors are printed in the terminal summary.
 """
 
@@ -15,13 +15,13 @@ from typing import Callable
 import pytest
 
 from service.engine.dryrun import DryRunResult, dry_run_many
-from sizing.compute import compute_bytes
-from sizing.config import ContextConfig
+from sizing.memory.compute import compute_bytes
+from sizing.memory.context import ContextConfig
 from sizing.errors import ConfigError
-from sizing.gguf import probe_path
-from sizing.kv import check_cache_types, kv_split_bytes
-from sizing.memory import output_buffer_bytes
-from sizing.spec import ModelSpec
+from sizing.probe import probe_path
+from sizing.memory.kv import check_cache_types, kv_split_bytes
+from sizing.memory.estimate import output_buffer_bytes
+from sizing.model.spec import ModelSpec
 
 from .conftest import ACCURACY
 

@@ -1,4 +1,4 @@
-"""Repacked weights in the plan (``sizing.repack``): which weights llama.cpp's extra CPU buffer types copy, and
+"""Repacked weights in the plan (``sizing.memory.repack``): which weights llama.cpp's extra CPU buffer types copy, and
 their bytes; checked against llama.cpp's own load and dry run on this host."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from sizing.device import MIB, Device
-from sizing.gguf import probe_path
-from sizing.plan import PlanRequest, make_plan
-from sizing.repack import auto_repack, buffer_of, extra_buffer_bytes
-from sizing.spec import TensorInfo
+from sizing.plan.device import MIB, Device
+from sizing.probe import probe_path
+from sizing.plan.planner import PlanRequest, make_plan
+from sizing.memory.repack import auto_repack, buffer_of, extra_buffer_bytes
+from sizing.model.spec import TensorInfo
 
 AVX2 = frozenset({"AVX", "AVX2", "FMA", "REPACK"})
 AVX512 = AVX2 | {"AVX512"}

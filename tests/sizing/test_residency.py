@@ -1,4 +1,4 @@
-"""The residency arithmetic (``sizing.residency``): exact figures, and properties of the eviction search."""
+"""The residency arithmetic (``sizing.plan.residency``): exact figures, and properties of the eviction search."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sizing.config import ContextConfig
-from sizing.device import MIB, Device
-from sizing.kv import KvCells
-from sizing.memory import DeviceMemory, MemoryEstimate
-from sizing.plan import PlanRequest, make_plan
-from sizing.residency import (Holding, available, choose_eviction, decision_request, eviction_sets, held_bytes,
+from sizing.memory.context import ContextConfig
+from sizing.plan.device import MIB, Device
+from sizing.memory.kv import KvCells
+from sizing.memory.estimate import DeviceMemory, MemoryEstimate
+from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.residency import (Holding, available, choose_eviction, decision_request, eviction_sets, held_bytes,
                               held_summary, lru)
 
 A = 477 * MIB  # the allowance a plan counts per card
@@ -150,7 +150,7 @@ def test_held_summary_lists_each_cards_residents() -> None:
 def test_the_decision_request_reaches_the_full_plans_verdict(embedded_model: str, free: list[int], host_mib: int,
                                                              cache: str, offload: bool, n_ctx: int | None) -> None:
     """Eviction decides on one cache type at the smallest context; its verdict and placement are the full plan's."""
-    from sizing.gguf import probe_path
+    from sizing.probe import probe_path
 
     spec = probe_path(embedded_model)
     cards = [Device(i, f"c{i}", f * MIB, 48_000 * MIB) for i, f in enumerate(free)]

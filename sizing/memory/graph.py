@@ -4,17 +4,17 @@ llama.cpp measures its compute buffer in ``llama_context::sched_reserve``
 (``src/llama-context.cpp``): it builds the worst-case graph (``graph_reserve``:
 ``n_tokens = min(n_ctx, n_ubatch)``, every token an output, the whole KV view)
 and ``ggml_gallocr`` (``ggml/src/ggml-alloc.c``) allocates it. For the mirrored
-architectures (``sizing.arch.MIRRORED``: llama, qwen2, qwen3, gemma2, gemma3,
+architectures (``sizing.model.arch.MIRRORED``: llama, qwen2, qwen3, gemma2, gemma3,
 qwen3moe, deepseek2 with absorbed MLA) this module rebuilds that graph's tensors
 in the builders' node order (``_Reserve``, after ``src/models/*.cpp`` and
 ``llm_graph_context::build_attn`` / ``build_attn_mha`` / ``build_ffn`` /
 ``build_moe_ffn`` / ``build_norm`` in ``src/llama-graph.cpp``; the first and last
 layers only, see ``KEEP_LAYERS``) and replays ``ggml_gallocr`` over it
-(``sizing/graph_alloc.py``): the allocator's decisions are traced once per graph
+(``sizing/memory/graph_alloc.py``): the allocator's decisions are traced once per graph
 structure and replayed with each KV length's tensor sizes (``_program``); the peak
 is the prediction, cached per model shape and configuration.
 
-Every other architecture goes to ``sizing.compute``'s phase model, and its plans
+Every other architecture goes to ``sizing.memory.compute``'s phase model, and its plans
 are calibrated by llama.cpp's own dry run (``service.planning``).
 """
 
@@ -24,31 +24,28 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from . import arch as archs
+from ..model import arch as archs
 from . import graph_alloc as ga
-from .config import ContextConfig
-from .ggml import cache_type
+from .context import ContextConfig
+from ..model.ggml import cache_type
 from .kv import kv_cells
-from .spec import ModelSpec
+from ..model.spec import ModelSpec
 
 
-def _n_ff(spec: ModelSpec) -> int:
+def n_ff(spec: ModelSpec) -> int:
     v = spec.metadata.get(f"{spec.architecture}.feed_forward_length")
     if isinstance(v, list):
         v = max((int(x) for x in v if isinstance(x, int)), default=0)
     return v if isinstance(v, int) and not isinstance(v, bool) else 4 * spec.n_embd
 
 
-def _n_ff_exp(spec: ModelSpec) -> int:
+def n_ff_exp(spec: ModelSpec) -> int:
     v = spec.metadata.get(f"{spec.architecture}.expert_feed_forward_length")
     if isinstance(v, list):
         v = max((int(x) for x in v if isinstance(x, int)), default=0)
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
-_MOE_ARCHS = frozenset({"qwen3moe", "deepseek2"})
-"""The mirrored MoE builders (``src/models/qwen3moe.cpp``, ``deepseek2.cpp`` with MLA); the other mirrored
-architectures use the dense builder (``src/models/{llama,qwen2,qwen3,gemma2,gemma3}.cpp``)."""
 
 KEEP_LAYERS = 3
 """Layers simulated at each end of the stack. After the first layers the allocator's free list repeats
@@ -125,7 +122,7 @@ def _moe_shape(spec: ModelSpec) -> MoeShape | None:
     up = _tensor_shape(spec, f"blk.{first}.ffn_up_exps.weight")
     sh = _tensor_shape(spec, f"blk.{first}.ffn_up_shexp.weight")
     scale = md.get(f"{arch}.expert_weights_scale")
-    if arch == "qwen3moe":
+    if archs.traits(arch).moe_norm_fixed:
         norm_w, gating = True, 1  # src/models/qwen3moe.cpp: norm_w true, softmax
     else:
         norm_w = bool(md.get(f"{arch}.expert_weights_norm", False))
@@ -136,7 +133,7 @@ def _moe_shape(spec: ModelSpec) -> MoeShape | None:
     return MoeShape(
         n_expert=spec.n_expert,
         n_expert_used=spec.n_expert_used,
-        n_ff_exp=up[1] if up and len(up) > 1 else _n_ff_exp(spec),
+        n_ff_exp=up[1] if up and len(up) > 1 else n_ff_exp(spec),
         n_ff_shexp=sh[1] if sh and len(sh) > 1 else 0,
         norm_w=norm_w,
         scale_w=isinstance(scale, (int, float)) and scale not in (0, 1),
@@ -157,9 +154,10 @@ def graph_shape(spec: ModelSpec) -> GraphShape | None:
 def _graph_shape(spec: ModelSpec) -> GraphShape | None:
     """The simulated model shape, or None when the architecture's graph is not mirrored (recurrent, others)."""
     arch = spec.architecture
+    t = archs.traits(arch)
     if arch not in archs.MIRRORED or spec.state is not None or spec.ssm is not None:
         return None
-    if arch not in _MOE_ARCHS and (spec.mla is not None or spec.n_expert):
+    if not t.moe_graph and (spec.mla is not None or spec.n_expert):
         return None
     layers = spec.layers[: spec.n_layer]
     if not layers or any(not l.has_kv for l in layers):
@@ -167,14 +165,14 @@ def _graph_shape(spec: ModelSpec) -> GraphShape | None:
     names = spec.tensor_names
     moe: MoeShape | None = None
     mla: MlaShape | None = None
-    if arch in _MOE_ARCHS:
+    if t.moe_graph:
         moe = _moe_shape(spec)
         if moe is None:
             return None
-    if arch == "deepseek2":
+    if t.mla_graph:
         if spec.mla is None or "blk.0.attn_k_b.weight" not in names or spec.swa_layer_count:
             return None  # legacy wkv_b (non-absorbed) files: not mirrored
-        if spec.metadata.get("deepseek2.attention.temperature_scale"):
+        if spec.metadata.get(f"{arch}.attention.temperature_scale"):
             return None
         qa = _tensor_shape(spec, "blk.0.attn_q_a.weight")
         mla = MlaShape(spec.mla.kv_lora_rank, spec.mla.n_embd_head_k_mla, spec.mla.n_embd_head_v_mla,
@@ -202,14 +200,14 @@ def _graph_shape(spec: ModelSpec) -> GraphShape | None:
     return GraphShape(
         arch=arch,
         n_embd=spec.n_embd,
-        n_ff=_n_ff(spec),
+        n_ff=n_ff(spec),
         n_vocab=spec.n_vocab,
         layers=sel,
         iswa=spec.swa_layer_count > 0,
         v_max=max(l.n_head_kv * l.n_embd_head_v for l in layers),
         qk_norm="blk.0.attn_q_norm.weight" in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        attn_softcap=arch == "gemma2" and bool(spec.metadata.get("gemma2.attn_logit_softcapping")),
+        attn_softcap=t.attn_softcap and bool(spec.metadata.get(f"{arch}.attn_logit_softcapping")),
         final_softcap=bool(spec.metadata.get(f"{arch}.final_logit_softcapping")),
         moe=moe,
         mla=mla,
@@ -483,7 +481,7 @@ class _Reserve:
     def build_dense(self) -> ga.Graph:
         """The llama / qwen2 / qwen3 / gemma2 / gemma3 graph builders (``src/models/*.cpp``)."""
         s, g, n = self.shape, self.g, self.n_tokens
-        gemma = s.arch in ("gemma2", "gemma3")
+        gemma = archs.traits(s.arch).gemma_graph
         layers = s.layers
         inpL = self.inp_embd()
         if gemma:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import N_CTX_PAD
+from ..memory.context import N_CTX_PAD
 
 
 def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int = N_CTX_PAD) -> int:

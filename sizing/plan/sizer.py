@@ -2,8 +2,8 @@
 
 ``Sizer`` answers "does this placement hold this context?" for one model, cache
 type and device set, from the pure model or, where a calibration is given, from
-llama.cpp's own figures (``sizing.measured``). ``sizing.plan`` and
-``sizing.offload`` both build on it, and on nothing of each other.
+llama.cpp's own figures (``sizing.memory.measured``). ``sizing.plan.planner`` and
+``sizing.plan.offload`` both build on it, and on nothing of each other.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
-from .config import ContextConfig
+from ..memory.context import ContextConfig
 from .device import Device
-from .errors import ConfigError
-from .kv import kv_cells
-from .measured import Calibration, ConfigKey, Figures, placement_key
-from .memory import MemoryEstimate, estimate, resolve_flash_attn
-from .placement import Placement, assign_slots
+from ..errors import ConfigError
+from ..memory.kv import kv_cells
+from ..memory.measured import Calibration, ConfigKey, Figures, placement_key
+from ..memory.estimate import MemoryEstimate, estimate, resolve_flash_attn
+from ..memory.placement import Placement, assign_slots
 from .request import PlanRequest, context_config
-from .spec import ModelSpec
+from ..model.spec import ModelSpec
 
 Verdict = Literal["cpu", "one_card", "split", "partial_offload", "refused"]
 RefusalCode = Literal["INSUFFICIENT_MEMORY", "SPLIT_NOT_HONOURED", "INVALID_CONFIG"]
@@ -54,7 +54,7 @@ class CacheTypeOption:
     candidates: tuple[Candidate, ...] = ()
     warnings: tuple[str, ...] = ()
     decode_tokens_per_s: float | None = None
-    """The speed model's decode figure for this row's placement (``sizing.offload.speed``)."""
+    """The speed model's decode figure for this row's placement (``sizing.plan.offload.speed``)."""
     prompt_tokens_per_s: float | None = None
     largest_n_ctx: int = 0
     """The largest context any placement considered for this type holds (a partial-offload row's own

@@ -1,6 +1,6 @@
 """The device adapters: live NVML, declared inventories and host memory, read into ``Device`` values.
 
-The ``Device`` value itself is pure and lives in ``sizing.device`` (re-exported here for
+The ``Device`` value itself is pure and lives in ``sizing.plan.device`` (re-exported here for
 callers that read both). This is the only module that imports ``pynvml``, and only
 inside ``nvml_devices``.
 """
@@ -11,8 +11,9 @@ import json
 import os
 from typing import Sequence
 
-from .device import MIB, Device, DeviceKind
-from .errors import DeviceError
+from ..plan.device import Device, DeviceKind
+from ..units import MIB
+from ..errors import DeviceError
 
 __all__ = ["MIB", "Device", "DeviceKind", "host_memory", "nvml_devices", "parse_declared", "load_declared", "inventory",
            "measure_host_bandwidth"]

@@ -1,6 +1,6 @@
 """The model spec: everything sizing needs from a GGUF header, as frozen values.
 
-Produced by ``sizing.gguf`` (the probe), consumed by the pure core. No
+Produced by ``sizing.probe`` (the probe), consumed by the pure core. No
 behaviour beyond derived properties.
 """
 
@@ -51,7 +51,7 @@ class LayerSpec:
     n_ff: int = 0
     """``hparams.n_ff(il)`` (``feed_forward_length``, scalar or per layer)."""
     attention: bool | None = None
-    """Whether ``create_memory``'s cache keeps K/V for this block (``sizing.arch.memory_layers``);
+    """Whether ``create_memory``'s cache keeps K/V for this block (``sizing.model.arch.memory_layers``);
     None: not recurrent and with KV heads."""
     state: bool | None = None
     """Whether ``llama_memory_recurrent`` keeps r/s state for this block; None: ``is_recurrent``."""
@@ -93,7 +93,7 @@ class SsmSpec:
 @dataclass(frozen=True)
 class StateSpec:
     """Per-sequence recurrent state of every state layer: F32 ``n_embd_r`` + ``n_embd_s`` elements
-    (``llama_hparams::n_embd_r`` / ``n_embd_s``; ``sizing.arch.state_widths``)."""
+    (``llama_hparams::n_embd_r`` / ``n_embd_s``; ``sizing.model.arch.state_widths``)."""
 
     kind: str
     """``ssm`` (Mamba, Mamba-2, gated delta net), ``rwkv``, ``shortconv`` (LFM2), ``kda``, ``linear_attn``."""
@@ -138,7 +138,7 @@ class ModelSpec:
     ssm: SsmSpec | None = None
     state: StateSpec | None = None
     arch_known: bool = True
-    """Whether ``sizing.arch.ARCHS`` lists the architecture (else it is sized as a plain attention stack)."""
+    """Whether ``sizing.model.arch.ARCHS`` lists the architecture (else it is sized as a plain attention stack)."""
     file_type: int | None = None
     file_type_name: str | None = None
     alignment: int = 32

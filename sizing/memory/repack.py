@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable, Literal
 
-from .spec import ModelSpec, TensorInfo
+from ..model.spec import ModelSpec, TensorInfo
 
 Buffer = Literal["AMX", "CPU_REPACK"]
 EXTRA_BUFFERS: tuple[Buffer, ...] = ("AMX", "CPU_REPACK")

@@ -11,7 +11,7 @@ module only holds them and reads figures off them:
   constant; one sample gives the bytes per cell (the log's 0.01 MiB rounded up).
 - compute buffer: within one graph structure every tensor's size is linear in the
   KV cells, so the allocator's peak is piecewise linear in the full cells (and in
-  the sliding cells, which stop growing at the window: ``sizing.kv.kv_cells``).
+  the sliding cells, which stop growing at the window: ``sizing.memory.kv.kv_cells``).
   It is **neither convex nor monotone**: the best-fit allocator's choices change
   with the sizes (measured with llama.cpp: gpt-oss-20b, f16, flash attention,
   511.00 MiB at one context and 409.63 MiB at a longer one; Jamba-Mini-1.5 and
@@ -22,7 +22,7 @@ module only holds them and reads figures off them:
 
 The planner asks for a figure at a configuration (``Calibration.figures``); when
 there is none it simulates. Every estimate records which it used
-(``sizing.memory.DeviceMemory.sources``).
+(``sizing.memory.estimate.DeviceMemory.sources``).
 
 Pure: values in, values out.
 """
@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from .config import ContextConfig
+from .context import ContextConfig
 
 MIB = 1 << 20
 Source = Literal["simulated", "measured"]

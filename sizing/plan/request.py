@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .config import ContextConfig, FlashAttn
-from .memory import DEFAULT_GPU_ALLOWANCE_BYTES
-from .repack import auto_repack
-from .spec import ModelSpec
+from ..memory.context import ContextConfig, FlashAttn
+from ..memory.estimate import DEFAULT_GPU_ALLOWANCE_BYTES
+from ..memory.repack import auto_repack
+from ..model.spec import ModelSpec
 
 DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
@@ -52,7 +52,7 @@ class PlanRequest:
     """Why ``cpu_repack`` is what it is (the load's log line and the dry run say it)."""
     cpu_features: frozenset[str] = frozenset()
     """The CPU features llama.cpp reports on the host the plan runs on (``llama_print_system_info``): with the
-    extra buffer types on, which weights they copy (``sizing.repack``). Empty: unknown, none predicted."""
+    extra buffer types on, which weights they copy (``sizing.memory.repack``). Empty: unknown, none predicted."""
 
     @property
     def extra_buffers(self) -> frozenset[str] | None:

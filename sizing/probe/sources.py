@@ -1,6 +1,6 @@
 """Byte sources for the header reader: a local file (mmap) or bytes in memory.
 
-Remote sources (HTTP range requests) live in ``sizing.gguf.remote``.
+Remote sources (HTTP range requests) live in ``sizing.probe.remote``.
 """
 
 from __future__ import annotations

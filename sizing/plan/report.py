@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from . import arch as archs
-from .compute import compute_mirrored
-from .device import MIB, Device
-from .memory import MemoryEstimate
-from .placement import Placement
-from .plan import CacheTypeOption, Candidate, Plan
-from .spec import ModelSpec
-
-
-def mib(n: int | float) -> float:
-    return round(n / MIB, 2)
+from ..model import arch as archs
+from ..memory.compute import compute_mirrored
+from .device import Device
+from ..units import mib
+from ..memory.estimate import MemoryEstimate
+from ..memory.placement import Placement
+from .planner import CacheTypeOption, Candidate, Plan
+from ..model.spec import ModelSpec
 
 
 def spec_json(spec: ModelSpec) -> dict[str, object]:
@@ -248,9 +245,9 @@ def plan_table(plan: Plan) -> str:
                      f"every token), total {mib(e.total_bytes)} MiB")
     if plan.candidates:
         lines.append("partial-offload candidates (fastest first):")
-        for c in plan.candidates[:8]:
-            lines.append(f"  {c.description:<62} n_ctx {c.n_ctx:>7}  decode {c.decode_tokens_per_s:8.2f} tok/s  "
-                         f"prompt {c.prompt_tokens_per_s:8.1f} tok/s")
+        for cand in plan.candidates[:8]:
+            lines.append(f"  {cand.description:<62} n_ctx {cand.n_ctx:>7}  decode {cand.decode_tokens_per_s:8.2f} "
+                         f"tok/s  prompt {cand.prompt_tokens_per_s:8.1f} tok/s")
     if plan.predicted_decode_tokens_per_s is not None:
         lines.append(f"predicted speed: decode {plan.predicted_decode_tokens_per_s:.1f} tok/s, "
                      f"prompt {plan.predicted_prompt_tokens_per_s or 0:.0f} tok/s")

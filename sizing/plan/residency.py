@@ -37,9 +37,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 from .device import Device
-from .memory import MemoryEstimate
+from ..memory.estimate import MemoryEstimate
 from .request import PlanRequest, ctx_cap, ctx_floor
-from .spec import ModelSpec
+from ..model.spec import ModelSpec
 
 EXHAUSTIVE_CANDIDATES = 12
 """Up to this many idle residents every set is tried (smallest first); beyond it, least recently used prefixes."""

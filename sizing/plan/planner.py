@@ -13,10 +13,10 @@ The rules (the second source document's, done for llama.cpp):
 - ``"all"`` splits over every card even when one would do, and is refused
   (SPLIT_NOT_HONOURED) when a card would get no layer;
 - a model no arrangement of cards holds runs with some layers in host memory
-  (partial offload, ``sizing.offload``) unless that is disallowed; then the
+  (partial offload, ``sizing.plan.offload``) unless that is disallowed; then the
   refusal lists every card's figures.
 
-With a ``Calibration`` (llama.cpp's own figures, ``sizing.measured``; the
+With a ``Calibration`` (llama.cpp's own figures, ``sizing.memory.measured``; the
 service measures them for every architecture whose graph is not mirrored and
 for GPU backends) the same search runs on measured figures; every estimate says
 which figures are ``simulated`` and which ``measured``.
@@ -27,18 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from .config import ContextConfig, pad
-from .device import MIB, Device
-from .errors import ConfigError
+from ..memory.context import ContextConfig, pad
+from .device import Device
+from ..units import MIB
+from ..errors import ConfigError
 from .fit import largest_fitting
-from .measured import Calibration
-from .memory import MemoryEstimate
+from ..memory.measured import Calibration
+from ..memory.estimate import MemoryEstimate
 from .offload import plan_offload, speed
-from .placement import Placement
+from ..memory.placement import Placement
 from .request import DEFAULT_CACHE_TYPES, PlanRequest, context_config, ctx_cap, ctx_floor
 from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, proportional_counts, slot_counts,
                     split_placement)
-from .spec import ModelSpec
+from ..model.spec import ModelSpec
 from .speed import Tiers
 
 __all__ = ["DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan", "PlanRequest", "RefusalCode", "Sizer",
@@ -65,7 +66,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     predicted_decode_tokens_per_s: float | None = None
     predicted_prompt_tokens_per_s: float | None = None
-    """The speed model's figures for the chosen placement (``sizing.speed``), checked against measured ones."""
+    """The speed model's figures for the chosen placement (``sizing.plan.speed``), checked against measured ones."""
     calibration: Calibration | None = field(default=None, compare=False, repr=False)
     """llama.cpp's measured figures the plan used (None: every figure simulated)."""
 
@@ -163,7 +164,7 @@ def _refused(sz: Sizer, placement: Placement, floor: int, why: str) -> CacheType
 
 
 def _offload_or_refuse(sz: Sizer, idx: list[int], floor: int, cap: int, why: str) -> CacheTypeOption:
-    """Partial offload when allowed (``sizing.offload``), else a refusal with the best full-offload figures."""
+    """Partial offload when allowed (``sizing.plan.offload``), else a refusal with the best full-offload figures."""
     order = sorted(idx, key=lambda i: (-sz.gpus[i].free_bytes, i))
     proportional = split_placement(sorted(order), proportional_counts(sz, sorted(order))) if order else Placement()
     if len(order) == 1:
@@ -193,7 +194,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
               calibration: Calibration | None = None) -> Plan:
     """Plan a load: per cache type the largest context; the chosen type's placement and estimate.
 
-    ``calibration``: llama.cpp's measured figures for this model (``sizing.measured``), used wherever they
+    ``calibration``: llama.cpp's measured figures for this model (``sizing.memory.measured``), used wherever they
     cover a configuration; the simulation everywhere else.
     """
     cap = ctx_cap(spec, req)

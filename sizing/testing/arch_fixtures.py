@@ -5,7 +5,7 @@ named beside it) as the GGUF keys llama.cpp's converter writes, and a tensor
 builder that mirrors the architecture's ``load_arch_tensors``
 (``src/models/<arch>.cpp`` of the llama.cpp vendored by llama-cpp-python 0.3.36):
 every required tensor with its shape, nothing the loader would not create
-(``done_getting_tensors`` refuses extra tensors). ``sizing.gguf.fixtures``
+(``done_getting_tensors`` refuses extra tensors). ``sizing.testing.fixtures``
 writes them like the others: header, then a hole to the full size.
 
 Where a config value is not a plain GGUF key (layer-type lists, hybrid patterns)

@@ -9,18 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from . import arch as archs
+from ..model import arch as archs
 from . import gpu
 from .compute import compute_bytes, host_compute_bytes
-from .config import ContextConfig
-from .device import MIB
-from .errors import FlashAttentionRequiredError
-from .ggml import cache_type
+from .context import ContextConfig
+from ..units import MIB, mib
+from ..errors import FlashAttentionRequiredError
+from ..model.ggml import cache_type
 from .repack import EXTRA_BUFFERS, extra_buffer_bytes
 from .kv import KvCells, check_cache_types, kv_cells, kv_split_bytes, recurrent_state_bytes
 from .measured import Figures, Source
 from .placement import Placement
-from .spec import ModelSpec
+from ..model.spec import ModelSpec
 
 DEFAULT_GPU_ALLOWANCE_BYTES = 500 * 1000 * 1000
 """Untracked per-GPU memory (CUDA context, cuBLAS workspace): the second source document's 500 MB."""
@@ -57,7 +57,7 @@ def resolve_flash_attn(cfg: ContextConfig, spec: ModelSpec | None = None) -> boo
 @dataclass(frozen=True)
 class FigureSources:
     """Where each term of an estimate came from: the pure model (``simulated``) or llama.cpp's dry run
-    (``measured``, ``sizing.measured``)."""
+    (``measured``, ``sizing.memory.measured``)."""
 
     kv: Source = "simulated"
     state: Source = "simulated"
@@ -84,12 +84,12 @@ class DeviceMemory:
     """Recurrent state of this device's state layers (``llama_memory_recurrent``)."""
     pool_bytes: int = 0
     """The bound on what llama.cpp's dry run cannot see on a GPU: the CUDA pool and cuBLAS workspace
-    (``sizing.gpu.cuda_pool_bound_bytes``); 0 on the host."""
+    (``sizing.memory.gpu.cuda_pool_bound_bytes``); 0 on the host."""
     embedding_bytes: int = 0
     """The embedding context's KV, compute and output buffers on this device (``ContextConfig.embedding_tokens``)."""
     extra_weights: tuple[tuple[str, int], ...] = ()
     """Host only: weights copied into llama.cpp's extra CPU buffer types (``AMX``, ``CPU_REPACK``: buffer, bytes),
-    beside ``weights_bytes`` (the mapped file); ``sizing.repack``."""
+    beside ``weights_bytes`` (the mapped file); ``sizing.memory.repack``."""
 
     @property
     def extra_weights_bytes(self) -> int:
@@ -104,16 +104,16 @@ class DeviceMemory:
         return {
             "device": self.device,
             "layers": list(self.layers),
-            "weights_mib": round(self.weights_bytes / MIB, 2),
-            "kv_mib": round(self.kv_bytes / MIB, 2),
-            "state_mib": round(self.state_bytes / MIB, 2),
-            "compute_mib": round(self.compute_bytes / MIB, 2),
-            "output_mib": round(self.output_bytes / MIB, 2),
-            "allowance_mib": round(self.allowance_bytes / MIB, 2),
-            "gpu_pool_mib": round(self.pool_bytes / MIB, 2),
-            "embedding_mib": round(self.embedding_bytes / MIB, 2),
-            **({"extra_weights_mib": {b: round(n / MIB, 2) for b, n in self.extra_weights}} if self.extra_weights else {}),
-            "total_mib": round(self.total_bytes / MIB, 2),
+            "weights_mib": mib(self.weights_bytes),
+            "kv_mib": mib(self.kv_bytes),
+            "state_mib": mib(self.state_bytes),
+            "compute_mib": mib(self.compute_bytes),
+            "output_mib": mib(self.output_bytes),
+            "allowance_mib": mib(self.allowance_bytes),
+            "gpu_pool_mib": mib(self.pool_bytes),
+            "embedding_mib": mib(self.embedding_bytes),
+            **({"extra_weights_mib": {b: mib(n) for b, n in self.extra_weights}} if self.extra_weights else {}),
+            "total_mib": mib(self.total_bytes),
         }
 
 
@@ -134,8 +134,8 @@ class EmbeddingMemory:
 
     def to_json(self) -> dict[str, object]:
         return {"n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch, "n_seq_max": self.n_seq_max,
-                "kv_mib": round(self.kv_bytes / MIB, 2), "compute_mib": round(self.compute_bytes / MIB, 2),
-                "output_mib": round(self.output_bytes / MIB, 2), "total_mib": round(self.total_bytes / MIB, 2)}
+                "kv_mib": mib(self.kv_bytes), "compute_mib": mib(self.compute_bytes),
+                "output_mib": mib(self.output_bytes), "total_mib": mib(self.total_bytes)}
 
 
 @dataclass(frozen=True)
@@ -223,9 +223,9 @@ def estimate(
     """Predict what llama.cpp allocates on each device for this placement and context.
 
     ``cpu_extra``: the CPU features of a host without GPUs whose load uses llama.cpp's extra CPU buffer types
-    (``use_extra_bufts``): the weights they copy are predicted per buffer (``sizing.repack``); None: off.
+    (``use_extra_bufts``): the weights they copy are predicted per buffer (``sizing.memory.repack``); None: off.
 
-    ``figures`` are llama.cpp's own (a calibration, ``sizing.measured``) for this configuration, measured on
+    ``figures`` are llama.cpp's own (a calibration, ``sizing.memory.measured``) for this configuration, measured on
     ``measured_on`` (``CPU``: a CPU build, where the whole graph runs on the CPU; else a GPU backend whose
     per-device compute buffers are the placement's). Without them every term is simulated.
     """
@@ -302,7 +302,7 @@ def estimate(
         if labels[pos] in gpu_measured:
             dev_compute = gpu_measured[labels[pos]]
         else:
-            # Simulated, or measured on a CPU build: what the CPU dry run cannot show is added (sizing.gpu).
+            # Simulated, or measured on a CPU build: what the CPU dry run cannot show is added (sizing.memory.gpu).
             dev_compute = graph + gpu.unseen_compute_bytes(spec, cfg, flash, placement, pos, bool(host_layers))
         gpus.append(
             DeviceMemory(

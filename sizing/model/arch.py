@@ -76,7 +76,18 @@ class ArchTraits:
     """``n_layer_kv_from_start``: gemma3n keeps KV for its first 20 layers, gemma4 for all but
     ``attention.shared_kv_layers``; the others reuse them (no bytes)."""
     mirrored: bool = False
-    """The reserve graph is mirrored by ``sizing.reserve`` (compute simulated, proven on CPU)."""
+    """The reserve graph is mirrored by ``sizing.memory.graph`` (compute simulated, proven on CPU)."""
+    moe_graph: bool = False
+    """Mirrored with the MoE builder (``build_moe_ffn``: src/models/qwen3moe.cpp, deepseek2.cpp)."""
+    moe_norm_fixed: bool = False
+    """The builder fixes the expert weights' normalisation (true) and gating (softmax) whatever the file says
+    (src/models/qwen3moe.cpp); else they come from ``expert_weights_norm`` / ``expert_gating_func``."""
+    mla_graph: bool = False
+    """Mirrored with absorbed multi-head latent attention (src/models/deepseek2.cpp)."""
+    gemma_graph: bool = False
+    """Gemma's graph: the input embedding scaled by sqrt(n_embd), post-norms (src/models/gemma2.cpp, gemma3.cpp)."""
+    attn_softcap: bool = False
+    """Reads ``attn_logit_softcapping`` into the attention (src/models/gemma2.cpp)."""
     scaled_q: bool = False
     """Gemma's ``query_pre_attn_scalar`` keeps one more query-sized tensor (the phase model's input)."""
     no_flash_attn: bool = False
@@ -101,14 +112,15 @@ _ARRAY = SwaRule(None)
 _SSM_HYBRID = ArchTraits(memory="hybrid", recurrent="no_kv_heads")
 
 ARCHS: Mapping[str, ArchTraits] = {
-    # mirrored graphs (sizing/reserve.py)
+    # mirrored graphs (sizing/memory/graph.py)
     "llama": ArchTraits(mirrored=True),
     "qwen2": ArchTraits(mirrored=True),
     "qwen3": ArchTraits(mirrored=True),
-    "qwen3moe": ArchTraits(mirrored=True),
-    "deepseek2": ArchTraits(mirrored=True),
-    "gemma2": ArchTraits(swa=_pattern(2, window_default=4096), mirrored=True, scaled_q=True),
-    "gemma3": ArchTraits(swa=_pattern(6, when="key_positive"), mirrored=True, scaled_q=True),
+    "qwen3moe": ArchTraits(mirrored=True, moe_graph=True, moe_norm_fixed=True),
+    "deepseek2": ArchTraits(mirrored=True, moe_graph=True, mla_graph=True),
+    "gemma2": ArchTraits(swa=_pattern(2, window_default=4096), mirrored=True, scaled_q=True, gemma_graph=True,
+                         attn_softcap=True),
+    "gemma3": ArchTraits(swa=_pattern(6, when="key_positive"), mirrored=True, scaled_q=True, gemma_graph=True),
     # no memory at all (create_memory returns nullptr)
     **{a: _NONE for a in ("bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe", "neo-bert",
                           "eurobert", "wavtokenizer-dec", "modern-bert", "gemma-embedding", "dream", "llada",
@@ -187,7 +199,7 @@ ARCHS: Mapping[str, ArchTraits] = {
 }
 
 MIRRORED: frozenset[str] = frozenset(a for a, t in ARCHS.items() if t.mirrored)
-"""Architectures whose reserve graph ``sizing.reserve`` mirrors (compute simulated)."""
+"""Architectures whose reserve graph ``sizing.memory.graph`` mirrors (compute simulated)."""
 
 UNKNOWN = ArchTraits(note="not in the table: sized as a plain attention stack, calibrated by llama.cpp")
 

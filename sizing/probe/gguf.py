@@ -14,8 +14,8 @@ from typing import Sequence
 import gguf
 
 from ..errors import LayerArrayError, MalformedError, ShardError, TruncatedError, UnsupportedModelError
-from .. import arch as archs
-from ..spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, StateSpec, TensorInfo
+from ..model import arch as archs
+from ..model.spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, StateSpec, TensorInfo
 from .reader import MIN_WINDOW_BYTES, ArraySummary, ByteSource, GGUFHeader, RawTensor, parse_header
 from .sources import BytesSource, FileSource
 
@@ -25,7 +25,7 @@ _FILE_TYPE_NAMES: dict[int, str] = {
     int(t): t.name.removeprefix("MOSTLY_") for t in gguf.LlamaFileType
 }
 
-_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 def type_name(ggml_type: int) -> str:
@@ -70,7 +70,7 @@ def read_header(source: ByteSource, *, whole: bool = False) -> GGUFHeader:
 
 def shard_paths(path: str) -> list[str]:
     """All shards of a split GGUF given any one of them, or ``[path]``."""
-    m = _SPLIT_RE.match(os.path.basename(path))
+    m = SPLIT_RE.match(os.path.basename(path))
     if not m:
         return [path]
     count = int(m.group("count"))

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .device import MIB
+from ..units import MIB
 from .fit import largest_fitting
-from .memory import MemoryEstimate
-from .placement import Placement
+from ..memory.estimate import MemoryEstimate
+from ..memory.placement import Placement
 from .sizer import CacheTypeOption, Candidate, Sizer
 from .speed import TokenBytes, Tiers, gpu_bandwidth, prompt_tokens_per_s
 

@@ -3,8 +3,8 @@
 llama.cpp never computes the compute buffer in closed form:
 ``llama_context::sched_reserve`` (``src/llama-context.cpp``) builds the
 worst-case graph and ``ggml_gallocr`` (``ggml/src/ggml-alloc.c``) measures its
-peak. ``compute_bytes`` asks the mirrored graph first (``sizing.reserve``, exact
-for ``sizing.arch.MIRRORED`` on the CPU backend); every other architecture
+peak. ``compute_bytes`` asks the mirrored graph first (``sizing.memory.graph``, exact
+for ``sizing.model.arch.MIRRORED`` on the CPU backend); every other architecture
 gets this module's phase model, an estimate (plans for those architectures are
 calibrated by llama.cpp's own dry run, ``service.planning``), the largest of:
 
@@ -15,17 +15,17 @@ calibrated by llama.cpp's own dry run, ``service.planning``), the largest of:
 - **MoE**: the routed FFN intermediates ``[n_ff_exp, n_expert_used, n_ubatch]``.
 
 GPU-only terms the CPU dry run cannot show, and the bound every GPU plan carries
-for the CUDA pool, are in ``sizing.gpu``.
+for the CUDA pool, are in ``sizing.memory.gpu``.
 """
 
 from __future__ import annotations
 
-from . import arch as archs
-from .config import ContextConfig
-from .ggml import cache_type
+from ..model import arch as archs
+from .context import ContextConfig
+from ..model.ggml import cache_type
 from .kv import kv_cells, kv_layers
-from .reserve import _n_ff, _n_ff_exp, simulated_compute_bytes
-from .spec import ModelSpec
+from .graph import n_ff, n_ff_exp, simulated_compute_bytes
+from ..model.spec import ModelSpec
 
 F32 = 4
 F16 = 2
@@ -79,7 +79,7 @@ def output_phase_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool = True) 
             # the n_embd-wide tensors of the last layer do not fit the freed attention holes and
             # the last FFN intermediate, one residual and the mask end up below the logits. Measured
             # on Mistral-Nemo only; a quantized V (its Hadamard rotation changes the layout) does not show it.
-            extra = F32 * cfg.n_ubatch_effective * (_n_ff(spec) + spec.n_embd) + mask_bytes(spec, cfg, flash)
+            extra = F32 * cfg.n_ubatch_effective * (n_ff(spec) + spec.n_embd) + mask_bytes(spec, cfg, flash)
     return logits_bytes(spec, cfg) + F32 * cfg.n_ubatch_effective * per_token + extra
 
 
@@ -133,13 +133,13 @@ def moe_phase_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
     if not spec.n_expert or not spec.n_expert_used:
         return 0
     n_ub = cfg.n_ubatch_effective
-    f = _n_ff_exp(spec) or _n_ff(spec)
+    f = n_ff_exp(spec) or n_ff(spec)
     return F32 * n_ub * (3 * f * spec.n_expert_used + 2 * spec.n_expert + 3 * spec.n_embd)
 
 
 def ffn_phase_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
     """A dense FFN block: gate, up and their product, with the residual stream."""
-    return F32 * cfg.n_ubatch_effective * (3 * _n_ff(spec) + 2 * spec.n_embd)
+    return F32 * cfg.n_ubatch_effective * (3 * n_ff(spec) + 2 * spec.n_embd)
 
 
 def compute_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool) -> int:
@@ -161,7 +161,7 @@ def host_compute_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
 
 
 def compute_mirrored(spec: ModelSpec) -> bool:
-    """Whether the compute buffer is simulated from a mirrored graph (``sizing.reserve``), not the phase model."""
-    from .reserve import graph_shape
+    """Whether the compute buffer is simulated from a mirrored graph (``sizing.memory.graph``), not the phase model."""
+    from .graph import graph_shape
 
     return graph_shape(spec) is not None

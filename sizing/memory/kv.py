@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .config import ContextConfig, pad
-from .errors import ConfigError
-from .ggml import CacheType, cache_type
-from .spec import LayerSpec, ModelSpec
+from .context import ContextConfig, pad
+from ..errors import ConfigError
+from ..model.ggml import CacheType, cache_type
+from ..model.spec import LayerSpec, ModelSpec
 
 F32 = 4
 
@@ -54,7 +54,7 @@ def kv_cells(spec: ModelSpec, cfg: ContextConfig) -> KvCells:
 def kv_layers(spec: ModelSpec) -> list[LayerSpec]:
     """Layers whose K/V ``llama_kv_cache`` allocates: it walks every block (``n_layer_all``) and keeps those
     with ``hparams.has_kv`` that ``create_memory``'s filter lets through (``LayerSpec.has_kv``, set by the
-    probe from ``sizing.arch``; a spec built by hand counts its main layers with KV heads)."""
+    probe from ``sizing.model.arch``; a spec built by hand counts its main layers with KV heads)."""
     return [l for l in spec.layers if l.has_kv and (l.attention is not None or l.index < spec.n_layer)]
 
 

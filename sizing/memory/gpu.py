@@ -19,7 +19,7 @@ then uses the measurement); added to the simulated GPU compute buffer otherwise
 
 Outside every buffer, so no dry run sees them: the **CUDA pool** and the **cuBLAS
 workspace**. ``cuda_pool_bound_bytes`` bounds them per device and every GPU plan
-adds it (``sizing.memory.DeviceMemory.pool_bytes``), beside the CUDA context
+adds it (``sizing.memory.estimate.DeviceMemory.pool_bytes``), beside the CUDA context
 allowance:
 
 - cuBLAS workspace: 32 MiB per stream on Hopper and newer, 4 MiB before
@@ -42,11 +42,11 @@ GPU machine (NVML peak against llama.cpp's figures).
 
 from __future__ import annotations
 
-from .config import ContextConfig
-from .ggml import cache_type
+from .context import ContextConfig
+from ..model.ggml import cache_type
 from .kv import kv_cells, kv_layers
 from .placement import Placement
-from .spec import ModelSpec
+from ..model.spec import ModelSpec
 
 F32 = 4
 F16 = 2

@@ -1,7 +1,7 @@
 """The ``Device`` value: a memory pool a plan can place bytes on (a GPU or host memory).
 
 Pure: the adapters that read NVML, declared inventories and /proc/meminfo into
-these values live in ``sizing.devices``.
+these values live in ``sizing.probe.devices``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-MIB = 1 << 20
+from ..units import MIB
 
 DeviceKind = Literal["gpu", "host"]
 

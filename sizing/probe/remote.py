@@ -6,7 +6,7 @@ resolves a Hugging Face ``repo_id`` + ``filename`` with ``hf_hub_url`` (the
 sends the token ``huggingface_hub`` would send (``token`` argument, else
 ``HF_TOKEN`` or the stored login, via ``huggingface_hub.get_token``).
 
-The header is fetched in growing windows (see ``sizing.gguf.reader._Cursor.grow``):
+The header is fetched in growing windows (see ``sizing.probe.reader._Cursor.grow``):
 each window is at least a lower bound of the bytes still needed and at most
 1/16 more than what is already held, so the bytes transferred stay within a
 few percent of the header's size. httpx errors become ``RemoteError`` here,
@@ -46,8 +46,8 @@ import httpx
 import idna
 
 from ..errors import InvalidURLError, NotGGUFError, ProbeError, RemoteError, ShardError
-from ..spec import ModelSource, ModelSpec
-from .probe import _SPLIT_RE, read_header, spec_from_headers
+from ..model.spec import ModelSource, ModelSpec
+from .gguf import SPLIT_RE, read_header, spec_from_headers
 from .reader import GGUFHeader, MIN_WINDOW_BYTES
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -385,7 +385,7 @@ def shard_urls(url: str) -> list[str]:
     """Every shard's URL of a split GGUF named by any one shard's URL, or ``[url]``."""
     parts = urlsplit(url)
     head, _, base = parts.path.rpartition("/")
-    m = _SPLIT_RE.match(base)
+    m = SPLIT_RE.match(base)
     if not m:
         return [url]
     count = int(m.group("count"))
@@ -498,7 +498,7 @@ def probe_hf(
 
 def probe_location(location: str, limits: ProbeLimits | None = None) -> ModelSpec:
     """Probe a local path, an http(s) URL or ``hf://repo_owner/repo_name/path/in/repo.gguf[@revision]``."""
-    from .probe import probe_path
+    from .gguf import probe_path
 
     if location.startswith("hf://"):
         rest = location[len("hf://") :]

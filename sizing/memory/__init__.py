@@ -1,0 +1,21 @@
+"""What llama.cpp allocates for a model, a context and a placement: KV cache and recurrent state, the mirrored compute
+graph and its allocator, GPU terms, repacked weights, llama.cpp's measured figures as values, and the estimate
+per device that sums them.
+
+Pure (values, no I/O). Imports ``sizing.model`` (and ``units``, ``errors``), nothing of ``plan`` or ``probe``.
+"""
+
+from __future__ import annotations
+
+from .compute import compute_mirrored
+from .context import ContextConfig, FlashAttn, pad
+from .estimate import DEFAULT_GPU_ALLOWANCE_BYTES, DeviceMemory, MemoryEstimate, estimate, resolve_flash_attn
+from .kv import kv_cells
+from .measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes, placement_key
+from .placement import Placement
+from .repack import EXTRA_BUFFERS, auto_reason, auto_repack, extra_buffer_bytes
+
+__all__ = ["DEFAULT_GPU_ALLOWANCE_BYTES", "EXTRA_BUFFERS", "Calibrated", "Calibration", "ConfigKey", "ContextConfig",
+           "DeviceMemory", "FlashAttn", "MemoryEstimate", "Placement", "Sample", "auto_reason", "auto_repack",
+           "compute_mirrored", "estimate", "extra_buffer_bytes", "kv_cells", "mib_to_bytes", "pad", "placement_key",
+           "resolve_flash_attn"]

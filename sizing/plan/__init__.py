@@ -1,0 +1,18 @@
+"""Where a model goes and at what context: devices as values, the request, the largest context that fits, one
+card or a split or a partial offload (with predicted speeds), the plan, residency beside other models, and the
+plan's renderings (JSON and the table).
+
+Pure (values, no I/O). Imports ``sizing.memory`` and ``sizing.model``, nothing of ``probe``.
+"""
+
+from __future__ import annotations
+
+from .device import Device, DeviceKind
+from .planner import CacheTypeOption, Candidate, Plan, make_plan
+from .report import plan_json, plan_table, spec_json
+from .request import PlanRequest, context_config, ctx_cap, ctx_floor
+from .residency import Holding, available, choose_eviction, decision_request, held_bytes, held_summary, lru
+
+__all__ = ["CacheTypeOption", "Candidate", "Device", "DeviceKind", "Holding", "Plan", "PlanRequest", "available",
+           "choose_eviction", "context_config", "ctx_cap", "ctx_floor", "decision_request", "held_bytes",
+           "held_summary", "lru", "make_plan", "plan_json", "plan_table", "spec_json"]

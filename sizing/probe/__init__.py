@@ -1,0 +1,43 @@
+"""The adapters that read the world into the pure core's values: a GGUF file's header into a ``ModelSpec`` (local
+files and split shards, or HTTP range requests: ``remote``), and the machine's GPUs (NVML or a declared inventory)
+and host memory into ``Device`` values (``devices``).
+
+``probe_url``, ``probe_hf``, ``probe_location``, ``ProbeLimits`` and ``parse_allow_hosts`` live in
+``sizing.probe.remote`` and are imported on first use, so a local probe never imports httpx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .devices import cpu_features, host_memory, inventory, measure_host_bandwidth, parse_declared
+from .gguf import build_spec, probe_bytes, probe_path, shard_paths, spec_from_headers, tensor_nbytes
+
+__all__ = [
+    "ProbeLimits",
+    "build_spec",
+    "cpu_features",
+    "host_memory",
+    "inventory",
+    "measure_host_bandwidth",
+    "parse_allow_hosts",
+    "parse_declared",
+    "probe_bytes",
+    "probe_hf",
+    "probe_location",
+    "probe_path",
+    "probe_url",
+    "shard_paths",
+    "spec_from_headers",
+    "tensor_nbytes",
+]
+
+_REMOTE = ("probe_url", "probe_hf", "probe_location", "ProbeLimits", "parse_allow_hosts")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REMOTE:
+        from . import remote
+
+        return getattr(remote, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
