@@ -1,4 +1,4 @@
-"""Structured output, per-token cost: llama.cpp's GBNF sampler (the old path) against llguidance (service/engine/grammar.py).
+"""Structured output, per-token cost: llama.cpp's GBNF sampler (the old path) against llguidance (service/chat/grammar.py).
 
 On the embedded gemma-3-270m (262,144-token vocabulary), for a JSON schema:
 
@@ -49,7 +49,8 @@ def sampler_steps(model_path: str, steps: int) -> None:
     from llama_cpp import llama_grammar
 
     from service.engine.base import GenerationParams
-    from service.engine.grammar import compile_grammar, grammar_sampler
+    from service.chat.grammar import compile_grammar
+    from service.engine.grammar_sampler import grammar_sampler
 
     mp = llama_cpp.llama_model_default_params()
     mp.vocab_only = True
@@ -107,7 +108,8 @@ def end_to_end(model_path: str, tokens: int, runs: int) -> None:
     from llama_cpp import Llama, llama_grammar
 
     from service.engine.base import GenerationParams
-    from service.engine.grammar import compile_grammar, grammar_logits_processor
+    from service.chat.grammar import compile_grammar
+    from service.engine.grammar_sampler import grammar_logits_processor
 
     llm = Llama(model_path=model_path, n_ctx=1024, verbose=False)
     prompt = llm.tokenize(b"A person as JSON:", add_bos=True)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from llama_server import free_port, stop, wait_until_answers  # noqa: E402
 
-from service.engine.grammar_worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib  # noqa: E402
+from service.chat.grammar_worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -121,7 +121,7 @@ def tree(root: int) -> list[tuple[int, str, int]]:
         if role != "server":  # ``role`` is the parent's until here
             role = ("compile" if role == "zygote" else
                     "runner" if "service.engine.child" in cmd else
-                    "zygote" if "service.engine.grammar_worker" in cmd else "other")
+                    "zygote" if "service.chat.grammar_worker" in cmd else "other")
         out.append((pid, role, rss))
         stack.extend((c, role if role != "server" else "child") for c in children.get(pid, ()))
     return out

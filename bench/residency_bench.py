@@ -105,7 +105,7 @@ def demand(quick: bool) -> None:
     def serve(**over: object) -> tuple[str, uvicorn.Server, threading.Thread]:
         port = free_port()
         s = Settings(host="127.0.0.1", port=port, models_dir=str(models), default_model="", context_length=2048,
-                     confirm_loads=False, load_on_demand=True, queue_size=64, **over)  # type: ignore[arg-type]
+                     confirm=False, load_on_demand=True, queue_size=64, **over)  # type: ignore[arg-type]
         server = uvicorn.Server(uvicorn.Config(create_app(s), host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

@@ -115,7 +115,7 @@ class InProcess:
 
     def __init__(self, model: str) -> None:
         from service.engine.llama import LlamaEngine
-        from service.manager import LoadOptions, plan_request
+        from service.planning import LoadOptions, plan_request
         from service.settings import Settings
         from sizing.probe.devices import host_memory
         from sizing.probe import probe_path

@@ -20,7 +20,8 @@ from sizing.units import MIB
 
 from .errors import BadRequest, ModelNotFound, ServiceError, Upstream
 from .models import Registry
-from .planning import LoadOptions, Planner
+from .options import LoadOptions
+from .planning import Planner
 from .settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,23 +1,23 @@
-"""The service's domain errors, one tree, and the one table that maps them to HTTP.
+"""The service's domain errors, one tree. They say what went wrong, never how HTTP says it.
 
-    ServiceError
-    ├── BadRequest               400 invalid_request_error (param names the field)
-    │   └── ContextLengthExceeded   400 context_length_exceeded
-    ├── Unauthorized             401
-    ├── ModelNotFound            404 model_not_found
-    ├── SplitNotHonoured         409 SPLIT_NOT_HONOURED
-    ├── Busy                     409 model_busy (a load or unload waited its limit for running generations)
-    ├── PayloadTooLarge          413
-    ├── QueueFull                429 (Retry-After)
-    ├── InsufficientMemory       503 insufficient_memory on /v1, 507 INSUFFICIENT_MEMORY on /api
-    ├── NotReady                 503 model_not_ready (Retry-After when it passes: draining, queued at shutdown)
-    │   └── RunnerDied              503 runner_died (the model's runner process died mid-request; it restarts)
-    ├── Upstream                 502 upstream_error (the model hub or a remote GGUF failed)
-    └── EngineFailure            500 engine_error
+    ServiceError                 (an unexpected failure of ours)
+    ├── BadRequest               the client's request cannot be served as sent (``param`` names the field)
+    │   └── ContextLengthExceeded   the prompt (and max_tokens) do not fit the context
+    ├── Unauthorized             no API key, or a wrong one
+    ├── ModelNotFound            no model of that name
+    ├── SplitNotHonoured         the split asked for cannot be honoured
+    ├── Busy                     a load or unload waited its limit for running generations
+    ├── PayloadTooLarge          the body is beyond the limit
+    ├── QueueFull                the model's queue is at its bound
+    ├── InsufficientMemory       the model does not fit the memory (a refusal with figures, or an OOM)
+    ├── NotReady                 no model to serve it now (loading, draining, unloaded, failed)
+    │   └── RunnerDied              the model's runner process died mid-request; it restarts
+    ├── Upstream                 the model hub or a remote GGUF failed
+    └── EngineFailure            llama.cpp failed for another reason
 
-Routes raise these; ``service.api.errors`` renders them in the OpenAI envelope
-``{"error": {"message", "type", "param", "code"}}``, with ``Retry-After`` when an error carries
-``retry_after_s``. Every ``code`` is a string.
+``service.api.errors`` is the one table that turns each class into its HTTP status, error type and string code,
+per API family (the OpenAI envelope on /v1, Anthropic's on /v1/messages, the management API on /api), with
+``Retry-After`` when an error carries ``retry_after_s``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from typing import Any
 
 
 class ServiceError(Exception):
-    status = 500
-    type = "server_error"
-    code = "internal_error"
+    """A failure of the service's own; ``param`` names the request field it is about, ``details`` are figures the
+    answer carries (``prompt_tokens``, ``plan``...)."""
 
     retry_after_s: int | None = None
-    """Seconds a client should wait before retrying (the ``Retry-After`` header); None: no header."""
+    """Seconds a client should wait before retrying (None: no advice)."""
 
     def __init__(self, message: str, *, param: str | None = None, retry_after_s: int | None = None,
                  **details: Any) -> None:
@@ -42,96 +41,62 @@ class ServiceError(Exception):
         if retry_after_s is not None:
             self.retry_after_s = retry_after_s
 
-    def status_for(self, path: str) -> int:
-        return self.status
-
-    def code_for(self, path: str) -> str:
-        return self.code
-
 
 class BadRequest(ServiceError):
-    status = 400
-    type = "invalid_request_error"
-    code = "invalid_request"
+    """The client's request cannot be served as sent."""
 
 
 class ContextLengthExceeded(BadRequest):
-    code = "context_length_exceeded"
+    """The prompt (and max_tokens) do not fit the context."""
 
 
 class Unauthorized(ServiceError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
+    """No API key, or a wrong one."""
 
 
 class ModelNotFound(ServiceError):
-    status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
+    """No model of that name (or alias)."""
 
 
 class SplitNotHonoured(ServiceError):
-    status = 409
-    type = "invalid_request_error"
-    code = "SPLIT_NOT_HONOURED"
+    """The split over the cards asked for cannot be honoured."""
 
 
 class PayloadTooLarge(ServiceError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
+    """The request body is beyond the limit."""
 
 
 class Busy(ServiceError):
-    status = 409
-    type = "invalid_request_error"
-    code = "model_busy"
+    """A load or unload waited its limit for running generations (nothing changed)."""
+
     retry_after_s = 5
 
 
 class QueueFull(ServiceError):
-    status = 429
-    type = "rate_limit_error"
-    code = "queue_full"
+    """The model's queue is at its bound."""
+
     retry_after_s = 1
 
 
 class InsufficientMemory(ServiceError):
-    """Out of memory: 503 ``insufficient_memory`` on /v1, 507 ``INSUFFICIENT_MEMORY`` on the management API."""
-
-    status = 503
-    type = "invalid_request_error"
-    code = "insufficient_memory"
-
-    def status_for(self, path: str) -> int:
-        return 507 if path.startswith("/api/") else 503
-
-    def code_for(self, path: str) -> str:
-        return "INSUFFICIENT_MEMORY" if path.startswith("/api/") else "insufficient_memory"
+    """The model does not fit the memory: a refusal before loading (with every device's figures), or an
+    out-of-memory during generation."""
 
 
 class NotReady(ServiceError):
-    status = 503
-    type = "unavailable_error"
-    code = "model_not_ready"
+    """No model can serve the request now: loading, draining, unloaded, failed."""
 
 
 class RunnerDied(NotReady):
     """The model's runner process died (a signal, an abort, the OOM killer) while this request was in it: the
     request is lost, the runner is restarted with the same plan, and a retry after ``retry_after_s`` is served."""
 
-    code = "runner_died"
     retry_after_s = 5
 
 
 class EngineFailure(ServiceError):
-    status = 500
-    type = "server_error"
-    code = "engine_error"
+    """llama.cpp failed for a reason other than memory."""
 
 
 class Upstream(ServiceError):
-    status = 502
-    type = "server_error"
-    code = "upstream_error"
+    """The model hub or a remote GGUF failed (its answer, its network)."""

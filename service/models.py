@@ -12,9 +12,10 @@ file = "Qwen3-8B-Q4_K_M.gguf"    # relative to GGUF_MODELS_DIR, or absolute
 aliases = ["gpt-4o-mini", "default"]
 context_length = 16384           # this model's ceiling on n_ctx
 cache_type = "q8_0"
-slots = 2                        # decode slots (n_seq_max)
+parallel = 2                     # decode slots (n_seq_max; "slots" is accepted too)
 pinned = true                    # loaded at start, never evicted, never unloaded by keep_alive
 keep_alive = "30m"               # idle time before it is unloaded: duration, seconds, 0 or -1
+# any other load option too (service.options: flash_attn, swa_full, batch_invariant, ...)
 
 [models."gemma-3-270m-q4_k_m"]   # no file: options for a model the registry already knows by that name
 aliases = ["small"]
@@ -39,10 +40,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sizing.model import CACHE_TYPES
-
 from .errors import BadRequest, ModelNotFound
 from .keepalive import parse_keep_alive
+from .options import ModelOptions
 from .settings import EMBEDDED_MODEL_NAME, Settings
 
 log = logging.getLogger(__name__)
@@ -54,17 +54,14 @@ _ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One model's own options (its models-file entry); None keeps the settings' value."""
+    """One model's own settings (its models-file entry): its load options (None keeps the settings' value, merged
+    by ``service.options.merged``), and how it is named and kept."""
 
     aliases: tuple[str, ...] = ()
-    context_length: int | None = None
-    cache_type: str | None = None
-    slots: int | None = None
+    options: ModelOptions = field(default=ModelOptions())
     pinned: bool = False
     keep_alive_s: float | None = None
     """Seconds idle before it is unloaded (``math.inf``: never; None: GGUF_KEEP_ALIVE)."""
-    batch_invariant: bool | None = None
-    """Outputs independent of the batch (None: GGUF_BATCH_INVARIANT)."""
 
 
 @dataclass(frozen=True)
@@ -80,26 +77,16 @@ class ModelsFileError(ValueError):
     """The models file (or GGUF_MODEL_ALIASES) cannot be served with: one line naming the file, model and field."""
 
 
-class _ModelSpecBody(BaseModel):
-    """One ``[models.NAME]`` table, as written."""
+class _ModelSpecBody(ModelOptions):
+    """One ``[models.NAME]`` table, as written: the file, the names, how it is kept, and any load option
+    (``service.options.ModelOptions``: ``slots`` is ``parallel`` by its older name)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False)
 
     file: str | None = Field(None, min_length=1, max_length=4096)
     aliases: list[str] = Field(default_factory=list, max_length=64)
-    context_length: int | None = Field(None, ge=256, le=1 << 24)
-    cache_type: str | None = None
-    slots: int | None = Field(None, ge=1, le=64)
     pinned: bool = False
     keep_alive: str | int | float | None = None
-    batch_invariant: bool | None = None
-
-    @field_validator("cache_type")
-    @classmethod
-    def _cache_type(cls, v: str | None) -> str | None:
-        if v is not None and v.lower() not in CACHE_TYPES:
-            raise ValueError(f"unknown KV cache type {v!r}; one of {', '.join(CACHE_TYPES)}")
-        return v.lower() if v is not None else v
 
     @field_validator("aliases")
     @classmethod
@@ -214,8 +201,7 @@ class Registry:
                 keep = None if body.keep_alive is None else parse_keep_alive(body.keep_alive)
             except BadRequest as exc:
                 raise ModelsFileError(f"{where}.{exc.message}") from exc
-            config = ModelConfig(tuple(body.aliases), body.context_length, body.cache_type, body.slots, body.pinned,
-                                 keep, body.batch_invariant)
+            config = ModelConfig(tuple(body.aliases), body.options(), body.pinned, keep)
             self._configs[name] = config
             if body.file is not None:
                 file = Path(body.file) if os.path.isabs(body.file) else self._dir / body.file

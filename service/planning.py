@@ -43,8 +43,9 @@ from sizing.errors import ConfigError, DeviceError, SizingError
 from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, kv_cells, MemoryEstimate,
                            placement_key, resolve_flash_attn)
 from sizing.model import arch as archs, ModelSpec
-from sizing.plan import (available, choose_eviction, context_config, ctx_cap, ctx_floor, decision_request, Device,
-                         held_bytes, held_summary, Holding, lru, make_plan, Plan, plan_json, PlanRequest)
+from sizing.plan import (available, context_config, ctx_cap, ctx_floor, decide_placement, Decision,
+                         decision_request, Device, held_bytes, held_summary, Holding, lru, make_plan, Plan, plan_json,
+                         PlanRequest)
 from sizing.probe import host_memory, parse_declared
 from sizing.units import MIB, mib
 
@@ -53,6 +54,7 @@ from .engine.cpu import RepackChoice, host_repack
 from .engine.dryrun import DryRunError, DryRunResult
 from .engine.params import ModelParams, model_params, plan_params
 from .errors import BadRequest, InsufficientMemory
+from .options import LoadOptions, merged
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -61,57 +63,29 @@ MAX_ROUNDS = 10
 """Solve-and-confirm rounds (each one batch of dry runs) before the plan falls back to measured contexts only."""
 
 
-@dataclass(frozen=True)
-class LoadOptions:
-    """What a load or dry-run request may override; None keeps the settings' value."""
-
-    n_ctx: int | None = None
-    cache_type: str | None = None
-    flash_attn: Literal["on", "off", "auto"] | None = None
-    gpu: int | Literal["auto", "all"] | None = None
-    tensor_split: tuple[float, ...] | None = None
-    n_seq_max: int | None = None
-    swa_full: bool | None = None
-    gpus: Sequence[dict[str, Any]] | None = None
-    """Hypothetical cards (dry-run only): [{name, free_mib, total_mib}]."""
-    confirm: bool | None = None
-    """Confirm the plan with llama.cpp's dry run before loading (None: the setting)."""
-    ctx_ceiling: int | None = None
-    """This model's ceiling on n_ctx (its models-file ``context_length``; None: GGUF_CONTEXT_LENGTH)."""
-    batch_invariant: bool | None = None
-    """This model's batch-invariant outputs (its models-file ``batch_invariant``; None: GGUF_BATCH_INVARIANT): the
-    engine then loads without repacked weights, and the plan predicts none."""
-
-
 def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None,
                  repack: RepackChoice | None = None) -> PlanRequest:
-    """The settings, overridden by a request's options, as a ``PlanRequest``; ``repack``: this host's choice of
-    llama.cpp's extra CPU buffer types (``service.engine.cpu``; None: decided where llama.cpp loads it)."""
-    split = opts.tensor_split
-    if split is None and settings.tensor_split:
-        try:
-            split = tuple(float(x) for x in settings.tensor_split.split(","))
-        except ValueError as exc:
-            raise BadRequest(f"GGUF_TENSOR_SPLIT is not a list of numbers: {settings.tensor_split}") from exc
-    cache = opts.cache_type or settings.cache_type
-    invariant = opts.batch_invariant if opts.batch_invariant is not None else settings.batch_invariant
-    if invariant and repack is not None and repack.on:  # the engine loads without them (LlamaEngine batch_invariant)
+    """The load options, merged over the settings (``service.options.merged``), as a ``PlanRequest``; ``repack``:
+    this host's choice of llama.cpp's extra CPU buffer types (``service.engine.cpu``; None: decided where llama.cpp
+    loads it)."""
+    o = merged(settings, None, opts)
+    if o.batch_invariant and repack is not None and repack.on:  # the engine loads without them (LlamaEngine)
         repack = replace(repack, on=False, reason="batch-invariant outputs (GGUF_BATCH_INVARIANT or the models file)")
     return PlanRequest(
-        n_ctx=opts.n_ctx,
+        n_ctx=o.n_ctx,
         cache_types=tuple(t.strip() for t in settings.cache_types.split(",") if t.strip()),
-        cache_type=cache,
-        flash_attn=opts.flash_attn or settings.flash_attention,
-        ctx_ceiling=opts.ctx_ceiling or settings.context_length,
+        cache_type=o.cache_type or settings.cache_type,
+        flash_attn=o.flash_attn or settings.flash_attn,
+        context_length=o.context_length,
         min_ctx=settings.min_context,
         n_ubatch=settings.n_ubatch,
         n_batch=settings.n_batch,
-        n_seq_max=opts.n_seq_max or settings.parallel,
+        n_seq_max=o.parallel or settings.parallel,
         kv_unified=settings.kv_unified,
-        swa_full=settings.swa_full if opts.swa_full is None else opts.swa_full,
+        swa_full=bool(o.swa_full),
         allowance_bytes=settings.gpu_allowance_mib * MIB,
-        gpu=opts.gpu if opts.gpu is not None else "auto",
-        tensor_split=split,
+        gpu=o.gpu if o.gpu is not None else "auto",
+        tensor_split=o.tensor_split,
         allow_offload=settings.allow_offload,
         host_bandwidth_bytes_per_s=(settings.host_bandwidth_gbps * 1e9 if settings.host_bandwidth_gbps
                                     else host_bandwidth_bytes_per_s or 40e9),
@@ -311,10 +285,8 @@ class Planner:
         """Where a load of ``spec`` goes beside ``residents``, decided before anything is unloaded.
 
         ``replacing``: the resident this load reloads (its memory counts as free). The plan is made beside the
-        others; when it does not fit there (or ``max_models`` are loaded), the smallest set of idle, unpinned
-        residents whose memory makes it fit is chosen, least recently used first (``sizing.plan.residency``). A
-        model that fits only partly on the cards beside them evicts idle residents too, when that keeps it
-        whole on the cards. Busy residents are candidates only with ``force``; pinned ones never.
+        others; whether it stays beside them or evicts some first is ``sizing.plan.residency.decide_placement``
+        (pure: the planning on the memory left is passed in).
         """
         gpus0, host0, resident = self.inventory(opts)
         req = self.request(opts)
@@ -330,42 +302,14 @@ class Planner:
             gpus, host = available(gpus0, host0, kept, [*own, *(h.estimate for h in evicted)], live=self.live)
             return self._plan_checked(spec, gpus, host, r, path)
 
-        def count_ok(evicted: tuple[Holding, ...]) -> bool:
-            return max_models is None or len(others) - len(evicted) + 1 <= max_models
-
-        def whole(p: Plan) -> bool:
-            """Held whole where it runs best: on the cards (none partly in host memory), or on a machine without
-            cards. (A model the cards cannot hold at all is planned by the offload search, verdict ``cpu``.)"""
-            return p.verdict in ("one_card", "split") or (p.verdict == "cpu" and not p.gpus)
-
-        def placed(p: Plan, evicted: tuple[Holding, ...] = (), **kw: Any) -> Placed:
-            gone = {h.name for h in evicted}
+        def placed(d: Decision) -> Placed:
+            gone = {h.name for h in d.evicted}
             kept = [h for h in lru(others) if h.name not in gone]
-            return Placed(p, tuple(h.name for h in kept), tuple(h.name for h in evicted),
-                          held=held_summary(kept), pinned=tuple(h.name for h in others if h.pinned), **kw)
+            return Placed(d.plan, tuple(h.name for h in kept), tuple(h.name for h in d.evicted),
+                          busy=tuple(h.name for h in d.busy), held=held_summary(kept),
+                          pinned=tuple(h.name for h in others if h.pinned), count_limited=d.count_limited)
 
-        beside = plan_with((), req)
-        idle = [h for h in others if not h.busy and not h.pinned]
-        if beside.fits and count_ok(()) and (whole(beside) or not idle):
-            return placed(beside)
-        everything = tuple(idle)
-        wanted: Callable[[Plan], bool] = whole if idle and whole(plan_with(everything, dreq)) else (lambda p: p.fits)
-        if wanted(beside) and count_ok(()):
-            return placed(beside)
-        chosen = choose_eviction(idle, lambda s: count_ok(s) and wanted(plan_with(s, dreq)))
-        if chosen is not None:
-            return placed(plan_with(chosen, req), chosen)
-        if beside.fits and count_ok(()):
-            return placed(beside)  # partly offloaded, and no set of idle residents keeps it whole
-        unpinned = [h for h in others if not h.pinned]
-        busy = [h for h in unpinned if h.busy]
-        if busy and count_ok(tuple(unpinned)) and plan_with(tuple(unpinned), dreq).fits:
-            if force:
-                chosen = choose_eviction(unpinned, lambda s: count_ok(s) and plan_with(s, dreq).fits)
-                if chosen is not None:
-                    return placed(plan_with(chosen, req), chosen)
-            return placed(beside, busy=tuple(h.name for h in lru(busy)))
-        return placed(beside, count_limited=beside.fits)
+        return placed(decide_placement(others, plan_with, req, dreq, max_models=max_models, force=force))
 
     def plan_set(self, items: Sequence[tuple[str, ModelSpec, LoadOptions, str | None]], opts: LoadOptions,
                  kept: Sequence[Holding] = (), freed: Sequence[Holding] = ()) -> SetPlan:

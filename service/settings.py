@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import BadRequest
@@ -18,9 +18,11 @@ EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m"
 
 
 class Settings(BaseSettings):
-    """Service configuration. Environment variable = ``GGUF_`` + field name in upper case."""
+    """Service configuration. Environment variable = ``GGUF_`` + field name in upper case. The load knobs
+    (``context_length``, ``cache_type``, ``flash_attn``, ``parallel``, ``swa_full``, ``tensor_split``, ``confirm``,
+    ``batch_invariant``) are the server-wide defaults of ``service.options.ModelOptions``, by the same names."""
 
-    model_config = SettingsConfigDict(env_prefix="GGUF_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="GGUF_", extra="ignore", frozen=True, populate_by_name=True)
 
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
@@ -74,8 +76,10 @@ class Settings(BaseSettings):
     min_context: int = Field(4096, ge=256, description="Below this context a placement does not count as fitting.")
     cache_type: str = Field("q8_0", description="KV cache type to load with (f16, q8_0, q4_0, ...).")
     cache_types: str = Field("f16,q8_0,q4_0", description="Cache types the plan reports, comma-separated.")
-    flash_attention: Literal["on", "off", "auto"] = Field(
-        "auto", description="Flash attention: on, off or auto (auto turns it on; required for a quantized cache)."
+    flash_attn: Literal["on", "off", "auto"] = Field(
+        "auto", validation_alias=AliasChoices("GGUF_FLASH_ATTN", "GGUF_FLASH_ATTENTION"),
+        description="Flash attention: on, off or auto (auto turns it on; required for a quantized cache). "
+        "GGUF_FLASH_ATTENTION is accepted too.",
     )
     n_ubatch: int = Field(512, ge=1, description="Physical batch size (llama.cpp n_ubatch).")
     n_batch: int = Field(512, ge=1, description="Logical batch size (llama.cpp n_batch).")
@@ -136,8 +140,10 @@ class Settings(BaseSettings):
         "share of its prompt (the largest share wins), else to the least recently used slot (llama-server's "
         "--slot-prompt-similarity). 0: always the least recently used.",
     )
-    confirm_loads: bool = Field(
-        True, description="Before a load, confirm the plan with llama.cpp's no_alloc dry run (a subprocess) and report both figures."
+    confirm: bool = Field(
+        True, validation_alias=AliasChoices("GGUF_CONFIRM", "GGUF_CONFIRM_LOADS"),
+        description="Before a load, confirm the plan with llama.cpp's no_alloc dry run (a subprocess) and report both "
+        "figures. GGUF_CONFIRM_LOADS is accepted too.",
     )
     confirm_timeout_s: float = Field(60.0, gt=0, description="Time limit of the dry-run confirmation.")
     calibrate: bool = Field(

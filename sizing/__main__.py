@@ -47,7 +47,7 @@ def _plan(args: argparse.Namespace) -> int:
         cache_type=args.cache_type,
         cache_types=tuple(args.cache_types.split(",")),
         flash_attn=args.flash_attn,
-        ctx_ceiling=args.ctx_ceiling,
+        context_length=args.context_length,
         min_ctx=args.min_ctx,
         n_ubatch=args.ubatch,
         n_batch=max(args.ubatch, 512),
@@ -118,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--cache-type", default="q8_0", help="cache type to choose (default q8_0)")
     pl.add_argument("--cache-types", default="f16,q8_0,q4_0", help="cache types to report")
     pl.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
-    pl.add_argument("--ctx-ceiling", type=int, default=None)
+    pl.add_argument("--context-length", "--ctx-ceiling", dest="context_length", type=int, default=None,
+                    help="ceiling on n_ctx (GGUF_CONTEXT_LENGTH)")
     pl.add_argument("--min-ctx", type=int, default=4096)
     pl.add_argument("--ubatch", type=int, default=512)
     pl.add_argument("--parallel", type=int, default=4, help="slots (default 4 with a unified cache: the service's)")

@@ -1,4 +1,5 @@
-"""Units: bytes as the plan counts them, MiB as llama.cpp's logs and every answer show them."""
+"""Units and names: bytes as the plan counts them, MiB as llama.cpp's logs and every answer show them, and the
+label a card goes by."""
 
 from __future__ import annotations
 
@@ -10,4 +11,10 @@ def mib(n: int | float) -> float:
     return round(n / MIB, 2)
 
 
-__all__ = ["MIB", "mib"]
+def gpu_label(index: int) -> str:
+    """The name of card ``index`` in the plan, the answers and llama.cpp's logs (its CUDA backend's device name):
+    the one place it is spelled."""
+    return f"CUDA{index}"
+
+
+__all__ = ["MIB", "gpu_label", "mib"]

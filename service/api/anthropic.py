@@ -1,8 +1,8 @@
 """Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 A request becomes the chat request the OpenAI route takes (``to_chat``) and runs through the same path
-(``openai._start``: the same checks, queue, engine, limits and auth; ``x-api-key`` is accepted by
-``security.presented_key``), its choice read through ``service.api.choices``, answered in Anthropic's shape:
+(``generation.start``: the same checks, queue, engine, limits and auth; ``x-api-key`` is accepted by
+``security.presented_key``), its choice read through ``service.chat.choices``, answered in Anthropic's shape:
 
 - ``system`` (a string or text blocks), ``messages`` of text blocks, ``tool_use`` blocks (an assistant's calls)
   and ``tool_result`` blocks (their results, ``is_error`` included); image and document blocks: 400; ids and
@@ -31,13 +31,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import BadRequest, EngineFailure, ServiceError
-from .choices import Answer, Event
+from ..chat.choices import Answer, Event
 from .deps import ManagerDep, MetricsDep
-from .errors import _param_of, service_error_body
+from .errors import code_of, param_of, service_error_body
 from .admission import prompt_tokens
-from .openai import ChatRequest, Started, _chat_setup, _collect, _start, resolve_model
-from .tools import check_call_id, check_name
-from .validation import reject_surrogates
+from .generation import Started, chat_setup, collect, resolve_model, start
+from .openai_wire import ChatRequest
+from ..chat.tools import check_call_id, check_name
 
 router = APIRouter(prefix="/v1")
 
@@ -213,7 +213,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest, settings: Any) -> ChatRe
         return ChatRequest.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = _param_of(tuple(first.get("loc", ())))
+        param = param_of(tuple(first.get("loc", ())))
         raise BadRequest(f"{param}: {first.get('msg', 'invalid value')}", param=param) from None
 
 
@@ -247,16 +247,15 @@ def _usage(a: Answer) -> dict[str, int]:
 
 @router.post("/messages")
 async def messages(request: Request, body: MessagesRequest, manager: ManagerDep, metrics: MetricsDep) -> Any:
-    reject_surrogates(body.model_dump(exclude_none=True))
     chat = to_chat(body, manager.settings)
-    started = await _start(request, manager, metrics, chat, "chat")
+    started = await start(request, manager, metrics, chat, "chat")
     if isinstance(started, JSONResponse):
         return started
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return StreamingResponse(_stream(request, started, mid), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    answers = await _collect(request, metrics, started)
+    answers = await collect(request, metrics, started)
     a = answers[0]
     content: list[dict[str, Any]] = []
     if a.reasoning:
@@ -338,12 +337,12 @@ async def _stream(request: Request, started: Started, mid: str) -> AsyncIterator
         yield _event("message_stop", {"type": "message_stop"})
     except ServiceError as exc:
         _, body = service_error_body(exc, request.url.path)
-        timer.metrics.error(exc.code_for(request.url.path))
+        timer.metrics.error(code_of(exc, request.url.path))
         yield _event("error", body)
     except Exception:  # a server fault mid-stream: the stream still ends with an error event
         err = EngineFailure("the stream failed")
         _, body = service_error_body(err, request.url.path)
-        timer.metrics.error(err.code)
+        timer.metrics.error(code_of(err, request.url.path))
         yield _event("error", body)
     finally:
         started.cancel.set()
@@ -354,14 +353,13 @@ async def count_tokens(request: Request, body: CountTokensRequest, manager: Mana
     """The prompt tokens a /v1/messages request with these messages, system and tools evaluates (its
     ``input_tokens`` plus ``cache_read_input_tokens``): the same rendering and tokens, counted off the engine's
     queue (``service.api.admission``)."""
-    reject_surrogates(body.model_dump(exclude_none=True))
     chat = to_chat(body, manager.settings)
     chat.check_messages()
     params = chat.params(manager.settings.max_tokens_default)
     lease = await resolve_model(manager, chat)
     try:
         engine = lease.engine
-        _, _, tools = _chat_setup(chat, engine, manager.settings, params)
+        _, _, tools = chat_setup(chat, engine, manager.settings, params)
         messages = [m.model_dump(exclude_none=True) for m in chat.messages]
         n = len(await prompt_tokens(request.app.state.admission, lease.name, engine, param="messages",
                                     messages=messages, tools=tools))

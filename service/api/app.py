@@ -11,10 +11,10 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from ..engine.base import Engine
-from ..engine import grammar_worker
-from ..engine.chat_template import check_template
+from ..chat import grammar_worker
+from ..chat.template import check_template
 from ..errors import NotReady
-from ..manager import EngineFactory, ModelManager, default_engine
+from ..residency import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
 from ..settings import Settings
 from . import anthropic, errors, management, metrics, openai, ops

@@ -7,19 +7,13 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from ..downloads import Downloads
-from ..manager import ModelManager
-from ..settings import Settings
+from ..residency import ModelManager
 from .metrics import Metrics
 
 
 def get_manager(request: Request) -> ModelManager:
     manager: ModelManager = request.app.state.manager
     return manager
-
-
-def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
 
 
 def get_metrics(request: Request) -> Metrics:
@@ -33,6 +27,5 @@ def get_downloads(request: Request) -> Downloads:
 
 
 ManagerDep = Annotated[ModelManager, Depends(get_manager)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 DownloadsDep = Annotated[Downloads, Depends(get_downloads)]

@@ -1,21 +1,92 @@
-"""The one table from errors to HTTP: status, OpenAI error type and code, in the OpenAI envelope."""
+"""The one table from errors to HTTP: per domain error class and API family, the status, the error type and the
+string code; the envelopes (OpenAI's on /v1 and /api, Anthropic's on /v1/messages) and the exception handlers.
+
+Domain errors (``service.errors``) carry no HTTP: a route raises them, and ``http_of`` finds the row of the error's
+class (or its nearest ancestor's) for the family the request's path belongs to. Errors of the sizing core that reach
+a route uncaught are answered by the same table."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ServiceError
-from .security import esc
+from sizing.errors import ConfigError, ProbeError, SizingError
+
+from ..errors import (BadRequest, Busy, ContextLengthExceeded, EngineFailure, InsufficientMemory, ModelNotFound, NotReady,
+                      PayloadTooLarge, QueueFull, RunnerDied, ServiceError, SplitNotHonoured, Unauthorized, Upstream)
+from .validation import esc
 
 log = logging.getLogger(__name__)
+
+
+Family = Literal["openai", "anthropic", "management"]
+ANTHROPIC_PREFIX = "/v1/messages"
+"""Routes of Anthropic's Messages API: their errors are in Anthropic's shape."""
+
+
+@dataclass(frozen=True)
+class Http:
+    """How one API family answers one error class."""
+
+    status: int
+    type: str
+    code: str
+
+
+_OVER = "invalid_request_error"
+TABLE: dict[type[Exception], Http | dict[Family, Http]] = {
+    ServiceError: Http(500, "server_error", "internal_error"),
+    BadRequest: Http(400, "invalid_request_error", "invalid_request"),
+    ContextLengthExceeded: Http(400, "invalid_request_error", "context_length_exceeded"),
+    Unauthorized: Http(401, "authentication_error", "invalid_api_key"),
+    ModelNotFound: Http(404, "invalid_request_error", "model_not_found"),
+    SplitNotHonoured: Http(409, "invalid_request_error", "SPLIT_NOT_HONOURED"),
+    Busy: Http(409, "invalid_request_error", "model_busy"),
+    PayloadTooLarge: Http(413, "invalid_request_error", "payload_too_large"),
+    QueueFull: Http(429, "rate_limit_error", "queue_full"),
+    # The source document's codes: 503 on the OpenAI API, 507 INSUFFICIENT_MEMORY on the management API.
+    InsufficientMemory: {"openai": Http(503, _OVER, "insufficient_memory"),
+                         "anthropic": Http(503, _OVER, "insufficient_memory"),
+                         "management": Http(507, _OVER, "INSUFFICIENT_MEMORY")},
+    NotReady: Http(503, "unavailable_error", "model_not_ready"),
+    RunnerDied: Http(503, "unavailable_error", "runner_died"),
+    Upstream: Http(502, "server_error", "upstream_error"),
+    EngineFailure: Http(500, "server_error", "engine_error"),
+    # The sizing core's, where a route lets one through: a file or configuration the client named.
+    SizingError: Http(400, "invalid_request_error", "invalid_request"),
+    ProbeError: Http(400, "invalid_request_error", "invalid_model_file"),
+    ConfigError: Http(400, "invalid_request_error", "invalid_config"),
+}
+"""Every error class the service answers with, and its answer per family (one row: the same for all three)."""
+
+
+def family(path: str) -> Family:
+    """The API family a request path belongs to."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return "anthropic"
+    return "management" if path.startswith("/api/") else "openai"
+
+
+def http_of(exc: Exception, path: str) -> Http:
+    """The row of ``exc``'s class, or of its nearest ancestor's, for ``path``'s family."""
+    for cls in type(exc).__mro__:
+        row = TABLE.get(cls)
+        if row is not None:
+            return row[family(path)] if isinstance(row, dict) else row
+    return TABLE[ServiceError]  # type: ignore[return-value]
+
+
+def code_of(exc: Exception, path: str) -> str:
+    """The string code a client and the metrics see for ``exc`` on ``path``."""
+    return http_of(exc, path).code
 
 
 def envelope(message: str, type_: str, code: str | None, param: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -24,8 +95,6 @@ def envelope(message: str, type_: str, code: str | None, param: str | None = Non
     return {"error": err}
 
 
-ANTHROPIC_PREFIX = "/v1/messages"
-"""Routes of Anthropic's Messages API: their errors are in Anthropic's shape."""
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                     507: "overloaded_error", 529: "overloaded_error"}
@@ -48,8 +117,8 @@ def error_body(path: str, status: int, message: str, type_: str, code: str | Non
 
 def service_error_body(exc: ServiceError, path: str) -> tuple[int, dict[str, Any]]:
     """Status and envelope for a domain error; the same for plain responses and stream events."""
-    status = exc.status_for(path)
-    return status, error_body(path, status, exc.message, exc.type, exc.code_for(path), exc.param, **exc.details)
+    row = http_of(exc, path)
+    return row.status, error_body(path, row.status, exc.message, row.type, row.code, exc.param, **exc.details)
 
 
 def status_code_name(status: int) -> str:
@@ -67,7 +136,7 @@ def retry_headers(exc: ServiceError) -> dict[str, str] | None:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "json-or-python"})
 
 
-def _param_of(loc: tuple[Any, ...]) -> str | None:
+def param_of(loc: tuple[Any, ...]) -> str | None:
     """The request field an error is about: pydantic's location without ``body`` and union-member tags
     (``prompt.str`` -> ``prompt``, ``stream_options.StreamOptions.include_usage`` -> ``stream_options.include_usage``)."""
     parts = [
@@ -78,6 +147,12 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
 
 
 def install(app: FastAPI) -> None:
+    @app.exception_handler(SizingError)
+    async def _sizing(request: Request, exc: SizingError) -> JSONResponse:
+        row = http_of(exc, request.url.path)
+        return JSONResponse(error_body(request.url.path, row.status, str(exc), row.type, row.code),
+                            status_code=row.status)
+
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError) -> JSONResponse:
         status, body = service_error_body(exc, request.url.path)
@@ -98,7 +173,7 @@ def install(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
             return JSONResponse(error_body(path, 400, msg, "invalid_request_error", "invalid_json"), status_code=400)
-        param = _param_of(loc)
+        param = param_of(loc)
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
         return JSONResponse(error_body(path, 400, msg, "invalid_request_error", "invalid_value", param), status_code=400)
 

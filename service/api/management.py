@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import threading
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from sizing.model import CACHE_TYPES
 from sizing.plan import plan_json
 
 from ..errors import BadRequest, QueueFull
 from ..keepalive import parse_keep_alive
-from ..manager import LoadOptions, ModelManager
+from ..options import LoadOptions, ModelOptions
+from ..residency import ModelManager
 from .deps import DownloadsDep, ManagerDep, MetricsDep
-from .validation import KeepAlive, reject_surrogates
+from .validation import KeepAlive
 
 router = APIRouter(prefix="/api")
 
@@ -46,63 +45,21 @@ class DeclaredGpu(BaseModel):
     bandwidth_gbps: float | None = _finite(None, gt=0, le=1e6)
 
 
-class PlanBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PlanBody(ModelOptions):
+    """A load's body: the model, its load options (``service.options.ModelOptions``, by their one name each), and
+    how the load goes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     model: str = Field(max_length=200)
-    n_ctx: int | None = Field(None, ge=1, le=1 << 24)
-    cache_type: str | None = Field(None, max_length=16, description=f"One of {', '.join(CACHE_TYPES)} (any case).")
-    flash_attn: Literal["on", "off", "auto"] | None = None
-    gpu: int | Literal["auto", "all"] | None = Field(None, description="A card index this machine has, auto or all.")
-    tensor_split: list[float] | None = Field(None, max_length=64, description="One proportion (>= 0) per card.")
-    n_seq_max: int | None = Field(None, ge=1, le=256)
-    swa_full: bool | None = None
-    confirm: bool | None = Field(None, description="Confirm the plan with llama.cpp's dry run before loading "
-                                 "(default: GGUF_CONFIRM_LOADS, on).")
     force: bool = Field(False, description="Load even while generations run: they end with an error "
                         "(a stream's error event) instead of the load waiting for them (GGUF_LOAD_WAIT_S, then 409); "
                         "busy models may then be evicted too.")
     keep_alive: KeepAlive = None
 
-    @field_validator("cache_type")
-    @classmethod
-    def _cache_type(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if v.lower() not in CACHE_TYPES:
-            raise ValueError(f"unknown KV cache type; one of {', '.join(CACHE_TYPES)}")
-        return v.lower()
-
-    @field_validator("gpu")
-    @classmethod
-    def _gpu(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and not 0 <= v < 64:
-            raise ValueError("a card index is 0..63")
-        return v
-
-    @field_validator("tensor_split")
-    @classmethod
-    def _split(cls, v: list[float] | None) -> list[float] | None:
-        if v is None:
-            return v
-        if not all(math.isfinite(x) and 0 <= x <= 1e6 for x in v):
-            raise ValueError("proportions are finite numbers from 0 to 1e6")
-        if not any(x > 0 for x in v):
-            raise ValueError("at least one proportion must be above 0")
-        return v
-
-    def options(self, gpus: list[DeclaredGpu] | None = None) -> LoadOptions:
-        return LoadOptions(
-            n_ctx=self.n_ctx,
-            cache_type=self.cache_type,
-            flash_attn=self.flash_attn,
-            gpu=self.gpu,
-            tensor_split=tuple(self.tensor_split) if self.tensor_split else None,
-            n_seq_max=self.n_seq_max,
-            swa_full=self.swa_full,
-            gpus=[g.model_dump() for g in gpus] if gpus is not None else None,
-            confirm=self.confirm,
-        )
+    def load_options(self, gpus: list[DeclaredGpu] | None = None) -> LoadOptions:
+        return LoadOptions(**self.options().model_dump(),
+                           gpus=tuple(g.model_dump() for g in gpus) if gpus is not None else None)
 
 
 class SetItem(PlanBody):
@@ -182,16 +139,15 @@ def _probe_slots(request: Request, n: int) -> _ProbeSlots:
 async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> dict[str, Any]:
     """What a load would do, per cache type, without loading anything: a model by name, by URL or on Hugging Face,
     beside the loaded models (and whom it would evict); or a set of models, whether they fit together."""
-    reject_surrogates(body.model_dump(exclude_none=True))
     sources = [bool(body.model), bool(body.url), bool(body.repo_id or body.filename), body.models is not None]
     if sum(sources) != 1 or (body.repo_id is None) != (body.filename is None):
         raise BadRequest("give exactly one of: model, url, repo_id with filename, or models", param="model")
     _check_cards(body, manager, body.gpus)
-    opts = body.options(body.gpus)
+    opts = body.load_options(body.gpus)
     if body.models is not None:
         for item in body.models:
             _check_cards(item, manager, body.gpus)
-        items = [(item.model, item.options(body.gpus)) for item in body.models]
+        items = [(item.model, item.load_options(body.gpus)) for item in body.models]
         return (await manager.plan_set(items, opts, beside_residents=body.beside_residents)).to_json()
     location = body.location()
     if location is not None:
@@ -208,10 +164,9 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
 @router.post("/models/load")
 async def load(body: PlanBody, manager: ManagerDep) -> dict[str, Any]:
     """Load a model beside the loaded ones (evicting idle ones if it must), or reload it with new options."""
-    reject_surrogates(body.model_dump(exclude_none=True))
     _check_cards(body, manager)
     keep_alive = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
-    state = await manager.load(body.model, body.options(), force=body.force, keep_alive_s=keep_alive)
+    state = await manager.load(body.model, body.load_options(), force=body.force, keep_alive_s=keep_alive)
     out = manager.describe(state)
     assert out is not None
     return out
@@ -228,8 +183,6 @@ class UnloadBody(BaseModel):
 
 @router.post("/models/unload")
 async def unload(manager: ManagerDep, body: UnloadBody | None = None) -> dict[str, Any]:
-    if body is not None:
-        reject_surrogates(body.model_dump(exclude_none=True))
     names = await manager.unload(body.model if body is not None else None,
                                  force=body.force if body is not None else False)
     return {"status": "unloaded", "models": names}
@@ -268,7 +221,6 @@ class PullBody(BaseModel):
 @router.post("/models/pull", status_code=202)
 async def pull(body: PullBody, downloads: DownloadsDep) -> dict[str, Any]:
     """Download a GGUF from Hugging Face into the models directory; follow it in GET /api/models."""
-    reject_surrogates(body.model_dump(exclude_none=True))
     return downloads.pull(body.repo_id, body.filename, body.revision).to_json()
 
 
@@ -282,6 +234,5 @@ class HfFilesBody(BaseModel):
 @router.post("/hf/files")
 async def hf_files(request: Request, body: HfFilesBody, manager: ManagerDep, downloads: DownloadsDep) -> dict[str, Any]:
     """The GGUF files of a Hugging Face repo, each with its size and plan on these devices; downloads nothing."""
-    reject_surrogates(body.model_dump(exclude_none=True))
     slots = _probe_slots(request, manager.settings.remote_probes)
     return await slots.run(downloads.hf_files, body.repo_id, body.revision)  # type: ignore[no-any-return]

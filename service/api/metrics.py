@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sizing.units import MIB
 
 if TYPE_CHECKING:
-    from ..manager import ModelManager
+    from ..residency import ModelManager
 
 router = APIRouter()
 

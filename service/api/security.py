@@ -26,29 +26,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import BadRequest, NotReady, PayloadTooLarge, ServiceError, Unauthorized
 from ..settings import Settings
-from . import errors as api_errors  # the module, not its names: it imports esc from here
-from .validation import MAX_JSON_DEPTH, json_too_deep
+from . import errors as api_errors
+from .validation import MAX_JSON_DEPTH, body_surrogate, esc, json_too_deep
 
 log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/", "/static/page.js", "/static/page.css"})
 """Paths answered without a key. Everything else, including routes added later and unknown paths, needs one."""
 
-MAX_LOGGED_CHARS = 200
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
 class ConfigurationError(Exception):
     """The service must not start with these settings (a clear message, a non-zero exit)."""
-
-
-def esc(value: object, limit: int = MAX_LOGGED_CHARS) -> str:
-    """A request-derived string made safe for one log line: control characters escaped, truncated."""
-    text = str(value)
-    cut = len(text) > limit
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
-                        text[:limit])
-    return text + ("...(truncated)" if cut else "")
 
 
 def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
@@ -168,7 +155,8 @@ class BodyLimitMiddleware:
 
     400 for a body whose JSON nests deeper than ``max_depth``, checked on the whole body once it is read and before
     any route parses it, on every route: Python's parser, pydantic, ``json.dumps`` and the templates recurse per
-    level, and would raise ``RecursionError`` (a 500) somewhere past it.
+    level, and would raise ``RecursionError`` (a 500) somewhere past it. 400 naming the field for a string holding
+    a lone UTF-16 surrogate (``validation.body_surrogate``), on every route too.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -212,6 +200,10 @@ class BodyLimitMiddleware:
                         refused = _Refused(BadRequest(
                             f"the request body nests arrays and objects deeper than {self.max_depth} levels",
                             max_depth=self.max_depth), [])
+                        raise refused
+                    bad = body_surrogate(whole)
+                    if bad is not None:
+                        refused = _Refused(bad, [])
                         raise refused
             return message
 

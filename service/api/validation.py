@@ -20,6 +20,18 @@ from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from ..errors import BadRequest
 
+MAX_LOGGED_CHARS = 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def esc(value: object, limit: int = MAX_LOGGED_CHARS) -> str:
+    """A request-derived string made safe for one log line: control characters escaped, truncated."""
+    text = str(value)
+    cut = len(text) > limit
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                        text[:limit])
+    return text + ("...(truncated)" if cut else "")
+
 KeepAlive = Annotated[
     Union[StrictStr, StrictInt, StrictFloat, None],
     Field(description="How long the model stays loaded once idle (Ollama's keep_alive): a duration (\"5m\", "
@@ -32,7 +44,7 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 MAX_JSON_DEPTH = 256
 """Deepest nesting of arrays and objects a body, or a JSON string the service parses, may have. Real requests nest
-a few dozen levels; a schema up to this deep still reaches its own check (32 levels, ``service.engine.grammar``),
+a few dozen levels; a schema up to this deep still reaches its own check (32 levels, ``service.chat.grammar``),
 which names the field. Python's parser fails near ``sys.getrecursionlimit()`` (1000), less the stack in use."""
 
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
@@ -72,6 +84,27 @@ def _path(parts: list[str | int]) -> str:
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
     return out
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def body_surrogate(body: bytes) -> BadRequest | None:
+    """The ``BadRequest`` for a JSON body holding a lone surrogate in a string or key (param: its path), else None;
+    checked once for every route by the body middleware (``service.api.security``). A UTF-8 body can spell one
+    only as an escape, so a body without ``\\uD800``-``\\uDFFF`` escapes is not parsed here; one that is not JSON
+    is the route's to refuse."""
+    if not _ESCAPED_SURROGATE.search(body) and json.detect_encoding(body) in ("utf-8", "utf-8-sig"):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    try:
+        reject_surrogates(value)
+    except BadRequest as exc:
+        return exc
+    return None
 
 
 def reject_surrogates(value: Any, root: str = "") -> None:

@@ -77,7 +77,7 @@ class GenerationParams:
     top_k: int = 0
     """Keep the k most likely tokens (0: all; Anthropic's ``top_k``)."""
     lark: str | None = None
-    """An llguidance Lark grammar (tool calls: ``service/api/tools.py``); lazy parts wait for their trigger."""
+    """An llguidance Lark grammar (tool calls: ``service/chat/tools.py``); lazy parts wait for their trigger."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ class Engine(Protocol):
         ...
 
     def chat_format(self) -> Any:
-        """The loaded template's ``ChatFormat`` (tool-call format, thinking tags; ``service.engine.chat_format``)."""
+        """The loaded template's ``ChatFormat`` (tool-call format, thinking tags; ``service.chat.format``)."""
         ...
 
     def embedding_limits(self) -> tuple[int, int]:

@@ -34,6 +34,7 @@ from typing import Any, Literal, Sequence
 from sizing.memory import ContextConfig
 
 from . import loglines as L
+from .native import child_env
 from .params import ContextParams, ModelParams, context_params
 
 MIB = 1 << 20
@@ -161,11 +162,6 @@ def _worker_command() -> list[str]:
     return [sys.executable, "-m", "service.engine.dryrun"]
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 class DryRunWorker:
@@ -200,7 +196,7 @@ class DryRunWorker:
     def _spawn(self) -> None:
         try:
             proc = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=_child_env(), bufsize=1)
+                                    stderr=subprocess.PIPE, text=True, env=child_env(), bufsize=1)
         except OSError as exc:
             raise DryRunError(f"could not start the dry run: {exc}") from exc
         self._proc, self._lines = proc, queue.Queue()
@@ -400,24 +396,12 @@ def load_layer_devices(lines: Sequence[str]) -> dict[int, str]:
 
 def _backend_devices() -> list[dict[str, Any]]:  # pragma: no cover - runs in the child
     """The devices ggml offers llama.cpp (``ggml_backend_dev_count/get/name/type``), from the shipped libggml."""
-    import ctypes
-    import pathlib
+    from .native import GGML_BACKEND_DEVICE_TYPES as kinds
+    from .native import libggml
 
-    import llama_cpp
-
-    libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
-    path = next((c for c in (libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")) if c.exists()), None)
-    if path is None:
+    lib = libggml()
+    if lib is None:
         return []
-    lib = ctypes.CDLL(str(path))
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
     out = []
     for i in range(lib.ggml_backend_dev_count()):
         d = lib.ggml_backend_dev_get(i)

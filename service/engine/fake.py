@@ -19,7 +19,7 @@ from sizing.plan import Plan
 
 from ..errors import BadRequest, InsufficientMemory, NotReady
 from .base import Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob
-from .chat_format import ChatFormat
+from ..chat.format import ChatFormat
 
 FAKE_N_VOCAB = 1000
 FAKE_N_EMBD = 8

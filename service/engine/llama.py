@@ -81,24 +81,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
+from sizing.units import gpu_label
 
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob, current_delivery
-from .chat_template import BuiltinChatTemplate, ChatTemplate
-from .grammar import compile_grammar
+from ..chat.template import ChatTemplate
+from .templates import BuiltinChatTemplate, template_for
+from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations
 from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
 from .prompting import Prompting
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
+from .native import cuda_order
 from .text import first_stop, split_stop
 
 log = logging.getLogger(__name__)
-
-# NVML lists GPUs in PCI bus order; CUDA, by default, fastest first. The plan's card
-# indexes come from NVML, so llama.cpp must see the same order (set before CUDA starts).
-os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 ABORT_MIN_PROMPT_TOKENS = 256
 """A batch feeding this many tokens of one prompt is decoded with llama.cpp's abort callback set."""
@@ -154,7 +153,7 @@ class _Call:
 
 
 class _ModelView:
-    """What ``ChatTemplate.from_llama`` reads from a ``Llama``, over a raw ``LlamaModel``."""
+    """What ``templates.template_for`` reads from a ``Llama``, over a raw ``LlamaModel``."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
@@ -249,6 +248,7 @@ class LlamaEngine(Prompting):
         ``chat_template``: a Jinja chat template used instead of the model's (``GGUF_CHAT_TEMPLATE_FILE``).
         ``embedding_pooling``: the pooling of /v1/embeddings for models whose GGUF declares none (mean, cls,
         last); the embedding context itself is sized by the plan (``ContextConfig.embedding_tokens``)."""
+        cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._template_override = chat_template
         self._pooling_fallback = embedding_pooling
@@ -318,11 +318,6 @@ class LlamaEngine(Prompting):
     def n_ctx(self) -> int:
         """Tokens one request may hold: llama.cpp's per-sequence context (``llama_n_ctx_seq``; unified: n_ctx)."""
         return self._n_ctx_seq
-
-    @property
-    def n_ctx_total(self) -> int:
-        """Cells of the whole cache (all sequences)."""
-        return self._n_ctx
 
     @property
     def slots(self) -> int:
@@ -447,14 +442,14 @@ class LlamaEngine(Prompting):
                 return bool(watch) and all(r.gone for r in watch)
 
             self._abort_cb = _abort  # kept: llama.cpp holds the pointer
-            self._template = ChatTemplate.from_llama(_ModelView(model), self._template_override)
+            self._template = template_for(_ModelView(model), self._template_override)
             self._format = None
             # Markers of the template's tool calls and thinking that are control tokens are written out in the text
             # (as llama-server's preserved tokens), so that the parsers see them; other control tokens stay silent.
             self._preserved = set(self.chat_format().special.values())
             self._evaluated = 0
             self._n_embd = int(model.n_embd())
-            self._device = ",".join(f"CUDA{i}" for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
+            self._device = ",".join(gpu_label(i) for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
             with self._sched_lock:
                 self._inbox = queue.SimpleQueue()
                 self._sched_on = True

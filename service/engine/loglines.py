@@ -15,6 +15,8 @@ import re
 import threading
 from typing import Any
 
+from sizing.units import gpu_label
+
 from .base import Allocation
 
 log = logging.getLogger(__name__)
@@ -179,5 +181,5 @@ class LogTap:
             if "alloc" in line.lower() or "out of memory" in line.lower():
                 m = RE_DEVICE.search(line)
                 if m:
-                    return f"CUDA{m.group(1)}"
+                    return gpu_label(int(m.group(1)))
         return None

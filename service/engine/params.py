@@ -204,19 +204,11 @@ def _cpu_buffer_type() -> int:
     with _buft_lock:
         if _cpu_buft is not None:
             return _cpu_buft
-        import pathlib
+        from .native import libggml
 
-        import llama_cpp
-
-        libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
-        path = next((c for c in (libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")) if c.exists()), None)
-        if path is None:
-            raise EngineFailure(f"cannot find libggml under {libdir} for tensor buffer overrides")
-        lib = ctypes.CDLL(str(path))
-        lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-        lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-        lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
-        lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+        lib = libggml()
+        if lib is None:
+            raise EngineFailure("cannot find llama-cpp-python's libggml for tensor buffer overrides")
         buft = lib.ggml_backend_dev_buffer_type(lib.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
         if not buft:
             raise EngineFailure("ggml has no CPU buffer type")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import pickle
 import queue
 import signal
@@ -36,13 +35,13 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
 
 from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
 from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, current_delivery
+from .native import child_env
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,6 @@ STATS_TIMEOUT_S = 2.0
 STDERR_TAIL_LINES = 40
 BACKOFF_S = (0.5, 2.0, 8.0)
 """Seconds before each restart after a death, by how many deaths the window holds (the last repeats)."""
-_ROOT = str(Path(__file__).resolve().parents[2])
 _END = object()
 
 Listener = Callable[[str, str], None]
@@ -89,8 +87,7 @@ class _Channel:
     def __init__(self, name: str, engine_kwargs: dict[str, Any], log_level: str,
                  on_end: Callable[["_Channel"], None]) -> None:
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = child_env()
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "service.engine.child", str(child.fileno())], pass_fds=(child.fileno(),),

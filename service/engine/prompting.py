@@ -23,8 +23,9 @@ from typing import Any, Iterable, Iterator
 
 from ..errors import BadRequest
 from .base import Cancel, Chunk, GenerationParams
-from .chat_format import ChatFormat, detect, prepare
-from .chat_template import BuiltinChatTemplate, ChatTemplate
+from ..chat.format import ChatFormat, detect, prepare
+from ..chat.template import ChatTemplate
+from .templates import BuiltinChatTemplate
 
 
 class Prompting:

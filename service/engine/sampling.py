@@ -10,7 +10,7 @@ import ctypes
 from typing import Any, Callable
 
 from .base import GenerationParams, TokenLogprob
-from .grammar import grammar_sampler
+from .grammar_sampler import grammar_sampler
 
 PENALTY_LAST_N_TOKENS = 64
 """``Llama.last_n_tokens_size``'s default: the penalty window."""

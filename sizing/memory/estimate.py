@@ -13,7 +13,7 @@ from ..model import arch as archs
 from . import gpu
 from .compute import compute_bytes, host_compute_bytes
 from .context import ContextConfig
-from ..units import MIB, mib
+from ..units import MIB, gpu_label, mib
 from ..errors import FlashAttentionRequiredError
 from ..model.ggml import cache_type
 from .repack import EXTRA_BUFFERS, extra_buffer_bytes
@@ -233,7 +233,7 @@ def estimate(
     check_cache_types(spec, cfg, flash)
     n_all = spec.n_layer_all
     slots = placement.slots(n_all)
-    labels = list(gpu_labels) or [f"CUDA{g}" for g in placement.gpus]
+    labels = list(gpu_labels) or [gpu_label(g) for g in placement.gpus]
     per_gpu_layers: list[list[int]] = [[] for _ in placement.gpus]
     host_layers: list[int] = []
     for il in range(n_all):

@@ -11,8 +11,10 @@ from .device import Device, DeviceKind
 from .planner import CacheTypeOption, Candidate, Plan, make_plan
 from .report import plan_json, plan_table, spec_json
 from .request import PlanRequest, context_config, ctx_cap, ctx_floor
-from .residency import Holding, available, choose_eviction, decision_request, held_bytes, held_summary, lru
+from .residency import (Decision, Holding, available, choose_eviction, decide_placement, decision_request, held_bytes,
+                        held_summary, lru)
 
-__all__ = ["CacheTypeOption", "Candidate", "Device", "DeviceKind", "Holding", "Plan", "PlanRequest", "available",
-           "choose_eviction", "context_config", "ctx_cap", "ctx_floor", "decision_request", "held_bytes",
-           "held_summary", "lru", "make_plan", "plan_json", "plan_table", "spec_json"]
+__all__ = ["CacheTypeOption", "Candidate", "Decision", "Device", "DeviceKind", "Holding", "Plan", "PlanRequest",
+           "available", "choose_eviction", "context_config", "ctx_cap", "ctx_floor", "decide_placement",
+           "decision_request", "held_bytes", "held_summary", "lru", "make_plan", "plan_json", "plan_table",
+           "spec_json"]

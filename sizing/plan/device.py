@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..units import MIB
+from ..units import MIB, gpu_label
 
 DeviceKind = Literal["gpu", "host"]
 
@@ -36,4 +36,4 @@ class Device:
     @property
     def label(self) -> str:
         """llama.cpp's backend name for the device (CUDA0, ...) or ``CPU`` for host memory."""
-        return "CPU" if self.kind == "host" else f"CUDA{self.index}"
+        return "CPU" if self.kind == "host" else gpu_label(self.index)

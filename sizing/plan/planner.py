@@ -209,7 +209,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
     reasons: list[str] = []
     if req.n_ctx and req.n_ctx > cap:
         reasons.append(f"requested n_ctx {req.n_ctx} capped at {cap} (n_ctx_train {spec.n_ctx_train}"
-                       + (f", ceiling {req.ctx_ceiling})" if req.ctx_ceiling else ")"))
+                       + (f", ceiling {req.context_length})" if req.context_length else ")"))
     if chosen.error:
         reasons.append(f"{chosen.cache_type}: {chosen.error}")
     n_ctx = chosen.n_ctx or floor
@@ -221,7 +221,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
     if chosen.n_ctx and chosen.n_ctx < spec.n_ctx_train:
         if chosen.n_ctx == cap and req.n_ctx:
             why = "as requested"
-        elif chosen.n_ctx == cap and req.ctx_ceiling and cap < spec.n_ctx_train:
+        elif chosen.n_ctx == cap and req.context_length and cap < spec.n_ctx_train:
             why = "capped by the configured ceiling"
         else:
             why = "limited by free memory"

@@ -22,7 +22,7 @@ class PlanRequest:
     cache_type: str = "q8_0"
     """The type to load with (reported even when not in ``cache_types``)."""
     flash_attn: FlashAttn = "auto"
-    ctx_ceiling: int | None = None
+    context_length: int | None = None
     min_ctx: int = 4096
     n_ubatch: int = 512
     n_batch: int = 512
@@ -64,8 +64,8 @@ class PlanRequest:
 def ctx_cap(spec: ModelSpec, req: PlanRequest) -> int:
     """Upper bound on n_ctx: n_ctx_train, the ceiling, and the requested n_ctx."""
     cap = spec.n_ctx_train if spec.n_ctx_train > 0 else 4096
-    if req.ctx_ceiling:
-        cap = min(cap, req.ctx_ceiling)
+    if req.context_length:
+        cap = min(cap, req.context_length)
     if req.n_ctx:
         cap = min(cap, req.n_ctx)
     return cap

@@ -1,8 +1,9 @@
 """Several models on the same devices: what each loaded one holds, what is left beside them, whom to evict.
 
-Pure: values in, values out. The service (``service.planning``) plans a new model on ``available(...)``
-and, when it does not fit beside the residents, asks ``choose_eviction`` for the smallest set of idle,
-unpinned residents whose memory makes it fit, before anything is unloaded.
+Pure: values in, values out. The service (``service.planning``) plans a new model on ``available(...)`` and
+``decide_placement`` chooses, with that planning passed in, whether it goes beside the residents or which of
+them it evicts first (``choose_eviction``: the smallest set of idle, unpinned residents whose memory makes it
+fit), before anything is unloaded.
 
 What a loaded model holds (``held_bytes``), by llama.cpp's device names: its whole plan on every device.
 On a card that is weights, KV, recurrent state, compute, output, the CUDA pool bound and the allowance
@@ -38,6 +39,7 @@ from typing import Callable, Iterator, Sequence
 
 from .device import Device
 from ..memory.estimate import MemoryEstimate
+from .planner import Plan
 from .request import PlanRequest, ctx_cap, ctx_floor
 from ..model.spec import ModelSpec
 
@@ -125,6 +127,65 @@ def choose_eviction(candidates: Sequence[Holding], fits: Callable[[tuple[Holding
     return None  # pragma: no cover - the full set fitted, and it is among the sets tried
 
 
+@dataclass(frozen=True)
+class Decision:
+    """Where a load goes beside the residents (``decide_placement``): its plan and whom it evicts first."""
+
+    plan: Plan
+    evicted: tuple[Holding, ...] = ()
+    """Residents to unload before the load (idle and unpinned, unless forced)."""
+    busy: tuple[Holding, ...] = ()
+    """The plan fits only with the memory of residents generating now, least recently used first."""
+    count_limited: bool = False
+    """The plan fits in memory but the models-loaded limit is reached and none of them may go."""
+
+
+def held_whole(p: Plan) -> bool:
+    """Held whole where it runs best: on the cards (none partly in host memory), or on a machine without cards.
+    (A model the cards cannot hold at all is planned by the offload search, verdict ``cpu``.)"""
+    return p.verdict in ("one_card", "split") or (p.verdict == "cpu" and not p.gpus)
+
+
+def decide_placement(others: Sequence[Holding], plan_with: Callable[[tuple[Holding, ...], PlanRequest], Plan],
+                     req: PlanRequest, dreq: PlanRequest, *, max_models: int | None = None,
+                     force: bool = False) -> Decision:
+    """Whether a load goes beside the residents ``others`` or evicts some first; ``plan_with(evicted, request)``
+    plans it on the memory left once ``evicted`` are gone (``available``), ``dreq`` is the request that decides
+    (``decision_request``), ``req`` the one the load is planned with.
+
+    Beside the others when it fits there (and ``max_models`` allows one more) held whole, or when no idle
+    resident could make it whole; else the smallest set of idle, unpinned residents whose memory makes it fit
+    (whole on the cards, when evicting every idle one would make it so), least recently used first; else beside
+    them partly offloaded if it fits so. Busy residents are candidates only with ``force`` (without it the
+    decision names them, ``busy``); pinned ones never."""
+    def count_ok(evicted: tuple[Holding, ...]) -> bool:
+        return max_models is None or len(others) - len(evicted) + 1 <= max_models
+
+    beside = plan_with((), req)
+    idle = [h for h in others if not h.busy and not h.pinned]
+    if beside.fits and count_ok(()) and (held_whole(beside) or not idle):
+        return Decision(beside)
+    everything = tuple(idle)
+    wanted: Callable[[Plan], bool] = (held_whole if idle and held_whole(plan_with(everything, dreq))
+                                      else (lambda p: p.fits))
+    if wanted(beside) and count_ok(()):
+        return Decision(beside)
+    chosen = choose_eviction(idle, lambda s: count_ok(s) and wanted(plan_with(s, dreq)))
+    if chosen is not None:
+        return Decision(plan_with(chosen, req), chosen)
+    if beside.fits and count_ok(()):
+        return Decision(beside)  # partly offloaded, and no set of idle residents keeps it whole
+    unpinned = [h for h in others if not h.pinned]
+    busy = [h for h in unpinned if h.busy]
+    if busy and count_ok(tuple(unpinned)) and plan_with(tuple(unpinned), dreq).fits:
+        if force:
+            chosen = choose_eviction(unpinned, lambda s: count_ok(s) and plan_with(s, dreq).fits)
+            if chosen is not None:
+                return Decision(plan_with(chosen, req), chosen)
+        return Decision(beside, busy=tuple(lru(busy)))
+    return Decision(beside, count_limited=beside.fits)
+
+
 def held_summary(holdings: Sequence[Holding]) -> dict[str, dict[str, int]]:
     """Device label -> resident name -> bytes it holds there (what a refusal and the page show)."""
     out: dict[str, dict[str, int]] = {}
@@ -135,5 +196,5 @@ def held_summary(holdings: Sequence[Holding]) -> dict[str, dict[str, int]]:
     return out
 
 
-__all__ = ["EXHAUSTIVE_CANDIDATES", "Holding", "available", "choose_eviction", "decision_request",
-           "eviction_sets", "held_bytes", "held_summary", "lru"]
+__all__ = ["EXHAUSTIVE_CANDIDATES", "Decision", "Holding", "available", "choose_eviction", "decide_placement",
+           "decision_request", "eviction_sets", "held_bytes", "held_summary", "held_whole", "lru"]

@@ -65,7 +65,6 @@ MIN_WINDOW_BYTES = 64 * 1024
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
-_HEAD = struct.Struct("<4sIqq")  # magic, version, n_tensors, n_kv
 
 # The C-speed path of the string walk: a block of strings shorter than 256 bytes
 # (length prefix ``L 0 0 0 0 0 0 0``, then L bytes) matched by one regex. Every

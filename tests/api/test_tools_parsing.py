@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from service.api.reasoning import ReasoningSplitter
-from service.api.tools import ToolCallParser, ToolDelta, check_tools, tool_grammar
-from service.engine.chat_format import ChatFormat, detect, prepare
-from service.engine.grammar import _compile
+from service.chat.reasoning import ReasoningSplitter
+from service.chat.tools import ToolCallParser, ToolDelta, check_tools, tool_grammar
+from service.chat.format import ChatFormat, detect, prepare
+from service.chat.grammar import _compile
 from service.errors import BadRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -179,7 +179,7 @@ HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 
 
 def test_a_native_template_renders_tools_and_tool_turns() -> None:
-    from service.engine.chat_template import ChatTemplate
+    from service.chat.template import ChatTemplate
 
     fmt = detect(HERMES_TEMPLATE)
     assert (fmt.tools, fmt.native_tools, fmt.arguments_as_object) == ("hermes", True, True)

@@ -151,7 +151,7 @@ def test_context_is_capped_by_n_ctx_train_and_ceiling(model_spec: Spec) -> None:
     h200 = [Device(0, "H200", 140 * GIB, 141 * GIB)]
     plan = make_plan(spec, h200, HOST, PlanRequest())
     assert all(o.n_ctx == spec.n_ctx_train == 131072 for o in plan.options)
-    capped = make_plan(spec, h200, HOST, PlanRequest(ctx_ceiling=20000))
+    capped = make_plan(spec, h200, HOST, PlanRequest(context_length=20000))
     assert all(o.n_ctx == 20000 for o in capped.options)
     assert any("ceiling" in r for r in capped.reasons)
 

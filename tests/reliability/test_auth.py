@@ -167,7 +167,7 @@ def test_loopback_and_key_helpers() -> None:
 
 
 def test_esc_escapes_controls_and_truncates() -> None:
-    from service.api.security import esc
+    from service.api.validation import esc
 
     assert esc("a\nb\r\x1b[2J\u2028") == "a\\x0ab\\x0d\\x1b[2J\\u2028"
     assert esc("x" * 500).endswith("...(truncated)") and len(esc("x" * 500)) == 200 + len("...(truncated)")

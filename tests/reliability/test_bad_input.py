@@ -148,7 +148,7 @@ def test_on_the_real_engine_deep_arguments_and_bodies_are_a_400(served: ServiceP
 
 def test_the_chat_format_would_have_failed_on_them() -> None:
     """Why the check stands before the engine: the chat formats parse past arguments without a bound."""
-    from service.engine.chat_format import ChatFormat, prepare
+    from service.chat.format import ChatFormat, prepare
 
     messages = _with_past_call(DEEP)["messages"]
     for fmt in (ChatFormat(), ChatFormat(tools="hermes", native_tools=True, arguments_as_object=True)):

@@ -111,9 +111,8 @@ def test_the_total_token_limit_is_a_400_naming_input(svc: Any) -> None:
 @pytest.fixture(scope="module")
 def engine(embedded_model: str) -> Iterator[Any]:
     from service.engine.llama import LlamaEngine
-    from sizing.devices import host_memory
-    from sizing.gguf import probe_path
     from sizing.plan import PlanRequest, make_plan
+    from sizing.probe import host_memory, probe_path
 
     plan = make_plan(probe_path(embedded_model), [], host_memory(),
                      PlanRequest(n_ctx=1024, n_seq_max=2, kv_unified=True, min_ctx=256, embedding_tokens=256))

@@ -24,7 +24,8 @@ import anthropic
 import openai
 import pytest
 
-from service.engine.chat_template import BuiltinChatTemplate, ChatTemplate
+from service.chat.template import ChatTemplate
+from service.engine.templates import BuiltinChatTemplate
 from service.engine.prompting import Prompting
 from service.errors import BadRequest
 from tests.conftest import EMBEDDED_NAME, ServiceProcess

@@ -74,7 +74,7 @@ def vocab(embedded_model: str) -> Any:
     model = llama_cpp.llama_model_load_from_file(embedded_model.encode(), mp)
     assert model
     vocab = llama_cpp.llama_model_get_vocab(model)
-    from service.engine.grammar import _tokenizer
+    from service.engine.grammar_sampler import _tokenizer
 
     _tokenizer(vocab)  # built once per model (about 2 s, more on a busy host): not part of any example's time
     yield vocab
@@ -86,7 +86,8 @@ def vocab(embedded_model: str) -> Any:
 def test_every_schema_is_a_grammar_or_a_400(vocab: Any, capsys: pytest.CaptureFixture[str]) -> None:
     import numpy as np
 
-    from service.engine.grammar import _Mask, compile_grammar
+    from service.chat.grammar import compile_grammar
+    from service.engine.grammar_sampler import _Mask
 
     tally = {"grammar": 0, "refused": 0, "steps": 0}
     slowest = [0.0]

@@ -3,7 +3,7 @@
 The issue's reproduction, ``{"allOf": [{"type": "string", "pattern": ".*a0.*"}, ... N of them]}``, made llguidance
 work for tens of seconds and gigabytes after the 400 (RSS 463 MB -> 2.8 GB at N=20; eight at once killed the
 server within 15 s, and a trivial schema meanwhile got the time-out 400). Now every grammar compiles in a process
-of the grammar worker (``service.engine.grammar_worker``) under a memory limit, killed at the time limit:
+of the grammar worker (``service.chat.grammar_worker``) under a memory limit, killed at the time limit:
 
 - the reproduction at N=30 is a 400 within the time limit;
 - eight at once (OpenAI ``response_format``, then Anthropic ``tools[].input_schema`` with the tool forced) hold
@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from service.engine.grammar_worker import FAST_SLOTS, memory_bound_mib
+from service.api.errors import http_of
+from service.chat.grammar_worker import FAST_SLOTS, memory_bound_mib
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 
 from .conftest import rss_kib
@@ -93,7 +94,7 @@ def tree_rss_kib(root: int) -> int:
 
 def grammar_processes(root: int) -> list[int]:
     """The grammar zygote below ``root`` and its compilation processes."""
-    zygotes = [p for p, cmd in _descendants(root) if "service.engine.grammar_worker" in cmd]
+    zygotes = [p for p, cmd in _descendants(root) if "service.chat.grammar_worker" in cmd]
     return zygotes + [p for z in zygotes for p, _ in _descendants(z)]
 
 
@@ -291,7 +292,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def worker() -> Iterator[Any]:
-    from service.engine.grammar_worker import GrammarCompiler
+    from service.chat.grammar_worker import GrammarCompiler
 
     compiler = GrammarCompiler(workers=2, memory_mib=64)
     yield compiler
@@ -309,7 +310,8 @@ def _compile(compiler: Any, schema: Any, timeout_s: float = 30.0, gone: Any = No
         try:
             return "ok" if await compiler.compile("json_schema", json.dumps(schema), timeout_s, g) else "gone"
         except ServiceError as exc:
-            return exc.message if exc.status == 400 else f"{exc.status} {exc.message}"
+            status = http_of(exc, "/v1/chat/completions").status
+            return exc.message if status == 400 else f"{status} {exc.message}"
 
     t0 = time.perf_counter()
     return asyncio.run(run()), time.perf_counter() - t0
@@ -361,7 +363,7 @@ def test_a_zygote_that_dies_costs_one_request(worker: Any) -> None:
             await task
             during = "ok"
         except ServiceError as exc:
-            during = f"{exc.status}"
+            during = f"{http_of(exc, '/v1/chat/completions').status}"
         after = "ok" if await worker.compile("json_schema", json.dumps({**TRIVIAL, "title": "after"}), 10.0) else "?"
         return during, after
 

@@ -10,6 +10,7 @@ from typing import Callable
 import httpx
 import pytest
 
+from service.api.admission import WORKERS as ADMISSION_WORKERS
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 from tests.prom import value
 
@@ -70,9 +71,9 @@ def test_cancellation_storm(service_factory: Callable[..., ServiceProcess], caps
         assert gauges == [0, 0], gauges
         figures.append((storm_s, fresh_s, threads_of(pid), rss_kib(pid)))
     (s1, f1, threads1, rss1), (s2, f2, threads2, rss2) = figures
-    # A storm may grow the HTTP layer's worker pool (anyio: at most 40 threads, reused), in the first storm or
-    # the second; a leak would grow past it.
-    pool = 40
+    # A storm may grow the HTTP layer's worker pool (anyio: at most 40 threads, reused) and the tokenizing pool
+    # (service.api.admission: at most WORKERS), in the first storm or the second; a leak would grow past them.
+    pool = 40 + ADMISSION_WORKERS
     assert threads1 <= threads0 + pool + 1 and threads2 <= max(threads1, threads0 + pool) + 2, (threads0, threads1, threads2)
     assert rss2 - rss1 < 32 * 1024 and rss2 - rss0 < 96 * 1024, (rss0, rss1, rss2)
     with capsys.disabled():

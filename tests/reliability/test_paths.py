@@ -13,6 +13,7 @@ from service.models import Registry
 from service.settings import Settings
 
 from .conftest import FakeService
+from service.api.errors import code_of, http_of
 
 BAD_NAMES = [
     "../escape", "..", "/etc/passwd", "%2e%2e%2fescape", "%2e%2e", "..%2fescape", "a/b", "a\\b", "x\x00y", "good\x00",
@@ -53,7 +54,8 @@ def test_registry_resolves_names_only(models_dir: Path) -> None:
     for name in BAD_NAMES:
         with pytest.raises(ModelNotFound) as info:
             reg.resolve(name)
-        assert info.value.status == 404 and info.value.code == "model_not_found"
+        assert http_of(info.value, "/v1/models").status == 404
+        assert code_of(info.value, "/v1/models") == "model_not_found"
         assert info.value.message == f"The model '{name}' does not exist", "every refusal reads the same"
     listed = {e.name for e in reg.list() if e.origin == "models_dir"}
     assert listed == {"good", "via-sub"}, "the traps are not listed"

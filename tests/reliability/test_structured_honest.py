@@ -22,10 +22,10 @@ import httpx
 import jsonschema
 import pytest
 
-from service.api.choices import Choices, _whole_json
-from service.api.tools import ToolCallParser
+from service.chat.choices import Choices, _whole_json
+from service.chat.tools import ToolCallParser
 from service.engine.base import Chunk
-from service.engine.chat_format import ChatFormat
+from service.chat.format import ChatFormat
 from service.errors import BadRequest
 from tests.conftest import EMBEDDED_NAME, ROOT, ServiceProcess
 
@@ -187,7 +187,7 @@ def test_a_pattern_beyond_the_grammar_is_never_a_stop_with_invalid_content(svc: 
 
 
 def test_the_counted_repetitions_of_a_pattern_multiply_as_they_nest() -> None:
-    from service.engine.grammar import pattern_repetition
+    from service.chat.grammar import pattern_repetition
 
     assert pattern_repetition("(a{4096}){4096}") == 4096 * 4096
     assert pattern_repetition(r"^\d{1,16}$") == 16

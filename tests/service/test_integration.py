@@ -12,9 +12,9 @@ import pytest
 from sizing.plan.device import MIB, Device
 from sizing.probe import probe_path
 from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.residency import available
 from service.engine.llama import LlamaEngine
 from service.engine.params import plan_params
-from service.manager import credit_current, ModelState
 from tests.conftest import EMBEDDED_NAME
 from tests.prom import value
 
@@ -65,14 +65,12 @@ def test_swap_credits_the_loaded_models_memory(embedded_model: str) -> None:
     host = Device(0, "host", 8 * GIB_, 16 * GIB_, "host")
     plan = make_plan(spec, [card], host, PlanRequest(n_ctx=4096))
     assert plan.estimate is not None and plan.verdict == "one_card"
-    loaded = ModelState(name="m", state="loaded", plan=plan)
-    # Live free memory now excludes what the loaded model holds, the process's CUDA context (the allowance) too...
+    # Live free memory now excludes what the loaded model holds, its runner's CUDA context (the allowance) too...
     live = [Device(0, "RTX 3060", card.free_bytes - plan.estimate.gpus[0].total_bytes, card.total_bytes)]
-    credited, _ = credit_current(live, host, loaded)
-    # ...and the plan for the next load gets it all back: the context stays held, and that plan counts it again.
+    credited, _ = available(live, host, (), [plan.estimate], live=True)
+    # ...and the plan for the next load gets it all back once it is unloaded: its process and context end with it.
     assert credited[0].free_bytes == card.free_bytes
-    unloaded = ModelState(name="m", state="unloaded", plan=plan)
-    assert credit_current(live, host, unloaded)[0][0].free_bytes == live[0].free_bytes
+    assert available(live, host, (), (), live=True)[0][0].free_bytes == live[0].free_bytes
 
 
 def _gpus(*cards: tuple[str, int]) -> str:

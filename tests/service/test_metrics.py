@@ -122,7 +122,7 @@ SLOTS = 4
 N_UBATCH = 64
 MAX_TOKENS = 96
 REAL_SETTINGS = dict(parallel=SLOTS, context_length=4096, n_batch=128, n_ubatch=N_UBATCH, queue_size=16,
-                     confirm_loads=False)
+                     confirm=False)
 
 
 @dataclass

@@ -379,8 +379,31 @@ def test_the_models_file_sets_a_models_context_ceiling_and_cache_type(
     assert r.json()["origin"] == "models_file"
 
 
-@pytest.mark.parametrize("text, says", [
-    ('[models.x]\nfile = "nope.gguf"\n', "models.x.file"),
+def test_a_load_option_is_the_bodys_else_the_models_files_else_the_settings_by_one_name(
+        multi: Callable[..., FakeService], tmp_path: Path, fixtures: dict[str, str]) -> None:
+    """``service.options``: one name per knob (older ones accepted), one merge. kv_unified was added as a load
+    option by one field there and one line of the plan request (issue 23's measure of the merge)."""
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(f'[models.chat]\nfile = "{fixtures[N("a4")]}"\nkv_unified = false\nparallel = 2\n'
+                           f'[models.old]\nfile = "{fixtures[N("b4")]}"\nslots = 3\n')
+    svc = multi(models_file=str(models_file), kv_unified=True, parallel=4)
+    r = svc.client.post("/api/models/load", json={"model": "chat"})
+    assert r.status_code == 200, r.text
+    chosen = r.json()["plan"]["chosen"]
+    assert chosen["kv_unified"] is False and chosen["n_seq_max"] == 2, "the models file over the settings"
+    r = svc.client.post("/api/models/load", json={"model": "chat", "kv_unified": True, "n_seq_max": 3})
+    assert r.status_code == 200, r.text
+    chosen = r.json()["plan"]["chosen"]
+    assert chosen["kv_unified"] is True and chosen["n_seq_max"] == 3, "the body over the models file (an alias)"
+    r = svc.client.post("/api/models/load", json={"model": "old", "flash_attention": "on"})
+    assert r.status_code == 200, r.text
+    chosen = r.json()["plan"]["chosen"]
+    assert chosen["n_seq_max"] == 3 and chosen["flash_attn"] == "on" and chosen["kv_unified"] is True, chosen
+    bad = svc.client.post("/api/models/load", json={"model": "chat", "kv_unified": "perhaps"})
+    assert bad.status_code in (400, 422) and "kv_unified" in bad.text, bad.text
+
+
+
     ('[models.x]\ncache_type = "q9_9"\n', "unknown KV cache type"),
     ('[models.x]\nkeep_alive = "soon"\n', "models.x.keep_alive"),
     ('[models.x]\nslots = 0\n', "models.x.slots"),

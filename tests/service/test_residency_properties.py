@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from service.engine.fake import FakeEngine
 from service.errors import ServiceError
-from service.manager import Lease, ModelManager
+from service.residency import Lease, ModelManager
 from service.models import Registry
 from service.planning import LoadOptions
 from service.settings import Settings
@@ -32,6 +32,7 @@ from sizing.plan.residency import available, decision_request, held_bytes
 from sizing.probe import probe_path
 
 from .test_residency import _shape
+from service.api.errors import code_of, http_of
 
 NAMES = ("a4", "b4", "c8", "d8", "e16", "f24")
 LAYERS = {"a4": 4, "b4": 4, "c8": 8, "d8": 8, "e16": 16, "f24": 24}
@@ -61,7 +62,7 @@ def test_residency_invariants_hold_after_every_step(models_dir: Path, steps: lis
     gpus = [Device(i, f"card {i}", mib * MIB, 8192 * MIB) for i, mib in enumerate(cards)]
     host = Device(0, "host", host_mib * MIB, 32768 * MIB, "host")
     s = Settings(models_dir=str(models_dir), models_file=str(models_dir / "models.toml"), default_model="",
-                 context_length=4096, min_context=2048, calibrate=False, confirm_loads=False, host_bandwidth_gbps=20,
+                 context_length=4096, min_context=2048, calibrate=False, confirm=False, host_bandwidth_gbps=20,
                  load_wait_s=0.05,
                  allow_offload=offload, gpus_json=json.dumps([{"name": g.name, "free_mib": c, "total_mib": 8192}
                                                               for g, c in zip(gpus, cards)]))
@@ -87,7 +88,7 @@ async def _run(s: Settings, gpus: list[Device], host: Device, factory: Any, engi
                 try:
                     state = await m.load(name)
                 except ServiceError as exc:
-                    assert exc.status in (409, 400) or exc.code_for("/api/") == "INSUFFICIENT_MEMORY", exc.message
+                    assert http_of(exc, "/api/").status in (409, 400) or code_of(exc, "/api/") == "INSUFFICIENT_MEMORY", exc.message
                     assert {x.name for x in m.loaded()} == set(before), "a refused load unloads nothing"
                 else:
                     after = {x.name for x in m.loaded()}

@@ -35,7 +35,7 @@ def two_models(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) ->
     assert os.stat(path).st_blocks * 512 < path.stat().st_size, "the weights are a hole: zeros, never written"
     port = free_port()
     settings = Settings(host="127.0.0.1", port=port, models_dir=str(models), context_length=2048, parallel=1,
-                        confirm_loads=False, queue_size=16)
+                        confirm=False, queue_size=16)
     with in_process_service(settings) as served:
         yield served
 

@@ -90,7 +90,7 @@ def test_predicted_equals_what_llama_cpp_allocates_and_its_dry_run_reports(embed
     from service.engine.cpu import host_repack
     from service.engine.llama import LlamaEngine
     from service.engine.params import plan_params
-    from service.manager import allocation_rows
+    from service.residency import allocation_rows
 
     choice = host_repack("auto")
     for on in sorted({choice.on, False}):

@@ -3,7 +3,7 @@
 - ``check_tools`` validates ``tools`` and ``tool_choice`` (names, parameter schemas within the structured-output
   bounds) and picks the tools a choice allows.
 - ``tool_grammar`` writes an llguidance Lark grammar (``GenerationParams.lark``) in the model's native format
-  (``service.engine.chat_format``): ``required`` and a named choice constrain the whole output to calls whose
+  (``service.chat.format``): ``required`` and a named choice constrain the whole output to calls whose
   arguments match the function's JSON schema (``%json``); ``auto`` leaves the text free until the format's
   trigger (``<tool_call>``, ``[TOOL_CALLS]``, ``{"name": "``, ``{"tool_calls": [``) and constrains what follows
   (a lazy lexeme, llguidance's answer to llama.cpp's lazy grammars).
@@ -12,7 +12,7 @@
   a call's arguments stream as the model writes them. Non-streamed answers run the same parser, so a streamed
   call reassembles to exactly the non-streamed one. Under a forced choice (``required``, a named function) the
   text is call syntax only: a call cut by max_tokens is a partial call or nothing, never content; ``cut`` says
-  when the output ended inside a call (``service.api.choices`` decides ``length`` or an error from it).
+  when the output ended inside a call (``service.chat.choices`` decides ``length`` or an error from it).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.chat_format import ChatFormat
-from ..engine.grammar import JSON_OPTIONS, check_schema_bounds
+from .format import ChatFormat
+from .grammar import JSON_OPTIONS, check_schema_bounds
 from ..errors import BadRequest
 
 MAX_TOOLS = 128
@@ -201,7 +201,7 @@ def tool_grammar(fmt: ChatFormat, tools: list[dict[str, Any]], *, required: bool
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
-def _value_end(s: str, i: int) -> int | None:
+def value_end(s: str, i: int) -> int | None:
     """Where the JSON value starting at ``s[i]`` (after whitespace) ends; None while it is incomplete."""
     n = len(s)
     while i < n and s[i] in " \t\r\n":
@@ -377,7 +377,7 @@ class ToolCallParser:
                     name = json.loads(f'"{m.group(1)}"')
                     out.append(ToolDelta(index=self.n_calls, id=self._id, name=name))
                     self._args_start = m.end()
-                end = _value_end(self.buf, self._args_start)
+                end = value_end(self.buf, self._args_start)
                 upto = end if end is not None else len(self.buf)
                 frag = self.buf[self._args_start + self._sent: upto]
                 if frag and (self._sent or frag.strip()):

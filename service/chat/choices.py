@@ -1,8 +1,8 @@
 """The engine's chunks as what a client reads: per choice, thinking, content and tool calls, streamed or whole.
 
 One path for every API shape (OpenAI chat and completions, Anthropic messages): ``Choices.feed`` takes a
-``Chunk`` and returns ``Event`` values in order (the reasoning split first, ``service.api.reasoning``, then
-tool-call parsing of the answer, ``service.api.tools``); ``Answer`` collects them for a non-streamed reply,
+``Chunk`` and returns ``Event`` values in order (the reasoning split first, ``service.chat.reasoning``, then
+tool-call parsing of the answer, ``service.chat.tools``); ``Answer`` collects them for a non-streamed reply,
 so a streamed answer reassembles to exactly the non-streamed one.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..engine.base import Chunk, GenerationParams, TokenLogprob
-from ..engine.chat_format import ChatFormat
+from .format import ChatFormat
 from ..errors import BadRequest
 from .reasoning import Piece, ReasoningFormat, ReasoningSplitter
-from .tools import ToolCallParser, ToolDelta, _value_end
+from .tools import ToolCallParser, ToolDelta, value_end
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _whole_json(text: str, kind: JsonConstraint) -> bool:
         value = json.loads(text)
     except RecursionError:  # deeper than Python's parser goes (json_object allows any depth): balanced brackets
         s = text.strip()
-        return s[:1] in "{[" and _value_end(s, 0) == len(s) and (kind == "schema" or s[0] == "{")
+        return s[:1] in "{[" and value_end(s, 0) == len(s) and (kind == "schema" or s[0] == "{")
     except ValueError:
         return False
     return kind == "schema" or isinstance(value, dict)

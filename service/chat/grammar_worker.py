@@ -10,7 +10,7 @@ bounds its memory.
 
 How:
 
-- a *zygote*, ``python -m service.engine.grammar_worker``, started with the first grammar: single-threaded, with
+- a *zygote*, ``python -m service.chat.grammar_worker``, started with the first grammar: single-threaded, with
   llguidance and ``grammar`` imported, it forks one process per compilation (a few milliseconds). It exits when
   its parent does (the control socket's end of file, or ``PR_SET_PDEATHSIG``), killing its compilations;
 - a compilation process runs ``grammar._compile``, the very code and ``LLParserLimits`` the engine runs at
@@ -57,7 +57,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +102,7 @@ def memory_bound_mib(workers: int, memory_mib: int) -> int:
     return FAST_SLOTS * min(FAST_MEMORY_MIB, memory_mib) + workers * memory_mib
 
 
-# -- the zygote and its compilation processes (``python -m service.engine.grammar_worker FD``) -------------------
+# -- the zygote and its compilation processes (``python -m service.chat.grammar_worker FD``) -------------------
 
 def _die_with_parent() -> None:
     """SIGKILL when the parent ends (Linux); the caller checks ``getppid`` after, for a parent already gone."""
@@ -317,7 +316,7 @@ class _Zygote:
         env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "service.engine.grammar_worker", str(child.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "service.chat.grammar_worker", str(child.fileno()), str(os.getpid())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
         finally:
             child.close()

@@ -1,0 +1,245 @@
+"""The one generation path every API family takes: a request's model, its checks, its grammar, its tokens, its place
+in the queue; then its chunks, collected whole or streamed by the family's own renderer.
+
+``start`` checks, compiles the grammar (off the engine thread, in a process it can stop:
+``service.chat.grammar_worker``), tokenizes (``service.api.admission``), queues and waits for admission: a refusal
+is raised before any byte is sent (a plain HTTP error, even for a stream); a client that leaves meanwhile gets a
+bare 499. ``collect`` reads every choice whole. The model's lease is released when the generation ends (the
+runner), or here when the request ends before it was queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Iterator, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from ..chat.choices import Answer, Choices, json_constraint
+from ..chat.format import ChatFormat
+from ..chat.grammar import grammar_source
+from ..chat.grammar_worker import compiler as grammar_compiler
+from ..chat.reasoning import ReasoningFormat
+from ..chat.tools import check_tools, tool_grammar
+from ..engine.base import Cancel, Chunk, GenerationParams
+from ..errors import BadRequest, ContextLengthExceeded, ServiceError
+from ..keepalive import parse_keep_alive
+from ..residency import Lease, ModelManager
+from ..runner import chunks
+from .admission import prompt_tokens
+from .errors import code_of
+from .metrics import Metrics
+from .openai_wire import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, GenerationRequest
+
+
+async def resolve_model(manager: ModelManager, body: Any) -> Lease:
+    """The loaded model that answers this request: the one its ``model`` names (or an alias's model; none: the
+    default), loaded first when ``GGUF_LOAD_ON_DEMAND`` is on. Unknown: 404; known but not loaded: 503. The lease
+    keeps the model from being evicted until the generation ends, and carries the request's keep_alive."""
+    keep_alive = parse_keep_alive(body.keep_alive) if getattr(body, "keep_alive", None) is not None else None
+    lease = await manager.acquire(body.model)
+    lease.keep_alive_s = keep_alive
+    return lease
+
+
+def check_context(n_ctx: int, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
+    """400 when the prompt, or the prompt plus max_tokens, does not fit the context."""
+    if n_prompt >= n_ctx:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {n_ctx} tokens; the prompt has {n_prompt} tokens",
+            param=prompt_param, prompt_tokens=n_prompt, n_ctx=n_ctx,
+        )
+    if max_tokens is not None and n_prompt + max_tokens > n_ctx:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {n_ctx} tokens; the prompt's {n_prompt} tokens plus "
+            f"max_tokens {max_tokens} exceed it",
+            param="max_tokens", prompt_tokens=n_prompt, max_tokens=max_tokens, n_ctx=n_ctx,
+        )
+
+
+async def watch_disconnect(request: Request, cancel: Cancel) -> None:
+    """Set ``cancel`` the moment the client goes away (the ASGI server reports ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
+class Timer:
+    """Time to first token and per-token latency, into the metrics."""
+
+    def __init__(self, metrics: Metrics, t0: float, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.last = t0
+        self.first = True
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.first:
+            self.metrics.first_token(now - self.last, self.model)
+            self.first = False
+        else:
+            self.metrics.token(now - self.last, self.model)
+        self.last = now
+
+    def generation(self, last: Chunk, index: int = 0) -> None:
+        """A choice's usage into the metrics: the prompt counted with the first choice only (evaluated once)."""
+        self.metrics.generation(last if index == 0 else replace(last, prompt_tokens=0, prompt_seconds=0.0), self.model)
+
+
+async def compile_response_format(params: GenerationParams, settings: Any, gone: "asyncio.Future[None]") -> bool:
+    """Compile the request's grammar (response_format, or the tools') in a worker process, within
+    ``settings.grammar_timeout_s`` and ``grammar_memory_mb``; False when the client left first.
+
+    ``BadRequest`` when it cannot be used, did not compile in time or needed more memory: then it never reaches
+    the engine. The work stops with the answer, or when the client leaves: the process is killed
+    (``service.chat.grammar_worker``); trivial schemas never wait behind hostile ones (its fast lane). The engine
+    compiles the grammar again at admission, the same work under the same limits, which this proved bounded.
+    """
+    source = grammar_source(params)
+    if source is None:
+        return True
+    compiler = grammar_compiler(settings.grammar_workers, settings.grammar_memory_mb)
+    return await compiler.compile(*source, timeout_s=settings.grammar_timeout_s, gone=gone)
+
+
+@dataclass
+class Started:
+    """A generation admitted by the engine: its events to read, and what the reply needs to name it."""
+
+    results: AsyncIterator[Chunk]
+    cancel: Cancel
+    name: str
+    kind: Literal["completion", "chat"]
+    choices: Choices
+    params: GenerationParams
+    timer: "Timer"
+    tools: bool
+
+
+def chat_setup(body: "ChatRequest", engine: Any, settings: Any,
+                params: GenerationParams) -> tuple[GenerationParams, Choices, list[dict[str, Any]] | None]:
+    """Tools and thinking for a chat: the grammar that constrains calls, the parser state, the tools the template
+    renders."""
+    fmt: ChatFormat = engine.chat_format()
+    mode: ReasoningFormat = body.reasoning_format or settings.reasoning_format
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else None)
+    allowed = check_tools(body.tools, choice)
+    shown = body.tools if body.tools and choice != "none" else None
+    biased = bool(params.logit_bias)
+    if not allowed:
+        return params, Choices(fmt, reasoning=mode, json_kind=json_constraint(params), biased=biased), shown
+    if params.json_schema is not None or params.json_object:
+        raise BadRequest("response_format and tools cannot constrain one answer together", param="response_format")
+    named = isinstance(choice, dict)
+    forced = named or choice == "required"
+    parallel = body.parallel_tool_calls is not False and not named
+    lark = tool_grammar(fmt, allowed, required=forced, parallel=parallel)
+    return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True, forced=forced, biased=biased), shown
+
+
+async def start(request: Request, manager: ModelManager, metrics: Metrics, body: GenerationRequest,
+                 kind: Literal["completion", "chat"]) -> Started | JSONResponse:
+    """Check, compile, queue and wait for admission: a refusal is raised (a plain HTTP error, never a stream);
+    the client leaving meanwhile is a bare 499. The model's lease is released when the generation ends (the
+    runner), or here when the request ends before it was queued."""
+    t0 = time.perf_counter()
+    settings = manager.settings
+    params = body.params(COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else settings.max_tokens_default)
+    lease = await resolve_model(manager, body)
+    try:
+        return await admit(request, lease, settings, metrics, body, kind, params, t0)
+    finally:
+        if not lease.queued:
+            lease.release()  # the request ended before its generation was queued
+
+
+async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics, body: GenerationRequest,
+                 kind: Literal["completion", "chat"], params: GenerationParams, t0: float) -> Started | JSONResponse:
+    name = lease.name
+    # The context check applies to the client's own limit; the server's default is only a cap.
+    asked = body.requested_max_tokens() if kind == "chat" else params.max_tokens
+    engine = lease.engine
+    cancel = Cancel()
+    choices = Choices(json_kind=json_constraint(params), biased=bool(params.logit_bias))
+    tools: list[dict[str, Any]] | None = None
+    if kind == "completion":
+        assert isinstance(body, CompletionRequest)
+        prompt: str | None = body.prompt_text()
+        messages: list[dict[str, Any]] | None = None
+        prompt_param = "prompt"
+    else:
+        assert isinstance(body, ChatRequest)
+        body.check_messages()
+        params, choices, tools = chat_setup(body, engine, settings, params)
+        prompt = None
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        prompt_param = "messages"
+    run = params
+    tokens: list[int] = []
+
+    def work() -> Iterator[Chunk]:
+        # On the engine's worker, in FIFO order: the checks that need the engine (grammar, logit_bias, n), then
+        # one empty "admitted" chunk, then the generation from the tokens admission made. The HTTP layer waits
+        # for that first item, so a refusal is a plain HTTP error even for a streamed request.
+        engine.check(run)
+        yield Chunk(prompt_tokens=len(tokens))
+        yield from engine.generate(tokens, run, cancel)
+
+    watcher = asyncio.ensure_future(watch_disconnect(request, cancel))
+    try:
+        if not await compile_response_format(params, settings, watcher):
+            return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
+        # Tokenized off the engine's queue, bounded, refused unread if it cannot fit (service/api/admission.py).
+        tokens = await prompt_tokens(request.app.state.admission, name, engine, param=prompt_param, prompt=prompt,
+                                     messages=messages, tools=tools)
+        if cancel.cancelled:
+            return JSONResponse({}, status_code=499)  # the client left while its prompt was tokenized
+        n_prompt = len(tokens)
+        check_context(engine.n_ctx, n_prompt, asked, prompt_param)
+        if asked is not None and run.n > 1 and n_prompt + run.n * asked > engine.n_ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {engine.n_ctx} tokens; the prompt's {n_prompt} tokens plus "
+                f"{run.n} choices of max_tokens {asked} exceed it (the choices share the cache)",
+                param="n", prompt_tokens=n_prompt, max_tokens=asked, n_ctx=engine.n_ctx)
+        job = lease.runner.submit(work, cancel, on_done=lease.release)  # 429 beyond the queue's bound
+        lease.queued = True  # from here the runner releases the lease when the generation ends
+        results = chunks(job)
+        try:
+            await results.__anext__()  # admitted: the checks passed
+        except StopAsyncIteration:  # cancelled while queued: the client is gone
+            return JSONResponse({}, status_code=499)
+        except ServiceError as exc:
+            metrics.error(code_of(exc, request.url.path))
+            raise
+    finally:
+        watcher.cancel()  # Starlette's StreamingResponse listens for the disconnect from here on
+    return Started(results=results, cancel=cancel, name=name, kind=kind, choices=choices, params=params,
+                   timer=Timer(metrics, t0, name), tools=choices.tools)
+
+
+async def collect(request: Request, metrics: Metrics, started: Started) -> dict[int, Answer]:
+    """Every choice whole (a non-streamed reply); disconnects are watched meanwhile."""
+    watcher = asyncio.ensure_future(watch_disconnect(request, started.cancel))
+    answers: dict[int, Answer] = {}
+    try:
+        async for c in started.results:
+            if c.text or c.logprobs:
+                started.timer.tick()
+            for e in started.choices.feed(c):
+                answers.setdefault(e.index, Answer()).add(e)
+    except ServiceError as exc:
+        metrics.error(code_of(exc, request.url.path))
+        raise
+    finally:
+        watcher.cancel()
+    for i in range(started.params.n):
+        answers.setdefault(i, Answer())
+    for i, a in answers.items():
+        started.timer.generation(a.last, i)
+    return answers

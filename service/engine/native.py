@@ -1,0 +1,59 @@
+"""What the engine takes from outside Python: the libggml that llama-cpp-python ships, and the environment of the
+processes that run llama.cpp (the runners, the dry-run worker).
+
+``libggml()`` is the one loader of the shared library (its ctypes signatures set once); ``child_env()`` the one
+environment a llama.cpp child starts with: this one, the project root on ``PYTHONPATH``, and ``CUDA_DEVICE_ORDER``
+(NVML lists cards in PCI bus order, CUDA fastest first by default; the plan's card indexes come from NVML, so
+llama.cpp must see the same order, set before CUDA starts: ``cuda_order``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+
+_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+GGML_BACKEND_DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+"""ggml-backend.h's ``enum ggml_backend_dev_type``."""
+
+
+def cuda_order(env: "os._Environ[str] | dict[str, str]") -> None:
+    """Make CUDA number the cards as NVML does (PCI bus order), unless the operator chose an order."""
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a process that runs llama.cpp: this process's, with the project importable and CUDA's
+    card order NVML's."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cuda_order(env)
+    return env
+
+
+@functools.lru_cache(maxsize=1)
+def libggml() -> ctypes.CDLL | None:
+    """The libggml next to llama-cpp-python's libllama (None: not found), with the signatures the engine calls:
+    ``ggml_backend_dev_count/get/by_type/name/type/buffer_type``."""
+    import llama_cpp
+
+    libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
+    path = next((c for c in (libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")) if c.exists()), None)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    return lib

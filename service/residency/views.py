@@ -1,0 +1,114 @@
+"""What ``GET /api/models`` and the metrics show of the residency: each model, the devices, the queues."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from sizing.plan import held_bytes, plan_json
+from sizing.units import mib
+
+from ..errors import ServiceError
+from .state import ModelState
+from ..keepalive import keep_alive_json
+
+if TYPE_CHECKING:
+    from .manager import ModelManager
+
+def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    out: dict[str, Any] = {"name": state.name, "state": state.state, "error": state.error}
+    if state.entry is not None:
+        out["origin"] = state.entry.origin
+    out["aliases"] = manager.registry.aliases_of(state.name)
+    out["pinned"] = state.pinned
+    q = manager._queues.get(state.name)
+    if q is not None and (waiting := len(q.live())):
+        out["waiting"] = waiting
+    if state.name in manager._reloading:
+        out["reloading"] = True
+    if state.serving and manager._yields(state):
+        out["yields_to"] = manager._asked_by(state.name)
+    if state.plan is not None:
+        out["plan"] = plan_json(state.plan)
+    if state.confirmation is not None:
+        out["confirmation"] = state.confirmation
+    if state.unloaded_why is not None and state.state == "unloaded":
+        out["unloaded"] = state.unloaded_why
+    runner_json = getattr(state.engine, "runner_json", None)
+    if runner_json is not None:
+        out["runner"] = runner_json()
+    if state.serving and state.report is not None and state.plan is not None:
+        est = state.plan.estimate
+        held = held_bytes(est) if est is not None else {}
+        out["n_ctx"] = state.report.n_ctx
+        out["load_seconds"] = round(state.report.load_seconds, 3)
+        out["devices"] = [d.device for d in est.devices if held.get(d.device)] if est is not None else []
+        out["in_flight"] = state.leases
+        out["busy"] = state.busy
+        out["idle_s"] = round(max(0.0, time.monotonic() - state.last_used), 3)
+        out["keep_alive_s"] = keep_alive_json(state.keep_alive_s)
+        out["expires_in_s"] = None if state.expires_at is None else round(max(0.0, state.expires_at - time.time()), 3)
+        rows = allocation_rows(est) if est is not None else {}
+        out["memory"] = [
+            {
+                "device": a.device,
+                "allocated_mib": mib(a.total_bytes),
+                "allocated": {
+                    "weights_mib": mib(a.weights_bytes),
+                    "kv_mib": mib(a.kv_bytes),
+                    "compute_mib": mib(a.compute_bytes),
+                    "output_mib": mib(a.output_bytes),
+                },
+                "predicted_mib": mib(rows[a.device]) if a.device in rows else None,
+                "held_mib": mib(held[a.device]) if a.device in held else None,
+            }
+            for a in state.report.allocations
+        ]
+    return out
+
+
+def admission(manager: "ModelManager") -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Per model with requests waiting to be admitted: how many (``waiting``), the oldest one's wait
+    (``oldest_s``), the busy models its swap waits for (``blocked_on``); and the loaded models that yield
+    (admit no new request until a swap that waits for their memory has run)."""
+    now = time.monotonic()
+    waiting: dict[str, dict[str, Any]] = {}
+    for q in list(manager._queues.values()):
+        live = q.live()
+        if live:
+            waiting[q.name] = {"waiting": len(live), "oldest_s": now - live[0].since,
+                               "blocked_on": list(q.blocked_on), "loading": q.loading}
+    return waiting, [s.name for s in manager.loaded() if manager._yields(s)]
+
+
+def devices_json(manager: "ModelManager") -> list[dict[str, Any]]:
+    """Each device as read now, and what each loaded model holds there (its plan's bytes, its CUDA context included).
+    Blocking (NVML)."""
+    try:
+        gpus, host = manager.inventory()
+    except ServiceError:
+        return []
+    holdings = manager._holdings()
+    out = []
+    for dev in (*gpus, host):
+        shares = [{"model": h.name, "held_mib": mib(n), "pinned": h.pinned, "busy": h.busy}
+                  for h in holdings if (n := held_bytes(h.estimate).get(dev.label, 0))]
+        out.append({"device": dev.label, "name": dev.name, "total_mib": mib(dev.total_bytes),
+                    "free_mib": mib(dev.free_bytes), "live": manager.planner.live or dev.kind == "host",
+                    "models": shares})
+    return out
+
+
+def allocation_rows(est: Any) -> dict[str, int]:
+    """The plan's bytes per row of llama.cpp's allocation log (what ``parse_allocations`` reports): each device's
+    buffers without what the log does not show (the allowance, the CUDA pool bound, the embedding context),
+    the host's weights in the extra CPU buffer types (CPU_REPACK, AMX) as rows of their own."""
+    out: dict[str, int] = {}
+    for d in est.devices:
+        out[d.device] = (d.total_bytes - d.allowance_bytes - d.pool_bytes - d.embedding_bytes
+                         - d.extra_weights_bytes)
+        for buffer, n in d.extra_weights:
+            out[buffer] = out.get(buffer, 0) + n
+    return out

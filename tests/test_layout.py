@@ -1,0 +1,191 @@
+"""The folder map of docs/architecture.md, enforced: what each folder may import, no module importing another's
+underscore names, no import circles. Read from the source (``ast``): a module added anywhere is checked without
+anyone listing it."""
+
+from __future__ import annotations
+
+import ast
+import os
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PURE = ("sizing/model", "sizing/memory", "sizing/plan", "sizing/units.py", "sizing/errors.py")
+"""Values in, values out: no I/O, no heavy imports (tests/sizing/test_import_purity.py loads them all)."""
+
+SIZING_MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "sizing.units": (),
+    "sizing.errors": (),
+    "sizing.model": ("sizing.model", "sizing.units", "sizing.errors"),
+    "sizing.memory": ("sizing.memory", "sizing.model", "sizing.units", "sizing.errors"),
+    "sizing.plan": ("sizing.plan", "sizing.memory", "sizing.model", "sizing.units", "sizing.errors"),
+    "sizing.probe": ("sizing.probe", "sizing.plan.device", "sizing.model", "sizing.units", "sizing.errors"),
+    "sizing.testing": ("sizing",),
+    "sizing.__main__": ("sizing",),
+    "sizing": ("sizing",),
+}
+"""Longest prefix first: a sizing module may import only these (and never ``service``)."""
+
+SERVICE_SIZING_SURFACES = ("sizing.model", "sizing.memory", "sizing.plan", "sizing.probe", "sizing.units",
+                           "sizing.errors")
+"""What the service imports of sizing: each subpackage's ``__init__`` (its public surface), units and errors."""
+
+
+def modules_under(rel: str) -> list[str]:
+    """Dotted names of the modules in a folder (or the one file) under the repository root."""
+    path = ROOT / rel
+    files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+    out = []
+    for f in files:
+        name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        out.append(name[: -len(".__init__")] if name.endswith(".__init__") else name)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _imports() -> dict[str, list[tuple[str, str, bool, str]]]:
+    """Per project module, for every import in it: (the module imported: ``X.Y`` for ``from X import Y`` when Y is a
+    module, else X; the name, or "" for a module; whether at module level; the module written after ``from``)."""
+    files = {m: ROOT / (m.replace(".", "/") + ".py") for top in ("sizing", "service") for m in modules_under(top)}
+    for m in list(files):
+        if not files[m].exists():
+            files[m] = ROOT / m.replace(".", "/") / "__init__.py"
+    known = set(files)
+    out: dict[str, list[tuple[str, str, bool, str]]] = {}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        is_pkg = path.name == "__init__.py"
+        top_level = {id(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+        found: list[tuple[str, str, bool, str]] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    found.append((sub if sub in known else target, a.name if sub not in known else "",
+                                  id(node) in top_level, target))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    found.append((a.name, "", id(node) in top_level, a.name))
+        out[mod] = found
+    return out
+
+
+def _rule(mod: str) -> tuple[str, ...]:
+    for prefix in sorted(SIZING_MAY_IMPORT, key=len, reverse=True):
+        if mod == prefix or mod.startswith(prefix + "."):
+            return SIZING_MAY_IMPORT[prefix]
+    raise AssertionError(f"{mod}: no rule in SIZING_MAY_IMPORT")
+
+
+def _under(target: str, prefixes: tuple[str, ...]) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
+def test_sizing_imports_nothing_of_the_service_and_keeps_its_folders_directions() -> None:
+    bad = []
+    for mod, imports in _imports().items():
+        if not mod.startswith("sizing"):
+            continue
+        allowed = _rule(mod)
+        for target, _, _, _ in imports:
+            if target.startswith("service") or (target.startswith("sizing") and not _under(target, allowed)):
+                bad.append(f"{mod} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_in_the_product_imports_the_test_data_builders() -> None:
+    bad = [f"{mod} imports {t}" for mod, imports in _imports().items() if not mod.startswith("sizing.testing")
+           for t, _, _, _ in imports if _under(t, ("sizing.testing",))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_service_imports_sizing_through_its_public_surfaces() -> None:
+    bad = [f"{mod} imports {written}" for mod, imports in _imports().items() if mod.startswith("service")
+           for _, _, _, written in imports if written.startswith("sizing") and written not in SERVICE_SIZING_SURFACES]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    bad = [f"{mod} imports {name} from {t}" for mod, imports in _imports().items()
+           for t, name, _, _ in imports if name.startswith("_") and t != mod and t.startswith(("sizing", "service"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circles() -> None:
+    """Module-level imports between project modules form no cycle (imports inside functions are how a module
+    defers a heavy dependency, and are not edges here)."""
+    graph = {mod: {t for t, _, top, _ in imports if top and t in _imports() and t != mod}
+             for mod, imports in _imports().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_chat_rendering_imports_neither_the_web_framework_nor_llama_cpp() -> None:
+    bad = [f"{mod} imports {t}" for mod, imports in _imports().items() if mod.startswith("service.chat")
+           for t, _, _, _ in imports if _under(t, ("fastapi", "starlette", "llama_cpp", "uvicorn"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_api_layer_reaches_the_engine_only_through_its_values() -> None:
+    """Routes speak to an engine through the ``Engine`` protocol and its values (``service.engine.base``), never its
+    internals: the one that loads llama.cpp, its scheduler, its runner process."""
+    bad = [f"{mod} imports {t}" for mod, imports in _imports().items() if mod.startswith("service.api")
+           for t, _, _, _ in imports if _under(t, ("service.engine",)) and t != "service.engine.base"]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_folder_map_in_the_architecture_doc_names_every_folder() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert doc.split("\n## ")[1].startswith("Folder map"), "the doc opens with the folder map"
+    head = doc.split("\n## ")[1]
+    folders = {str(p.relative_to(ROOT)) + "/" for top in ("sizing", "service") for p in [ROOT / top, *(ROOT / top).rglob("*")]
+               if p.is_dir() and (p / "__init__.py").exists()}
+    missing = sorted(f for f in folders if f"`{f}`" not in head)
+    assert not missing, f"docs/architecture.md's folder map does not name {missing}"
+
+
+def test_every_sizing_module_has_a_rule_and_the_pure_folders_exist() -> None:
+    for mod in _imports():
+        if mod.startswith("sizing"):
+            _rule(mod)
+    for rel in PURE:
+        assert (ROOT / rel).exists(), rel
+    assert os.path.isdir(ROOT / "sizing" / "testing")
