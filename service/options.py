@@ -14,6 +14,7 @@ knob               what it sets                                    also accepted
 ``flash_attn``     on, off or auto                                 ``flash_attention`` (GGUF_FLASH_ATTENTION)
 ``parallel``       decode slots (llama.cpp's n_seq_max)            ``n_seq_max`` (bodies), ``slots`` (file)
 ``swa_full``       a full-size sliding-window cache
+``kv_unified``     one KV cache shared by the slots
 ``gpu``            a card index, auto or all
 ``tensor_split``   layer proportions per card
 ``confirm``        confirm the plan with llama.cpp's dry run       ``confirm_loads`` (GGUF_CONFIRM_LOADS)
@@ -55,6 +56,8 @@ class ModelOptions(BaseModel):
                                  description="Decode slots, llama.cpp's n_seq_max (also accepted as n_seq_max, and "
                                  "as slots in the models file).")
     swa_full: bool | None = Field(None, description="Full-size sliding-window cache (llama.cpp swa_full).")
+    kv_unified: bool | None = Field(None, description="One KV cache shared by the slots (llama.cpp kv_unified): "
+                                    "any request may use the whole context; off: n_ctx / parallel cells each.")
     gpu: int | Literal["auto", "all"] | None = Field(None, description="A card index this machine has, auto or all.")
     tensor_split: tuple[float, ...] | None = Field(None, max_length=64,
                                                    description="One proportion (>= 0) per card.")

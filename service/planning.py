@@ -81,7 +81,7 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         n_ubatch=settings.n_ubatch,
         n_batch=settings.n_batch,
         n_seq_max=o.parallel or settings.parallel,
-        kv_unified=settings.kv_unified,
+        kv_unified=bool(o.kv_unified),
         swa_full=bool(o.swa_full),
         allowance_bytes=settings.gpu_allowance_mib * MIB,
         gpu=o.gpu if o.gpu is not None else "auto",

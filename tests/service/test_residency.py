@@ -403,7 +403,8 @@ def test_a_load_option_is_the_bodys_else_the_models_files_else_the_settings_by_o
     assert bad.status_code in (400, 422) and "kv_unified" in bad.text, bad.text
 
 
-
+@pytest.mark.parametrize("text, says", [
+    ('[models.x]\nfile = "nope.gguf"\n', "models.x.file"),
     ('[models.x]\ncache_type = "q9_9"\n', "unknown KV cache type"),
     ('[models.x]\nkeep_alive = "soon"\n', "models.x.keep_alive"),
     ('[models.x]\nslots = 0\n', "models.x.slots"),
