@@ -58,6 +58,18 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
 
 MAX_REASON_CHARS = 300
 
+MAX_INTEGER_DIGITS = 16
+"""Digits of an integer (and of a number's integer part) in a schema-constrained answer when the schema bounds it
+on neither side, as llama.cpp's JSON-schema grammar allows (``common/json-schema-to-grammar.cpp``,
+``[1-9] [0-9]{0,15}``). Unbounded, a small model fills an ``integer`` field with digits until ``max_tokens``
+(issue 25: ``"population": 1000000000000...``, 256 tokens, finish ``length``)."""
+INTEGER_LIMIT = 2 ** 53 - 1
+"""The bound put on an open side: 9,007,199,254,740,991 (16 digits), the largest integer a double holds exactly
+(JavaScript's ``Number.MAX_SAFE_INTEGER``, what most JSON parsers read without loss). llguidance compares bounds as
+doubles: 10^16 - 1 became 10^16 and let a 17th digit through (measured)."""
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")
+"""Keywords whose values are JSON data, not schemas: never rewritten."""
+
 
 @dataclass(frozen=True)
 class Grammar:
@@ -157,6 +169,30 @@ def check_schema_bounds(schema: Any) -> None:
             stack.extend((v, depth + 1) for v in node)
 
 
+def bounded_numbers(schema: Any) -> Any:
+    """``schema`` with every ``integer`` or ``number`` it declares bounded on each side the schema leaves open
+    (``minimum`` -``INTEGER_LIMIT``, ``maximum`` ``INTEGER_LIMIT``: at most ``MAX_INTEGER_DIGITS`` integer digits);
+    a bound of its own is kept as written. A copy: the request's text is not changed. Data keywords (``const``,
+    ``enum``, ``default``, ``examples``) are not walked. With a range llguidance writes a number without an
+    exponent (1e5 as 100000); a fraction's digits stay unbounded (its ranges bound values, not digits)."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: (v if k in _NOT_SCHEMAS else walk(v)) for k, v in node.items()}
+        types = node.get("type")
+        declared = set(types) if isinstance(types, list) else {types}
+        if declared & {"integer", "number"}:
+            if "minimum" not in node and "exclusiveMinimum" not in node:
+                out["minimum"] = -INTEGER_LIMIT
+            if "maximum" not in node and "exclusiveMaximum" not in node:
+                out["maximum"] = INTEGER_LIMIT
+        return out
+
+    return walk(schema)
+
+
 @functools.lru_cache(maxsize=256)
 def _compile(kind: str, text: str) -> Grammar:
     from llguidance import LLMatcher
@@ -186,7 +222,8 @@ def _compile(kind: str, text: str) -> Grammar:
             if not isinstance(schema, (dict, bool)):
                 raise _refuse("a JSON schema is an object (or true/false)")
             check_schema_bounds(schema)
-            grammar = LLMatcher.grammar_from_json_schema(text, defaults=dict(JSON_OPTIONS))  # type: ignore[arg-type]
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(bounded_numbers(schema)),
+                                                         defaults=dict(JSON_OPTIONS))  # type: ignore[arg-type]
     except BadRequest:
         raise
     except Exception as exc:  # llguidance's and the GBNF converter's errors: all about the request's text
