@@ -249,6 +249,20 @@ class Engine(Protocol):
         """A chat's rendered prompt's tokens, as ``chat`` evaluates them (every client span tokenized as text)."""
         ...
 
+    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """/tokenize: ``text``'s tokens; ``add_special``: BOS (and what else the model adds), ``parse_special``:
+        control-token spellings become control tokens (llama_tokenize's two flags)."""
+        ...
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        """Each token's bytes, control tokens spelt (/detokenize, /tokenize's pieces); ``BadRequest`` naming
+        ``tokens`` for an id outside the vocabulary (llama.cpp would abort on one)."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat prompt the model's template renders for ``messages`` (and ``tools``): /apply-template."""
+        ...
+
     def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         """A generation from prompt tokens (``prompt_tokens`` / ``chat_prompt_tokens``)."""
         ...

@@ -151,6 +151,21 @@ class FakeEngine:
     def prompt_tokens(self, prompt: str) -> list[int]:
         return self.tokenize(prompt)
 
+    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        toks = self.tokenize(text)
+        return toks if add_special else toks[1:]
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        self._require()
+        for i, t in enumerate(tokens):
+            if not 0 <= t < FAKE_N_VOCAB:
+                raise BadRequest(f"tokens[{i}]: {t} is not a token of this model (0 .. {FAKE_N_VOCAB - 1})",
+                                 param="tokens")
+        return [f"<{t}>".encode() for t in tokens]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return self._chat_text(messages)
+
     def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self.tokenize(self._chat_text(messages))
 

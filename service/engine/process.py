@@ -558,6 +558,15 @@ class ProcessEngine:
     def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self._channel().call("chat_prompt_tokens", (messages, tools))  # type: ignore[no-any-return]
 
+    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self._channel().call("tokenize_text", (text, add_special, parse_special))  # type: ignore[no-any-return]
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        return self._channel().call("token_pieces", (tokens,))  # type: ignore[no-any-return]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return self._channel().call("render_chat", (messages, tools))  # type: ignore[no-any-return]
+
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         return self._channel().call("embed", (inputs,), cancel)  # type: ignore[no-any-return]
 

@@ -95,8 +95,22 @@ class Prompting:
         """A chat's prompt tokens, as ``chat`` evaluates them."""
         return self._chat_tokens(messages, tools)
 
-    def _token_spelling(self, token: int) -> str:
-        """A token's text, a control token's spelling included (``llama_token_to_piece`` with ``special``, sized
+    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self._tokenize(text, add_bos=add_special, special=parse_special)
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        self._require()
+        n_vocab = int(self.n_vocab)  # type: ignore[attr-defined]  (the engine's: 0 .. n_vocab - 1)
+        for i, t in enumerate(tokens):
+            if not 0 <= t < n_vocab:
+                raise BadRequest(f"tokens[{i}]: {t} is not a token of this model (0 .. {n_vocab - 1})", param="tokens")
+        return [self._spelt_bytes(t) for t in tokens]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return self._chat_prompt(messages, tools)[0]
+
+    def _spelt_bytes(self, token: int) -> bytes:
+        """A token's bytes, a control token's spelling included (``llama_token_to_piece`` with ``special``, sized
         as llama.cpp's ``common_token_to_piece``: a negative answer is the size the piece needs)."""
         import ctypes
 
@@ -108,9 +122,13 @@ class Prompting:
             buf = ctypes.create_string_buffer(size)
             n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, True)
             if n >= 0:
-                return buf.raw[:n].decode("utf-8", "replace")
+                return buf.raw[:n]
             size = -n
-        return ""  # pragma: no cover
+        return b""  # pragma: no cover
+
+    def _token_spelling(self, token: int) -> str:
+        """A token's text (``_spelt_bytes``, decoded)."""
+        return self._spelt_bytes(token).decode("utf-8", "replace")
 
     def _control_spellings(self, text: str) -> list[str]:
         """The control tokens' spellings in ``text``: the tokens ``special`` parses and plain tokenization does not
