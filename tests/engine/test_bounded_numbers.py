@@ -17,18 +17,6 @@ from service.engine.grammar_sampler import _tokenizer
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def vocab(embedded_model: str) -> Any:
-    import llama_cpp
-    from llama_cpp import _internals
-
-    mp = llama_cpp.llama_model_default_params()
-    mp.vocab_only = True
-    model = _internals.LlamaModel(path_model=embedded_model, params=mp, verbose=False)
-    yield model
-    model.close()
-
-
 def _answer(model: Any, kind: str, grammar: str, text: str) -> bool:
     """Whether ``text`` (as the model's tokens) is a whole answer the grammar accepts."""
     from llguidance import LLMatcher

@@ -19,18 +19,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
     "additionalProperties": False}}}]
 
 
-@pytest.fixture(scope="module")
-def vocab(embedded_model: str) -> Any:
-    import llama_cpp
-    from llama_cpp import _internals
-
-    mp = llama_cpp.llama_model_default_params()
-    mp.vocab_only = True
-    model = _internals.LlamaModel(path_model=embedded_model, params=mp, verbose=False)
-    yield model
-    model.close()
-
-
 def _accepts(model: Any, grammar: str, text: str) -> bool:
     """Whether the matcher takes ``text`` (as the model's tokens) without an error."""
     from llguidance import LLMatcher
