@@ -53,6 +53,7 @@ from .engine.calibrate import Calibrator, FileIdentity, add_samples, points
 from .engine.cpu import RepackChoice, host_repack
 from .engine.dryrun import DryRunError, DryRunResult
 from .engine.params import ModelParams, model_params, plan_params
+from .engine.prompt_cache import budget as prompt_cache_budget
 from .errors import BadRequest, InsufficientMemory
 from .options import LoadOptions, merged
 from .settings import Settings
@@ -97,6 +98,24 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         cpu_repack_reason=repack.reason if repack is not None else "",
         cpu_features=repack.features if repack is not None else frozenset(),
     )
+
+
+def prompt_cache_json(settings: Settings, plan: Plan) -> dict[str, Any]:
+    """The plan's line for the prompt cache beyond the slots (``service.engine.prompt_cache``): the host memory a
+    load of this plan may keep idle conversations in, and where they go on disk."""
+    host = plan.estimate.host.total_bytes if plan.estimate is not None else 0
+    on = settings.cache_prompt and settings.prompt_cache_mib > 0
+    budget = prompt_cache_budget(settings.prompt_cache_mib * MIB, plan.host.free_bytes, host) if on else 0
+    out: dict[str, Any] = {
+        "budget_mib": round(budget / MIB, 1), "ceiling_mib": settings.prompt_cache_mib if on else 0,
+        "why": (f"half of the {max(0, plan.host.free_bytes - host) / MIB:.0f} MiB of host memory the plan leaves free, "
+                f"at most GGUF_PROMPT_CACHE_MIB ({settings.prompt_cache_mib})") if on else
+               ("off (GGUF_PROMPT_CACHE_MIB=0)" if settings.cache_prompt else "off (GGUF_CACHE_PROMPT off)"),
+        "disk_dir": settings.prompt_cache_dir if settings.cache_prompt else None,
+    }
+    if out["disk_dir"]:
+        out["disk_ceiling_mib"] = settings.prompt_cache_disk_mib
+    return out
 
 
 def needs_calibration(spec: ModelSpec, backend: str) -> bool:

@@ -135,6 +135,23 @@ class Settings(BaseSettings):
         True, description="Keep each slot's KV after a request and evaluate only what a new prompt does not share with "
         "a cached one (llama-server's cache_prompt). Off: every prompt is evaluated whole.",
     )
+    prompt_cache_mib: int = Field(
+        8192, ge=0, description="Ceiling of the host memory that keeps idle conversations' KV beyond the slots (as "
+        "llama-server's --cache-ram, 8192 MiB by default): a later turn is restored instead of evaluated. Each load's "
+        "budget is half the host memory its plan leaves free, at most this. 0: off.",
+    )
+    prompt_cache_dir: str | None = Field(
+        None, description="Also keep cached prompts on disk in this folder, so that a restarted server or a model "
+        "loaded again answers the next turn of a known conversation without evaluating it (docs/batching.md).",
+    )
+    prompt_cache_disk_mib: int = Field(
+        16384, ge=0, description="Ceiling of the disk the cached prompts of one model and configuration take under "
+        "GGUF_PROMPT_CACHE_DIR; the least recently used files are removed first.",
+    )
+    prompt_cache_per_key: bool = Field(
+        True, description="With API keys configured, a cached prompt is reused only by requests with the same key "
+        "(a shared prefix would tell one tenant by its speed what another sent). Off: shared by all keys.",
+    )
     slot_prompt_similarity: float = Field(
         0.10, ge=0.0, le=1.0, description="A request goes to the idle slot whose cached tokens cover more than this "
         "share of its prompt (the largest share wins), else to the least recently used slot (llama-server's "

@@ -86,6 +86,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()
+    app.state.api_keys = keys  # generation scopes cached prompts per key (service.api.generation.cache_scope)
     app.state.drain = security.DrainState()
     errors.install(app)
     app.include_router(ops.router)

@@ -24,7 +24,7 @@ from ..chat.grammar import grammar_source
 from ..chat.grammar_worker import compiler as grammar_compiler
 from ..chat.reasoning import ReasoningFormat
 from ..chat.tools import check_tools, tool_grammar
-from ..engine.base import Cancel, Chunk, GenerationParams
+from ..engine.base import Cancel, Chunk, GenerationParams, scope_of
 from ..errors import BadRequest, ContextLengthExceeded, ServiceError
 from ..keepalive import parse_keep_alive
 from ..residency import Lease, ModelManager
@@ -32,6 +32,7 @@ from ..runner import chunks
 from .admission import prompt_tokens
 from .errors import code_of
 from .metrics import Metrics
+from .security import presented_key
 from .openai_wire import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, GenerationRequest
 
 
@@ -143,6 +144,16 @@ def chat_setup(body: "ChatRequest", engine: Any, settings: Any,
     return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True, forced=forced, biased=biased), shown
 
 
+def cache_scope(request: Request, settings: Any, salt: str | None) -> str:
+    """Whose cached prompts the request may reuse: with API keys configured, its key's (unless
+    ``GGUF_PROMPT_CACHE_PER_KEY`` is off), and its ``cache_salt`` (``service.engine.prompt_cache.scope_of``)."""
+    key = None
+    if settings.prompt_cache_per_key and getattr(request.app.state, "api_keys", ()):
+        raw = presented_key(request.scope["headers"])
+        key = raw.decode("latin-1") if raw else None
+    return scope_of(key, salt)
+
+
 async def start(request: Request, manager: ModelManager, metrics: Metrics, body: GenerationRequest,
                  kind: Literal["completion", "chat"]) -> Started | JSONResponse:
     """Check, compile, queue and wait for admission: a refusal is raised (a plain HTTP error, never a stream);
@@ -151,6 +162,7 @@ async def start(request: Request, manager: ModelManager, metrics: Metrics, body:
     t0 = time.perf_counter()
     settings = manager.settings
     params = body.params(COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else settings.max_tokens_default)
+    params = replace(params, cache_scope=cache_scope(request, settings, body.cache_salt))
     lease = await resolve_model(manager, body)
     try:
         return await admit(request, lease, settings, metrics, body, kind, params, t0)

@@ -21,6 +21,7 @@ from sizing.plan import plan_json
 
 from ..errors import BadRequest, QueueFull
 from ..keepalive import parse_keep_alive
+from ..planning import prompt_cache_json
 from ..options import LoadOptions, ModelOptions
 from ..residency import ModelManager
 from .deps import DownloadsDep, ManagerDep, MetricsDep
@@ -157,6 +158,7 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
         assert body.model is not None
         _, placed = await manager.plan(body.model, opts)
     out = plan_json(placed.plan)
+    out["prompt_cache"] = prompt_cache_json(manager.settings, placed.plan)
     out["residency"] = placed.to_json()
     return out
 

@@ -33,7 +33,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -167,6 +167,18 @@ class _ServerState(Collector):
                                    "prediction and what llama.cpp allocated.", labels=["model", "device", "kind"])
         speed = GaugeMetricFamily("gguf_tokens_per_second", "Generation speed per model: measured over the "
                                   "generations so far, and the plan's prediction.", labels=["model", "phase", "kind"])
+        pc_gauges = {k: GaugeMetricFamily(f"gguf_prompt_cache_{k}", text, labels=["model"]) for k, text in (
+            ("bytes", "Host memory holding idle conversations' KV beyond the slots."),
+            ("entries", "Conversations held in host memory beyond the slots."),
+            ("budget_bytes", "The host memory the prompt cache may hold (planned at load)."),
+            ("disk_bytes", "Disk holding cached prompts (GGUF_PROMPT_CACHE_DIR)."),
+            ("disk_entries", "Cached prompts on disk."))}
+        pc_counts = {k: CounterMetricFamily(f"gguf_prompt_cache_{k}", text, labels=["model"]) for k, text in (
+            ("hits", "Requests whose prompt prefix was restored from the prompt cache beyond the slots (since load)."),
+            ("misses", "Requests of whose prompt the slots held less than half and the prompt cache nothing (since load)."),
+            ("restored_tokens", "Prompt tokens restored from the prompt cache instead of evaluated (since load)."),
+            ("evicted", "Cached prompts evicted from host memory to keep the budget (since load)."),
+            ("rejected", "Cache files ignored: another model or parameters, truncated, corrupt (since load)."))}
         msp: list[tuple[str, int, int, int, int]] = []
         for st in loaded:
             runner, engine, name = st.runner, st.engine, st.name
@@ -179,6 +191,10 @@ class _ServerState(Collector):
             families["n_ctx"].add_metric([name], engine.n_ctx)
             families["evaluated"].add_metric([name], getattr(engine, "prompt_tokens_evaluated", 0))
             msp.append((name, waiting, engine.running_sequences, used, allocated))
+            pc = getattr(engine, "prompt_cache_gauges", None) or {}
+            for k, fam in (*pc_gauges.items(), *pc_counts.items()):
+                if k in pc:
+                    fam.add_metric([name], pc[k])
             info = self._manager.describe(st) or {}
             for m in info.get("memory", []):
                 device.add_metric([name, m["device"], "allocated"], int(m["allocated_mib"] * MIB))
@@ -194,6 +210,8 @@ class _ServerState(Collector):
                 if want is not None:
                     speed.add_metric([name, phase, "predicted"], want)
         yield from families.values()
+        yield from pc_gauges.values()
+        yield from pc_counts.values()
         yield from self._msp(msp)
         yield device
         yield speed

@@ -112,6 +112,8 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, Any] | None = Field(None, description="Token id (a string) to a bias -100..100 added to "
                                                "its logit; -100 bans the token. Unknown ids: 400.")
     cache_prompt: bool = Field(True, description="llama.cpp server extension: reuse a slot's cached prefix of the prompt.")
+    cache_salt: str | None = Field(None, max_length=256, description="vLLM's extension: cached prompts are reused only "
+                                   "by requests with the same salt (and, with API keys configured, the same key).")
     keep_alive: KeepAlive = None
 
     @field_validator("stop")

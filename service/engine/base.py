@@ -8,6 +8,7 @@ engine: continuous batching over slots that keep their prompts' KV) and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
@@ -44,6 +45,18 @@ class LoadReport:
     lines are not in ``log_lines``, which are the generation context's (what the dry run confirms)."""
 
 
+def scope_of(api_key: str | None, salt: str | None) -> str:
+    """A request's cache scope (``GenerationParams.cache_scope``): its API key's hash (keys configured) and its
+    ``cache_salt``; "" for neither. Hashed: the engine, its logs and its files never hold a key."""
+    if not api_key and not salt:
+        return ""
+    h = hashlib.blake2b(digest_size=12)
+    h.update((api_key or "").encode())
+    h.update(b"\0")
+    h.update((salt or "").encode())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """Sampling and stopping parameters of one request (OpenAI names)."""
@@ -68,6 +81,9 @@ class GenerationParams:
     cache_prompt: bool = True
     """Reuse a slot's cached KV for the prompt's common prefix (llama-server's ``cache_prompt``); False:
     evaluate the whole prompt (the engine's own setting can turn reuse off for every request)."""
+    cache_scope: str = ""
+    """Whose cached prompts this request may reuse (``service.engine.prompt_cache.scope_of``: its API key and
+    ``cache_salt``); a slot or cache entry of another scope is never reused."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before sampling (``llama_sampler_init_logit_bias``);
     ``-inf`` bans a token (OpenAI's -100)."""

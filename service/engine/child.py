@@ -121,7 +121,8 @@ class Child:
             elif kind == "stats":
                 e = self.engine
                 self.send(("ok", msg[1], {"kv_cells_used": e.kv_cells_used, "running_sequences": e.running_sequences,
-                                          "prompt_tokens_evaluated": e.prompt_tokens_evaluated}))
+                                          "prompt_tokens_evaluated": e.prompt_tokens_evaluated,
+                                          "prompt_cache": e.prompt_cache_gauges}))
             elif kind == "call":
                 _, cid, method, args = msg
                 cancel = self._cancel_for(cid) if method in CANCELLABLE else None

@@ -91,6 +91,8 @@ from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations
 from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
 from .prompting import Prompting
+from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, budget as prompt_cache_budget, \
+    model_fingerprint
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
@@ -232,7 +234,8 @@ class LlamaEngine(Prompting):
 
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
                  slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, chat_template: str | None = None,
-                 embedding_pooling: str = "mean") -> None:
+                 embedding_pooling: str = "mean", prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
+                 prompt_cache_disk_mib: int = 0) -> None:
         """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
 
         ``cache_prompt``: keep each slot's KV after a request and reuse its common prefix with the next
@@ -247,7 +250,11 @@ class LlamaEngine(Prompting):
 
         ``chat_template``: a Jinja chat template used instead of the model's (``GGUF_CHAT_TEMPLATE_FILE``).
         ``embedding_pooling``: the pooling of /v1/embeddings for models whose GGUF declares none (mean, cls,
-        last); the embedding context itself is sized by the plan (``ContextConfig.embedding_tokens``)."""
+        last); the embedding context itself is sized by the plan (``ContextConfig.embedding_tokens``).
+
+        ``prompt_cache_mib``: the ceiling of the host memory idle conversations' KV may hold beyond the slots
+        (``service.engine.prompt_cache``; the load's budget is planned under it; 0: off); ``prompt_cache_dir``:
+        also keep them on disk there, at most ``prompt_cache_disk_mib``."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._template_override = chat_template
@@ -311,6 +318,11 @@ class LlamaEngine(Prompting):
         self._abort_cb: Any = None
         self._abort_watch: list[_Request] = []
         """The requests whose prompt the running ``llama_decode`` evaluates, while the abort callback is set."""
+        self._pc_ceiling = max(0, prompt_cache_mib) * 1024 * 1024
+        self._pc_dir = prompt_cache_dir
+        self._pc_disk = max(0, prompt_cache_disk_mib) * 1024 * 1024
+        self._pcache = PromptCache(0)
+        """Idle conversations beyond the slots (owned by the scheduler thread; its gauges are read from others)."""
 
     # -- Engine protocol -------------------------------------------------
 
@@ -433,6 +445,7 @@ class LlamaEngine(Prompting):
             self._unified = bool(cparams.kv_unified) or self._n_slots == 1
             self._slots = [Slot(i) for i in range(self._n_slots)]
             self._cells = Cells()
+            self._pcache = self._open_prompt_cache(path, plan, cparams)
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
             self._saved = SavedLogits(self._n_vocab)
 
@@ -460,10 +473,12 @@ class LlamaEngine(Prompting):
         allocs, offloaded = parse_allocations(lines[:n_main])
         emb_allocs, _ = parse_allocations(lines[n_main:])
         why = "batch-invariant mode" if self._batch_invariant else repack_of(plan).reason
-        log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s, "
-                 "CPU weight repacking %s (%s)",
+        pc = self._pcache
+        log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s "
+                 "(beyond the slots: %d MiB of host memory%s), CPU weight repacking %s (%s)",
                  self._n_slots, "unified" if cparams.kv_unified else "per-sequence", self._n_ctx, self._n_ctx_seq,
-                 self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off",
+                 self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off", pc.budget_bytes >> 20,
+                 f", {pc.disk_entries} entries on disk in {pc.directory}" if pc.directory else "",
                  "on" if mparams.use_extra_bufts else "off", why)
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs)
@@ -484,6 +499,12 @@ class LlamaEngine(Prompting):
                     _engines_loaded -= 1
             if thread is not None:
                 thread.join()
+            if self._mem is not None:
+                for slot in self._slots:  # what the slots hold outlives the context on disk
+                    if self._pcache.directory is not None and slot.tokens:
+                        self._save_slot(slot)
+            self._pcache.close()
+            self._pcache = PromptCache(0)
             if self._batch is not None:
                 llama_cpp.llama_batch_free(self._batch)
                 self._batch = None
@@ -512,6 +533,34 @@ class LlamaEngine(Prompting):
             self._keep = []
             self._abort_cb = None
             self._emb_abort_cb = None
+
+    def _open_prompt_cache(self, path: str, plan: Plan, cparams: Any) -> PromptCache:
+        """The load's prompt cache beyond the slots: its planned budget, and its folder on disk when one is set."""
+        import llama_cpp
+
+        if not self._cache_prompt:
+            return PromptCache(0)
+        host = plan.estimate.host.total_bytes if plan.estimate is not None else 0
+        pc = PromptCache(prompt_cache_budget(self._pc_ceiling, plan.host.free_bytes, host))
+        if self._pc_dir and self._pc_disk > 0:
+            from pathlib import Path
+
+            fields = {"model": model_fingerprint(path), "type_k": cparams.type_k, "type_v": cparams.type_v,
+                      "flash_attn": cparams.flash_attn_type, "n_ctx_seq": self._n_ctx_seq,
+                      "swa_full": bool(cparams.swa_full), "n_swa": self._n_swa, "n_embd": int(self._model.n_embd()),
+                      "llama_cpp": getattr(llama_cpp, "__version__", "")}
+            try:
+                pc.open_disk(Path(self._pc_dir), fields, self._pc_disk)
+            except OSError as exc:
+                log.warning("prompt cache: %s cannot be used (%s); keeping conversations in memory only",
+                            self._pc_dir, exc)
+                pc.directory = None
+        return pc
+
+    @property
+    def prompt_cache_gauges(self) -> dict[str, int]:
+        """What the prompt cache beyond the slots holds and did (``PromptCache.gauges``)."""
+        return self._pcache.gauges()
 
     def _require(self) -> Any:
         model = self._model
@@ -720,7 +769,8 @@ class LlamaEngine(Prompting):
                 r.abandoned = True
 
     def forget(self) -> None:
-        """Drop every idle slot's cached prompt (the next requests start from empty sequences)."""
+        """Drop every idle slot's cached prompt and the prompt cache beyond the slots, its files too (the next
+        requests start from empty sequences)."""
         done = threading.Event()
         if self._post(done):
             done.wait()
@@ -794,6 +844,7 @@ class LlamaEngine(Prompting):
                         for s in self._slots:
                             if s.req is None:
                                 self._clear_slot(s)
+                        self._pcache.clear()
                         it.set()
                     elif isinstance(it, _Call):
                         if it.yields:
@@ -818,6 +869,7 @@ class LlamaEngine(Prompting):
                         if len(spare) < len(head.followers):
                             break
                         for f, s in zip(head.followers, spare):
+                            self._keep_slot(s, 0)
                             self._clear_slot(s)
                             s.req, f.slot = f, s
                     self._admit(waiting.popleft(), slot, active)
@@ -920,38 +972,62 @@ class LlamaEngine(Prompting):
 
     def _pick_slot(self, r: _Request) -> Slot | None:
         return pick_slot(self._slots, r.tokens, similarity=self._similarity,
-                         reuse=self._cache_prompt and r.params.cache_prompt)
+                         reuse=self._cache_prompt and r.params.cache_prompt, scope=r.params.cache_scope)
 
     def _swa_holds(self, slot: Slot, n_keep: int) -> bool:
         """Whether the sequence still holds the KV a token at position ``n_keep`` attends to.
 
-        A sliding-window layer attends to the ``n_swa`` positions before a token (``is_masked_swa``); the SWA
-        cache reuses cells beyond the window (src/llama-kv-cache.cpp ``find_slot``) and keeps every position
-        from ``seq_pos_min`` on. llama-server's test (``update_slots``): reusable when the smallest position
-        still held is at most ``n_keep - n_swa``. Models without SWA hold every position (``pos_min`` 0)."""
+        A sliding-window layer's token at position ``p1`` attends to ``p0`` unless ``p1 - p0 >= n_swa``
+        (``is_masked_swa``, standard type), so the token at ``n_keep`` needs every position from
+        ``n_keep - n_swa + 1`` on. The SWA cache reuses a cell once it is masked for the position after the
+        sequence's last (src/llama-kv-cache.cpp ``find_slot``: ``seq_pos_max + 1``), which is exactly what the next
+        token needs: a sequence continued where it ended always holds it. llama-server's test (``update_slots``,
+        ``pos_min < pos_next - n_swa``) is two positions stricter, and refused that continuation whenever the
+        window had been trimmed (every next chat turn of a 1,800-token conversation once four of them shared the
+        cache; found by bench/prompt_cache_bench.py); what this one allows is checked token for token against a
+        cold evaluation (tests/engine/test_prompt_cache.py). Models without SWA hold every position (``pos_min``
+        0)."""
         import llama_cpp
 
         pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot.id))
-        return 0 <= pos_min <= max(0, n_keep - self._n_swa)
+        return self._window_holds(pos_min, n_keep)
+
+    def _window_holds(self, pos_min: int, n_keep: int) -> bool:
+        return 0 <= pos_min <= max(0, n_keep - self._n_swa + 1)
 
     def _admit(self, r: _Request, slot: Slot, active: list[_Request]) -> None:
         """Give ``r`` the slot: keep the longest usable common prefix of its KV, drop the rest."""
         import llama_cpp
 
         n_keep = 0
+        scope = r.params.cache_scope
         if self._cache_prompt and r.params.cache_prompt:
-            n_keep = self._reusable(slot, r.tokens)
+            n_keep = self._reusable(slot, r.tokens, scope)
+            src, n_src = None, n_keep
             if self._unified and self._n_slots > 1:
-                src, n_src = longer_prefix(self._slots, slot, r.tokens, n_keep, self._reusable)
-                if src is not None:
-                    self._clear_slot(slot)
-                    llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
-                    slot.tokens = src.tokens[:n_src]
-                    slot.cells = self._cells.share(src.cells[:n_src])
-                    slot.n_canon = min(src.n_canon, n_src)
-                    slot.logits, slot.logits_at = (src.logits, src.logits_at) if src.logits_at <= n_src else (None, 0)
-                    n_keep = n_src
+                src, n_src = longer_prefix(self._slots, slot, r.tokens, n_keep,
+                                           lambda s, t: self._reusable(s, t, scope))
+            # A restore copies the whole state back: worth it for MIN_TOKENS or more, beyond what the slots hold.
+            entry, n_entry = (self._pcache.best(r.tokens, scope, self._entry_usable,
+                                                max(n_src, PROMPT_CACHE_MIN_TOKENS - 1))
+                              if self._pcache.entries else (None, n_src))
+            if entry is not None and self._restore(slot, entry):
+                n_keep = n_entry
+                self._pcache.stats.restored_tokens += n_entry
+            elif src is not None:
+                self._keep_slot(slot, 0)
+                self._clear_slot(slot)
+                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
+                slot.tokens = src.tokens[:n_src]
+                slot.cells = self._cells.share(src.cells[:n_src])
+                slot.n_canon = min(src.n_canon, n_src)
+                slot.logits, slot.logits_at = (src.logits, src.logits_at) if src.logits_at <= n_src else (None, 0)
+                n_keep = n_src
+            if self._pcache.enabled and entry is None and 2 * n_keep < len(r.tokens):  # most of it evaluated
+                self._pcache.stats.misses += 1
+        self._keep_slot(slot, n_keep)
         self._truncate(slot, n_keep)
+        slot.scope = scope
         slot.req, r.slot = slot, slot
         r.n_cached = n_keep
         r.sampler = sampler_chain(self._model, self._n_vocab, r.params, r.grammar, r.seed)
@@ -961,8 +1037,71 @@ class LlamaEngine(Prompting):
             r.first_logits = slot.logits
             self._on_logits(r, -1, None, active)
 
-    def _reusable(self, slot: Slot, tokens: list[int]) -> int:
+    def _reusable(self, slot: Slot, tokens: list[int], scope: str) -> int:
+        if slot.scope != scope:  # another tenant's prefix: never shared (a timing side channel)
+            return 0
         return reusable(slot, tokens, batch_invariant=self._batch_invariant, holds=self._swa_holds)
+
+    def _entry_usable(self, entry: Entry, tokens: list[int]) -> int:
+        """As ``_reusable`` for a cached prompt: its sliding-window cells as they were when it was saved."""
+        return reusable(entry, tokens, batch_invariant=self._batch_invariant,
+                        holds=lambda e, k: self._window_holds(e.pos_min, k))
+
+    def _keep_slot(self, slot: Slot, n_keep: int) -> None:
+        """Before the slot drops tokens past ``n_keep``: its prompt into the prompt cache beyond the slots, when it
+        loses enough to be worth a restore (``MIN_TOKENS``: not the last tokens of a turn a new prompt rewrites)."""
+        if self._pcache.enabled and len(slot.tokens) - n_keep >= PROMPT_CACHE_MIN_TOKENS:
+            self._save_slot(slot)
+
+    def _save_slot(self, slot: Slot) -> None:
+        import llama_cpp
+
+        pc = self._pcache
+        if pc.contains(slot.tokens, slot.scope):
+            return
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx.ctx, slot.id))
+        if size <= 0 or (size > pc.budget_bytes and pc.directory is None):
+            return
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self._ctx.ctx, buf, size, slot.id))
+        if n != size:
+            log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's state; not kept", n, size, slot.id)
+            return
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot.id))
+        pc.put(slot.tokens, bytes(buf), scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon)
+
+    def _restore(self, slot: Slot, entry: Entry) -> bool:
+        """Put a cached prompt back into the slot (the slot's own prompt kept first); False: it could not be."""
+        import llama_cpp
+
+        pc = self._pcache
+        self._keep_slot(slot, 0)
+        self._clear_slot(slot)
+        n = len(entry.tokens)
+        while self._unified and self._cells.used + n > self._n_ctx:  # room, as a full cache makes it
+            victim = lru_idle_with_cells([s for s in self._slots if s is not slot])
+            if victim is None:
+                break
+            self._keep_slot(victim, 0)
+            self._clear_slot(victim)
+        state = pc.take(entry)
+        if state is None:
+            return False
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        got = int(llama_cpp.llama_state_seq_set_data(self._ctx.ctx, buf, len(state), slot.id))
+        if got != len(state):
+            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, -1, -1)
+            pc.stats.restore_failed += 1
+            log.warning("prompt cache: llama.cpp took %d of %d bytes of a %d-token prompt back; evaluated cold",
+                        got, len(state), n)
+            return False
+        slot.tokens = list(entry.tokens)
+        slot.cells = self._cells.new(n)
+        slot.n_canon = entry.n_canon
+        slot.logits, slot.logits_at = None, 0
+        slot.scope = entry.scope
+        pc.stats.hits += 1
+        return True
 
     def _truncate(self, slot: Slot, n_keep: int) -> None:
         """Drop the slot's cells from position ``n_keep`` on (``llama_memory_seq_rm`` of the tail)."""
@@ -1199,6 +1338,7 @@ class LlamaEngine(Prompting):
                 llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, -1, -1)
                 slot.cells = self._cells.new(len(src.tokens))
             slot.tokens = list(src.tokens)
+            slot.scope = src.scope
             slot.n_canon = src.n_canon
             f.n_cached = r.n_cached
             f.sampler = sampler_chain(self._model, self._n_vocab, f.params, f.grammar, f.seed)
@@ -1230,6 +1370,7 @@ class LlamaEngine(Prompting):
         victim_slot = lru_idle_with_cells(self._slots)
         if code == 1 and victim_slot is not None and self._unified:
             log.info("KV cache full: clearing idle slot %d (%d cached tokens)", victim_slot.id, len(victim_slot.tokens))
+            self._keep_slot(victim_slot, 0)
             self._clear_slot(victim_slot)
         elif code == 2:
             for r in members:

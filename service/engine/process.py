@@ -524,6 +524,10 @@ class ProcessEngine:
     def prompt_tokens_evaluated(self) -> int:
         return int(self._gauges().get("prompt_tokens_evaluated", 0))
 
+    @property
+    def prompt_cache_gauges(self) -> dict[str, int]:
+        return dict(self._gauges().get("prompt_cache", {}))  # type: ignore[call-overload]
+
     def chat_format(self) -> Any:
         """The loaded template's format, read at load (the API reads it on the event loop: it never waits)."""
         fmt = self._info.get("chat_format")

@@ -60,6 +60,8 @@ class Slot:
     last_used: int = 0
     req: Any = None
     """The request decoding in this slot (None: idle)."""
+    scope: str = ""
+    """Whose prompt the slot holds (``GenerationParams.cache_scope``): only the same scope reuses it."""
 
 
 class Cells:
@@ -99,17 +101,18 @@ class Cells:
                 del refs[i]
 
 
-def pick_slot(slots: Sequence[Slot], tokens: list[int], *, similarity: float, reuse: bool) -> Slot | None:
-    """llama-server's ``get_available_slot``: the idle slot whose cached tokens cover the largest share of the
-    prompt (more than ``similarity``), else the least recently used one (lowest id first); None when all are
-    busy. ``reuse``: prefix reuse is on for this request (else only recency counts)."""
+def pick_slot(slots: Sequence[Slot], tokens: list[int], *, similarity: float, reuse: bool,
+              scope: str = "") -> Slot | None:
+    """llama-server's ``get_available_slot``: the idle slot of the request's ``scope`` whose cached tokens cover
+    the largest share of the prompt (more than ``similarity``), else the least recently used one (lowest id
+    first); None when all are busy. ``reuse``: prefix reuse is on for this request (else only recency counts)."""
     idle = [s for s in slots if s.req is None]
     if not idle:
         return None
     if reuse and similarity > 0 and tokens:
         best, f_best = None, 0.0
         for s in idle:
-            if not s.tokens:
+            if not s.tokens or s.scope != scope:
                 continue
             f = common_prefix(s.tokens, tokens) / len(tokens)
             if f > f_best and f > similarity:

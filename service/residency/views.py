@@ -11,6 +11,7 @@ from sizing.units import mib
 from ..errors import ServiceError
 from .state import ModelState
 from ..keepalive import keep_alive_json
+from ..planning import prompt_cache_json
 
 if TYPE_CHECKING:
     from .manager import ModelManager
@@ -32,6 +33,9 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
         out["yields_to"] = manager._asked_by(state.name)
     if state.plan is not None:
         out["plan"] = plan_json(state.plan)
+        out["prompt_cache"] = prompt_cache_json(manager.settings, state.plan)
+        if state.serving:
+            out["prompt_cache"]["holds"] = getattr(state.engine, "prompt_cache_gauges", None) or {}
     if state.confirmation is not None:
         out["confirmation"] = state.confirmation
     if state.unloaded_why is not None and state.state == "unloaded":

@@ -1,0 +1,238 @@
+"""The prompt cache beyond the slots on the embedded model (issue 24): a conversation whose slot went to another
+is restored from host memory or disk, token for token what a cold evaluation gives; scopes never share; bad files
+are ignored, counted, and the request served from a cold prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from service.engine.base import Cancel, Chunk, GenerationParams
+from service.engine.llama import LlamaEngine
+from service.engine.prompt_cache import MAGIC, SUFFIX, PromptCache, budget, scope_of
+from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.probe import probe_path
+from sizing.probe.devices import host_memory
+
+pytestmark = pytest.mark.slow
+
+GREEDY = GenerationParams(max_tokens=8, temperature=0.0)
+COLD = replace(GREEDY, cache_prompt=False)
+A = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. "
+     "He noted the wind, the height of the waves, the ships that passed and the birds. ") * 5
+B = ("A recipe for bread: flour, water, salt and yeast, mixed and kneaded, left to rise overnight, "
+     "shaped in the morning and baked in a hot oven until the crust sings. ") * 5
+A2 = A + " On the last evening of the year he wrote"
+
+
+def _plan(path: str, cache_type: str = "f16") -> Plan:
+    return make_plan(probe_path(path), [], host_memory(),
+                     PlanRequest(n_ctx=2048, n_seq_max=1, cache_type=cache_type, min_ctx=256))
+
+
+def _run(engine: LlamaEngine, prompt: str, params: GenerationParams = GREEDY) -> tuple[str, Chunk]:
+    got = list(engine.complete(prompt, params, Cancel()))
+    return "".join(c.text for c in got), got[-1]
+
+
+@pytest.fixture(scope="module")
+def cold(embedded_model: str) -> dict[str, str]:
+    """A2's text evaluated cold, with and without the service's exactness (batch-invariant weights)."""
+    eng = LlamaEngine(batch_invariant=True)
+    eng.load(embedded_model, _plan(embedded_model))
+    try:
+        return {"A2": _run(eng, A2, COLD)[0]}
+    finally:
+        eng.unload()
+
+
+def _engine(path: str, tmp: Path | None = None, mib: int = 64, cache_type: str = "f16") -> LlamaEngine:
+    eng = LlamaEngine(batch_invariant=True, prompt_cache_mib=mib, prompt_cache_dir=str(tmp) if tmp else None,
+                      prompt_cache_disk_mib=256)
+    eng.load(path, _plan(path, cache_type))
+    return eng
+
+
+def test_budget_is_half_of_what_the_plan_leaves_free_under_the_ceiling() -> None:
+    mib = 1 << 20
+    assert budget(8192 * mib, 20_000 * mib, 4_000 * mib) == 8000 * mib
+    assert budget(4096 * mib, 20_000 * mib, 4_000 * mib) == 4096 * mib
+    assert budget(8192 * mib, 3_000 * mib, 4_000 * mib) == 0  # the plan takes more than is free: nothing kept
+    assert budget(0, 20_000 * mib, 0) == 0
+
+
+def test_scopes_are_distinct_per_key_and_salt() -> None:
+    assert scope_of(None, None) == ""
+    assert len({scope_of("k1", None), scope_of("k2", None), scope_of("k1", "s"), scope_of(None, "s")}) == 4
+    assert scope_of("k1", "s") == scope_of("k1", "s")
+
+
+def test_a_conversation_beyond_the_slot_is_restored_exactly(embedded_model: str, cold: dict[str, str]) -> None:
+    """One slot: A, then B takes the slot, then A's next turn restores A from host memory: it evaluates only its
+    new tokens and gives what a cold evaluation gives."""
+    eng = _engine(embedded_model)
+    try:
+        _, a = _run(eng, A)
+        _, b = _run(eng, B)
+        assert b.cached_tokens <= 1  # the BOS token
+        g = eng.prompt_cache_gauges
+        assert g["entries"] == 1 and g["bytes"] > 0 and g["budget_bytes"] == 64 << 20
+        text, a2 = _run(eng, A2)
+        assert a2.cached_tokens >= a.prompt_tokens - 2, (a.prompt_tokens, a2.cached_tokens)
+        assert text == cold["A2"]
+        g = eng.prompt_cache_gauges
+        assert g["hits"] == 1 and g["restored_tokens"] == a2.cached_tokens
+        assert g["entries"] == 1  # B went in when A came back out; A is in the slot, not held twice
+        assert g["misses"] == 2  # A and B, the first time
+    finally:
+        eng.unload()
+
+
+def test_another_scope_never_reuses_a_cached_prompt(embedded_model: str) -> None:
+    eng = _engine(embedded_model)
+    try:
+        mine = replace(GREEDY, cache_scope=scope_of("key-1", None))
+        theirs = replace(GREEDY, cache_scope=scope_of("key-2", None))
+        _run(eng, A, mine)
+        _run(eng, B, mine)
+        assert _run(eng, A2, theirs)[1].cached_tokens <= 1  # neither the cache nor the slot it left
+        assert _run(eng, A2, theirs)[1].cached_tokens > 0  # its own slot, now
+        assert _run(eng, B, mine)[1].cached_tokens > 0  # B was kept for its own scope when the slot changed hands
+    finally:
+        eng.unload()
+
+
+def test_an_entry_over_the_budget_is_not_kept(embedded_model: str) -> None:
+    eng = _engine(embedded_model, mib=1)  # a 250-token f16 state of this model is about 4.5 MiB
+    try:
+        _run(eng, A)
+        _run(eng, B)
+        assert eng.prompt_cache_gauges["entries"] == 0
+        assert _run(eng, A2)[1].cached_tokens <= 1
+    finally:
+        eng.unload()
+
+
+def _files(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob(f"*/*{SUFFIX}"))
+
+
+def test_conversations_survive_an_unload_on_disk(embedded_model: str, tmp_path: Path, cold: dict[str, str]) -> None:
+    """A and B on disk when the model is unloaded (B from its slot); loaded again, A's next turn is restored from
+    its file, exactly."""
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        _, a = _run(eng, A)
+        _run(eng, B)
+    finally:
+        eng.unload()
+    assert len(_files(tmp_path)) == 2
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        assert eng.prompt_cache_gauges["disk_entries"] == 2
+        text, a2 = _run(eng, A2)
+        assert a2.cached_tokens >= a.prompt_tokens - 2 and text == cold["A2"]
+        assert eng.prompt_cache_gauges["hits"] == 1 and eng.prompt_cache_gauges["rejected"] == 0
+    finally:
+        eng.unload()
+
+
+def _rewrite_header(path: Path, change: dict) -> None:
+    raw = path.read_bytes()
+    n = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])[0]
+    head = json.loads(raw[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    head["binding"].update(change)
+    new = json.dumps(head, sort_keys=True).encode()
+    path.write_bytes(MAGIC + struct.pack("<I", len(new)) + new + raw[len(MAGIC) + 4 + n:])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "flipped", "other-parameters", "other-model"])
+def test_a_bad_file_is_ignored_counted_and_the_request_served_cold(embedded_model: str, tmp_path: Path,
+                                                                    cold: dict[str, str], damage: str) -> None:
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        _run(eng, A)
+        _run(eng, B)
+    finally:
+        eng.unload()
+    # A's file: the one whose tokens A2 extends (the older of the two: B was saved from its slot at unload)
+    files = sorted(_files(tmp_path), key=lambda p: p.stat().st_mtime_ns)
+    a_file = files[0]
+    if damage == "truncated":
+        with open(a_file, "r+b") as f:
+            f.truncate(a_file.stat().st_size // 2)
+    elif damage == "random":
+        a_file.write_bytes(os.urandom(a_file.stat().st_size))
+    elif damage == "flipped":  # the header and length hold; a byte of the state does not
+        raw = bytearray(a_file.read_bytes())
+        raw[-100] ^= 0xFF
+        a_file.write_bytes(bytes(raw))
+    elif damage == "other-parameters":
+        _rewrite_header(a_file, {"type_k": 8, "type_v": 8})
+    else:  # a file of another model's folder, copied into this one's
+        _rewrite_header(a_file, {"model": "0" * 32})
+        shutil.copy2(a_file, a_file.with_name("copied" + SUFFIX))
+        a_file.unlink()
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        text, a2 = _run(eng, A2)
+        assert a2.cached_tokens <= 1 and text == cold["A2"]
+        assert eng.prompt_cache_gauges["rejected"] == 1 and eng.prompt_cache_gauges["hits"] == 0
+    finally:
+        eng.unload()
+
+
+def test_a_file_of_another_cache_type_is_another_binding(embedded_model: str, tmp_path: Path) -> None:
+    """The q8_0 model's files live in a folder of their own: an f16 load neither reads nor counts them."""
+    eng = _engine(embedded_model, tmp_path, cache_type="q8_0")
+    try:
+        _run(eng, A)
+    finally:
+        eng.unload()
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        assert eng.prompt_cache_gauges["disk_entries"] == 0 and eng.prompt_cache_gauges["rejected"] == 0
+        assert _run(eng, A2)[1].cached_tokens <= 1
+    finally:
+        eng.unload()
+    assert len({p.parent for p in _files(tmp_path)}) == 2
+
+
+def test_a_trimmed_window_continues_exactly_where_it_ended(embedded_model: str) -> None:
+    """One slot of 2,048 cells: the sliding-window cache holds 1,024 (n_swa 512 + a ubatch), so a 1,300-token
+    prompt's window is trimmed. Its continuation (the prompt, then its output, then more) reuses the slot and
+    gives what a cold evaluation gives; so does a turn that rewrites its last tokens (reused as far as the window
+    still holds what they attend to: llama.cpp trims it only when it needs the cells)."""
+    long = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. ") * 75
+    eng = LlamaEngine(batch_invariant=True)
+    eng.load(embedded_model, _plan(embedded_model))
+    try:
+        text, first = _run(eng, long)
+        assert first.prompt_tokens > 1100
+        nxt = long + text + " And then"
+        got, again = _run(eng, nxt)
+        assert again.cached_tokens >= first.prompt_tokens, (again.cached_tokens, first.prompt_tokens)
+        ref, _ = _run(eng, nxt, COLD)
+        assert got == ref
+        for tail in (" the sea", " and the gulls"):  # rewrites: the window decides, the text is the same
+            edited = long[:-40] + tail
+            assert _run(eng, edited)[0] == _run(eng, edited, COLD)[0]
+    finally:
+        eng.unload()
+
+
+def test_least_recently_used_go_first() -> None:
+    pc = PromptCache(300)
+    for i in range(4):
+        assert pc.put([i] * 40, bytes(100), scope="", pos_min=0, n_canon=0)
+    assert [e.tokens[0] for e in pc.entries] == [1, 2, 3] and pc.stats.evicted == 1
+    assert not pc.put([2] * 40, bytes(100), scope="", pos_min=0, n_canon=0)  # held already
+    assert pc.put([2] * 60, bytes(100), scope="", pos_min=0, n_canon=0)  # contains [2]*40: replaces it
+    assert sorted(e.tokens[0] for e in pc.entries) == [1, 2, 3] and pc.memory_bytes == 300
