@@ -11,7 +11,7 @@ names a file and sets that model's own options:
 file = "Qwen3-8B-Q4_K_M.gguf"    # relative to GGUF_MODELS_DIR, or absolute
 aliases = ["gpt-4o-mini", "default"]
 context_length = 16384           # this model's ceiling on n_ctx
-cache_type = "q8_0"
+cache_type = "q8_0"              # default auto (GGUF_CACHE_TYPE): f16 where it reaches the ceiling
 parallel = 2                     # decode slots (n_seq_max; "slots" is accepted too)
 pinned = true                    # loaded at start, never evicted, never unloaded by keep_alive
 keep_alive = "30m"               # idle time before it is unloaded: duration, seconds, 0 or -1

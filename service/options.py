@@ -10,7 +10,8 @@ knob               what it sets                                    also accepted
 ``n_ctx``          the context to load (default: the largest
                    that fits, up to ``context_length``)
 ``context_length`` the ceiling on ``n_ctx`` (default n_ctx_train)
-``cache_type``     the KV cache type loaded
+``cache_type``     the KV cache type loaded (auto: the most
+                   precise whose context reaches the ceiling)
 ``flash_attn``     on, off or auto                                 ``flash_attention`` (GGUF_FLASH_ATTENTION)
 ``parallel``       decode slots (llama.cpp's n_seq_max)            ``n_seq_max`` (bodies), ``slots`` (file)
 ``swa_full``       a full-size sliding-window cache
@@ -35,6 +36,7 @@ from typing import Any, Literal, Sequence
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from sizing.model import CACHE_TYPES
+from sizing.plan import AUTO_CACHE_TYPE
 
 from .errors import BadRequest
 
@@ -48,7 +50,9 @@ class ModelOptions(BaseModel):
                               "that fits, up to context_length).")
     context_length: int | None = Field(None, ge=256, le=1 << 24, description="Ceiling on n_ctx (default: "
                                        "GGUF_CONTEXT_LENGTH, else the model's n_ctx_train).")
-    cache_type: str | None = Field(None, max_length=16, description=f"One of {', '.join(CACHE_TYPES)} (any case).")
+    cache_type: str | None = Field(None, max_length=16, description=f"{AUTO_CACHE_TYPE} (the most precise type whose "
+                                   "context reaches the ceiling, sizing.plan.auto_cache) or one of "
+                                   f"{', '.join(CACHE_TYPES)} (any case).")
     flash_attn: Literal["on", "off", "auto"] | None = Field(
         None, validation_alias=AliasChoices("flash_attn", "flash_attention"),
         description="Flash attention: on, off or auto (also accepted as flash_attention).")
@@ -70,8 +74,8 @@ class ModelOptions(BaseModel):
     @field_validator("cache_type")
     @classmethod
     def _cache_type(cls, v: str | None) -> str | None:
-        if v is not None and v.lower() not in CACHE_TYPES:
-            raise ValueError(f"unknown KV cache type {v!r}; one of {', '.join(CACHE_TYPES)}")
+        if v is not None and v.lower() not in CACHE_TYPES and v.lower() != AUTO_CACHE_TYPE:
+            raise ValueError(f"unknown KV cache type {v!r}; {AUTO_CACHE_TYPE} or one of {', '.join(CACHE_TYPES)}")
         return v.lower() if v is not None else v
 
     @field_validator("gpu")

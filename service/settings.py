@@ -74,7 +74,10 @@ class Settings(BaseSettings):
         "Default: the model's n_ctx_train.",
     )
     min_context: int = Field(4096, ge=256, description="Below this context a placement does not count as fitting.")
-    cache_type: str = Field("q8_0", description="KV cache type to load with (f16, q8_0, q4_0, ...).")
+    cache_type: str = Field(
+        "auto", description="KV cache type to load with: auto (f16 where its context reaches the ceiling, else "
+        "q8_0 where that does, else the type with the largest context; never a type that is refused, such as a "
+        "quantized one without flash attention) or f16, q8_0, q4_0, ... (any type llama.cpp has).")
     cache_types: str = Field("f16,q8_0,q4_0", description="Cache types the plan reports, comma-separated.")
     flash_attn: Literal["on", "off", "auto"] = Field(
         "auto", validation_alias=AliasChoices("GGUF_FLASH_ATTN", "GGUF_FLASH_ATTENTION"),

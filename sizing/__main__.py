@@ -44,7 +44,7 @@ def _plan(args: argparse.Namespace) -> int:
     features = cpu_features()
     req = PlanRequest(
         n_ctx=args.ctx,
-        cache_type=args.cache_type,
+        cache_type=args.cache_type.lower(),
         cache_types=tuple(args.cache_types.split(",")),
         flash_attn=args.flash_attn,
         context_length=args.context_length,
@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("path", help="a local file, an http(s) URL or hf://owner/repo/file.gguf[@revision]")
     pl.add_argument("--gpus", help="JSON file: [{name, free_mib, total_mib}, ...] (default: NVML, else host memory)")
     pl.add_argument("--ctx", type=int, default=None, help="requested n_ctx (default: largest that fits)")
-    pl.add_argument("--cache-type", default="q8_0", help="cache type to choose (default q8_0)")
+    pl.add_argument("--cache-type", default="auto",
+                    help="cache type to choose (default auto: the most precise whose context reaches the ceiling)")
     pl.add_argument("--cache-types", default="f16,q8_0,q4_0", help="cache types to report")
     pl.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
     pl.add_argument("--context-length", "--ctx-ceiling", dest="context_length", type=int, default=None,

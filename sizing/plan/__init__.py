@@ -1,20 +1,21 @@
 """Where a model goes and at what context: devices as values, the request, the largest context that fits, one
-card or a split or a partial offload (with predicted speeds), the plan, residency beside other models, and the
-plan's renderings (JSON and the table).
+card or a split or a partial offload (with predicted speeds), the cache type ``auto`` chooses, the plan,
+residency beside other models, and the plan's renderings (JSON and the table).
 
 Pure (values, no I/O). Imports ``sizing.memory`` and ``sizing.model``, nothing of ``probe``.
 """
 
 from __future__ import annotations
 
+from .auto_cache import choose_cache_type
 from .device import Device, DeviceKind
 from .planner import CacheTypeOption, Candidate, Plan, make_plan
 from .report import plan_json, plan_table, spec_json
-from .request import PlanRequest, context_config, ctx_cap, ctx_floor
+from .request import AUTO_CACHE_TYPE, AUTO_CACHE_TYPES, PlanRequest, context_config, ctx_cap, ctx_floor
 from .residency import (Decision, Holding, available, choose_eviction, decide_placement, decision_request, held_bytes,
                         held_summary, lru)
 
-__all__ = ["CacheTypeOption", "Candidate", "Decision", "Device", "DeviceKind", "Holding", "Plan", "PlanRequest",
-           "available", "choose_eviction", "context_config", "ctx_cap", "ctx_floor", "decide_placement",
-           "decision_request", "held_bytes", "held_summary", "lru", "make_plan", "plan_json", "plan_table",
-           "spec_json"]
+__all__ = ["AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "CacheTypeOption", "Candidate", "Decision", "Device", "DeviceKind",
+           "Holding", "Plan", "PlanRequest", "available", "choose_cache_type", "choose_eviction", "context_config",
+           "ctx_cap", "ctx_floor", "decide_placement", "decision_request", "held_bytes", "held_summary", "lru",
+           "make_plan", "plan_json", "plan_table", "spec_json"]

@@ -15,6 +15,8 @@ The rules (the second source document's, done for llama.cpp):
 - a model no arrangement of cards holds runs with some layers in host memory
   (partial offload, ``sizing.plan.offload``) unless that is disallowed; then the
   refusal lists every card's figures.
+- the cache type loaded is the one asked for, or with ``auto`` (the default) the
+  most precise one whose context reaches the ceiling (``sizing.plan.auto_cache``).
 
 With a ``Calibration`` (llama.cpp's own figures, ``sizing.memory.measured``; the
 service measures them for every architecture whose graph is not mirrored and
@@ -36,14 +38,16 @@ from ..memory.measured import Calibration
 from ..memory.estimate import MemoryEstimate
 from .offload import plan_offload, speed
 from ..memory.placement import Placement
-from .request import DEFAULT_CACHE_TYPES, PlanRequest, context_config, ctx_cap, ctx_floor
+from .auto_cache import choose_cache_type
+from .request import (AUTO_CACHE_TYPE, AUTO_CACHE_TYPES, DEFAULT_CACHE_TYPES, PlanRequest, context_config, ctx_cap,
+                      ctx_floor)
 from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, proportional_counts, slot_counts,
                     split_placement)
 from ..model.spec import ModelSpec
 from .speed import Tiers
 
-__all__ = ["DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan", "PlanRequest", "RefusalCode", "Sizer",
-           "Verdict", "context_config", "ctx_cap", "ctx_floor", "make_plan"]
+__all__ = ["AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan",
+           "PlanRequest", "RefusalCode", "Sizer", "Verdict", "context_config", "ctx_cap", "ctx_floor", "make_plan"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class Plan:
     options: tuple[CacheTypeOption, ...]
     ctx_cap: int
     reasons: tuple[str, ...] = field(default=())
+    cache_type_reason: str = ""
+    """Why ``cfg.type_k`` is what it is: ``auto``'s choice and what it passed over (also among ``reasons``), or
+    the type as asked for."""
     refusal: RefusalCode | None = None
     candidates: tuple[Candidate, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -192,7 +199,9 @@ def _with_speed(sz: Sizer, opt: CacheTypeOption, floor: int, tiers: Tiers) -> Ca
 
 def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest = PlanRequest(),
               calibration: Calibration | None = None) -> Plan:
-    """Plan a load: per cache type the largest context; the chosen type's placement and estimate.
+    """Plan a load: per cache type the largest context; the chosen type's placement and estimate. The chosen
+    type is ``req.cache_type``, or with ``auto`` the one ``sizing.plan.auto_cache`` picks from the rows (its
+    sentence among the reasons): ``cfg.type_k`` is always a concrete type.
 
     ``calibration``: llama.cpp's measured figures for this model (``sizing.memory.measured``), used wherever they
     cover a configuration; the simulation everywhere else.
@@ -200,16 +209,25 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
     cap = ctx_cap(spec, req)
     floor = ctx_floor(spec, req, cap)
     tiers = Tiers.for_request(req)
-    types = tuple(dict.fromkeys((*req.cache_types, req.cache_type)))
+    auto = req.cache_type == AUTO_CACHE_TYPE
+    wanted = AUTO_CACHE_TYPES if auto else (req.cache_type,)
+    types = tuple(dict.fromkeys(t for t in (*req.cache_types, *wanted) if t != AUTO_CACHE_TYPE))
     options = tuple(
         _with_speed(sz, _option(sz, cap), floor, tiers)
         for sz in (Sizer(spec, gpus, host, req, t, calibration) for t in types)
     )
-    chosen = next(o for o in options if o.cache_type == req.cache_type)
+    if auto:
+        by_type = {o.cache_type: o for o in options}
+        chosen, type_reason = choose_cache_type([by_type[t] for t in AUTO_CACHE_TYPES], cap, bool(gpus))
+    else:
+        chosen = next(o for o in options if o.cache_type == req.cache_type)
+        type_reason = f"cache type {chosen.cache_type}: as asked (not auto)"
     reasons: list[str] = []
     if req.n_ctx and req.n_ctx > cap:
         reasons.append(f"requested n_ctx {req.n_ctx} capped at {cap} (n_ctx_train {spec.n_ctx_train}"
                        + (f", ceiling {req.context_length})" if req.context_length else ")"))
+    if auto:
+        reasons.append(type_reason)
     if chosen.error:
         reasons.append(f"{chosen.cache_type}: {chosen.error}")
     n_ctx = chosen.n_ctx or floor
@@ -244,6 +262,7 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
         options=options,
         ctx_cap=cap,
         reasons=tuple(reasons),
+        cache_type_reason=type_reason,
         refusal=chosen.refusal,
         candidates=chosen.candidates,
         warnings=chosen.warnings,

@@ -149,6 +149,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "warnings": list(plan.warnings),
         "chosen": {
             "cache_type": plan.cfg.type_k,
+            "cache_type_reason": plan.cache_type_reason,
             "n_ctx": plan.cfg.n_ctx,
             "flash_attn": plan.cfg.flash_attn,
             "n_ubatch": plan.cfg.n_ubatch,

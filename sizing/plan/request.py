@@ -12,6 +12,12 @@ from ..model.spec import ModelSpec
 
 DEFAULT_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
+AUTO_CACHE_TYPE = "auto"
+"""The cache type that means: the most precise one whose context reaches the ceiling (``sizing.plan.auto_cache``)."""
+
+AUTO_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+"""What ``auto`` chooses among, most precise first (always sized, whatever ``cache_types`` reports)."""
+
 
 @dataclass(frozen=True)
 class PlanRequest:
@@ -19,8 +25,9 @@ class PlanRequest:
 
     n_ctx: int | None = None
     cache_types: tuple[str, ...] = DEFAULT_CACHE_TYPES
-    cache_type: str = "q8_0"
-    """The type to load with (reported even when not in ``cache_types``)."""
+    cache_type: str = AUTO_CACHE_TYPE
+    """The type to load with (reported even when not in ``cache_types``), or ``auto``: the plan chooses among
+    ``AUTO_CACHE_TYPES`` (``sizing.plan.auto_cache``) and its ``cfg.type_k`` is the concrete type."""
     flash_attn: FlashAttn = "auto"
     context_length: int | None = None
     min_ctx: int = 4096

@@ -40,7 +40,8 @@ from typing import Callable, Iterator, Sequence
 from .device import Device
 from ..memory.estimate import MemoryEstimate
 from .planner import Plan
-from .request import PlanRequest, ctx_cap, ctx_floor
+from .request import AUTO_CACHE_TYPE, PlanRequest, ctx_cap, ctx_floor
+from .sizer import held_whole_verdict
 from ..model.spec import ModelSpec
 
 EXHAUSTIVE_CANDIDATES = 12
@@ -78,9 +79,14 @@ def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimat
 def decision_request(spec: ModelSpec, req: PlanRequest) -> PlanRequest:
     """The request that decides whether a model fits: its chosen cache type alone, at the smallest context
     that counts. ``make_plan`` settles the placement (and so the verdict) at that context before it searches
-    for a larger one, so this plan's verdict is the full plan's, without the searches."""
+    for a larger one, so this plan's verdict is the full plan's, without the searches.
+
+    ``auto`` stays ``auto`` (``make_plan`` then sizes its candidates alone): at the floor it picks the most
+    precise type that fits there, preferring one held whole, so it fits (held whole) exactly when the full
+    plan's choice does, the full plan's rows holding the same placements at that floor."""
     cap = ctx_cap(spec, req)
-    return replace(req, n_ctx=ctx_floor(spec, req, cap), cache_types=(req.cache_type,))
+    types = () if req.cache_type == AUTO_CACHE_TYPE else (req.cache_type,)
+    return replace(req, n_ctx=ctx_floor(spec, req, cap), cache_types=types)
 
 
 @dataclass(frozen=True)
@@ -141,9 +147,9 @@ class Decision:
 
 
 def held_whole(p: Plan) -> bool:
-    """Held whole where it runs best: on the cards (none partly in host memory), or on a machine without cards.
-    (A model the cards cannot hold at all is planned by the offload search, verdict ``cpu``.)"""
-    return p.verdict in ("one_card", "split") or (p.verdict == "cpu" and not p.gpus)
+    """Held whole where it runs best (``sizing.plan.sizer.held_whole_verdict``: on the cards, or on a machine
+    without cards)."""
+    return held_whole_verdict(p.verdict, bool(p.gpus))
 
 
 def decide_placement(others: Sequence[Holding], plan_with: Callable[[tuple[Holding, ...], PlanRequest], Plan],

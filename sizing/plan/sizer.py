@@ -25,6 +25,12 @@ Verdict = Literal["cpu", "one_card", "split", "partial_offload", "refused"]
 RefusalCode = Literal["INSUFFICIENT_MEMORY", "SPLIT_NOT_HONOURED", "INVALID_CONFIG"]
 
 
+def held_whole_verdict(verdict: Verdict, has_gpus: bool) -> bool:
+    """Held whole where it runs best: on the cards (none partly in host memory), or on a machine without cards.
+    (A model the cards cannot hold at all is planned by the offload search, verdict ``cpu``.)"""
+    return verdict in ("one_card", "split") or (verdict == "cpu" and not has_gpus)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One placement considered for partial offload, with its predicted speed."""

@@ -97,7 +97,7 @@ def test_a_gpu_plan_carries_the_cuda_pool_bound(model_spec: Callable[..., ModelS
 
     spec = model_spec("Qwen3-30B-A3B")
     card = Device(0, "H100", 75 * GIB, 80 * GIB)
-    plan = make_plan(spec, [card], HOST, PlanRequest(n_ctx=8192))
+    plan = make_plan(spec, [card], HOST, PlanRequest(n_ctx=8192, cache_type="q8_0"))  # the quantized cache this checks
     assert plan.estimate is not None
     g = plan.estimate.gpus[0]
     cfg = ContextConfig(8192, "q8_0", "q8_0", "on")

@@ -104,7 +104,7 @@ def test_the_load_confirmation_solves_again_when_llama_cpp_needs_more(falcon: st
     spec = probe_path(falcon)
     # One sequence, as written: with the default 4 unified slots the re-solved plan came out at n_ctx_train
     # (16384), larger than the doctored one (2816) -- left to the planner's owner (issue 19).
-    settings = Settings(min_context=1024, cache_types="q8_0", parallel=1, kv_unified=False,
+    settings = Settings(min_context=1024, cache_type="q8_0", cache_types="q8_0", parallel=1, kv_unified=False,
                         embeddings="off")  # the headroom below is for the generation context alone
     host = _host(spec.weights_bytes, 160)
     cal = Calibrator()
@@ -126,8 +126,8 @@ def test_the_load_confirmation_solves_again_when_llama_cpp_needs_more(falcon: st
         # a refusal only when no arrangement fits: a host too small even at the minimum context
         # (weights may not spill to the file here: offload off)
         tiny = _host(spec.weights_bytes, 90)
-        strict = Settings(min_context=1024, cache_types="q8_0", allow_offload=False, parallel=1, kv_unified=False,
-                          embeddings="off")
+        strict = Settings(min_context=1024, cache_type="q8_0", cache_types="q8_0", allow_offload=False, parallel=1,
+                          kv_unified=False, embeddings="off")
         planner_tiny = Planner(strict, lambda: ([], tiny), cal)
         req_tiny = planner_tiny.request(LoadOptions())
         wrong_tiny = make_plan(spec, [], tiny, req_tiny, calibration=_doctored(falcon, req_tiny, 0.1))

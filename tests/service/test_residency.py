@@ -379,6 +379,33 @@ def test_the_models_file_sets_a_models_context_ceiling_and_cache_type(
     assert r.json()["origin"] == "models_file"
 
 
+def test_cache_type_auto_is_the_default_and_the_plan_says_what_it_chose(
+        multi: Callable[..., FakeService], tmp_path: Path, fixtures: dict[str, str]) -> None:
+    """``auto`` (the settings' default, and accepted in any case in the models file and a body) loads a concrete
+    type and says why; a named type, from the body or the models file, wins over it."""
+    assert Settings.model_fields["cache_type"].default == "auto"
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(f'[models.chat]\nfile = "{fixtures[N("a4")]}"\ncache_type = "AUTO"\n'
+                           f'[models.fixed]\nfile = "{fixtures[N("b4")]}"\ncache_type = "q4_0"\n')
+    svc = multi(models_file=str(models_file))
+    plan = svc.client.post("/api/dry-run", json={"model": "chat"}).json()
+    f16 = next(c for c in plan["cache_types"] if c["cache_type"] == "f16")
+    assert f16["n_ctx"] == plan["ctx_cap"] == 4096, "premise: f16 reaches the ceiling (GGUF_CONTEXT_LENGTH)"
+    assert plan["chosen"]["cache_type"] == "f16" and plan["estimate"]["type_v"] == "f16"
+    assert plan["chosen"]["cache_type_reason"] == "cache type auto: f16 reaches the ceiling 4096"
+    assert plan["chosen"]["cache_type_reason"] in plan["reasons"]
+    off = svc.client.post("/api/dry-run", json={"model": "chat", "flash_attn": "off", "n_ctx": 4096}).json()
+    assert off["chosen"]["cache_type"] == "f16" and off["chosen"]["flash_attn"] == "off"
+    named = svc.client.post("/api/dry-run", json={"model": "chat", "cache_type": "Q8_0"}).json()
+    assert named["chosen"]["cache_type"] == "q8_0"
+    assert named["chosen"]["cache_type_reason"] == "cache type q8_0: as asked (not auto)"
+    r = svc.client.post("/api/models/load", json={"model": "fixed"})
+    assert r.status_code == 200, r.text
+    assert _models(svc)["fixed"]["plan"]["chosen"]["cache_type"] == "q4_0", "the models file over auto"
+    r = svc.client.post("/api/models/load", json={"model": "chat", "cache_type": "automatic"})
+    assert r.status_code in (400, 422) and "auto" in r.text and "cache_type" in r.text, r.text
+
+
 def test_a_load_option_is_the_bodys_else_the_models_files_else_the_settings_by_one_name(
         multi: Callable[..., FakeService], tmp_path: Path, fixtures: dict[str, str]) -> None:
     """``service.options``: one name per knob (older ones accepted), one merge. kv_unified was added as a load
