@@ -39,7 +39,7 @@ from .base import Cancel, Chunk, direct_delivery
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"load", "check", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget", "prompt_tokens",
+CALLS = frozenset({"load", "check", "set_prompt_cache_budget", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget", "prompt_tokens",
                    "chat_prompt_tokens", "max_token_chars", "tokenize_text", "token_pieces", "render_chat"})
 """Engine methods a "call" may name (nothing else of the engine is reachable from the socket)."""
 GENERATIONS = frozenset({"complete", "chat", "generate"})

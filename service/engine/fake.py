@@ -48,6 +48,18 @@ class FakeEngine:
         """The last load's report (its "allocations" are the plan's figures), None once unloaded."""
         self.path: str | None = None
         self._evaluated = 0
+        self.prompt_cache_bytes = 0
+        """What the fake says its prompt cache beyond the slots holds (set by tests)."""
+        self.prompt_cache_budgets: list[int] = []
+        """Every ``set_prompt_cache_budget`` asked, in order."""
+
+    @property
+    def prompt_cache_gauges(self) -> dict[str, int]:
+        return {"bytes": self.prompt_cache_bytes, "entries": 1 if self.prompt_cache_bytes else 0}
+
+    def set_prompt_cache_budget(self, budget_bytes: int) -> None:
+        self.prompt_cache_budgets.append(budget_bytes)
+        self.prompt_cache_bytes = min(self.prompt_cache_bytes, budget_bytes)
 
     @property
     def n_ctx(self) -> int:

@@ -557,6 +557,12 @@ class LlamaEngine(Prompting):
                 pc.directory = None
         return pc
 
+    def set_prompt_cache_budget(self, budget_bytes: int) -> None:
+        """Another budget for the prompt cache beyond the slots (residency empties it before it evicts or refuses a
+        model for memory, then gives it what is left): on the scheduler thread, which owns the entries."""
+        if self._model is not None:
+            self._on_scheduler(lambda: self._pcache.set_budget(budget_bytes))
+
     @property
     def prompt_cache_gauges(self) -> dict[str, int]:
         """What the prompt cache beyond the slots holds and did (``PromptCache.gauges``)."""
@@ -1062,13 +1068,15 @@ class LlamaEngine(Prompting):
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx.ctx, slot.id))
         if size <= 0 or (size > pc.budget_bytes and pc.directory is None):
             return
-        buf = (ctypes.c_uint8 * size)()
+        state = bytearray(size)  # llama.cpp writes into it: no copy
+        buf = (ctypes.c_uint8 * size).from_buffer(state)
         n = int(llama_cpp.llama_state_seq_get_data(self._ctx.ctx, buf, size, slot.id))
+        del buf  # the bytearray may not change size while a ctypes view holds it
         if n != size:
             log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's state; not kept", n, size, slot.id)
             return
         pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot.id))
-        pc.put(slot.tokens, bytes(buf), scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon)
+        pc.put(slot.tokens, state, scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon)
 
     def _restore(self, slot: Slot, entry: Entry) -> bool:
         """Put a cached prompt back into the slot (the slot's own prompt kept first); False: it could not be."""
@@ -1087,8 +1095,9 @@ class LlamaEngine(Prompting):
         state = pc.take(entry)
         if state is None:
             return False
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
         got = int(llama_cpp.llama_state_seq_set_data(self._ctx.ctx, buf, len(state), slot.id))
+        del buf
         if got != len(state):
             llama_cpp.llama_memory_seq_rm(self._mem, slot.id, -1, -1)
             pc.stats.restore_failed += 1

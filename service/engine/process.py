@@ -574,6 +574,10 @@ class ProcessEngine:
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         return self._channel().call("embed", (inputs,), cancel)  # type: ignore[no-any-return]
 
+    def set_prompt_cache_budget(self, budget_bytes: int) -> None:
+        if self._state == "loaded":
+            self._channel().call("set_prompt_cache_budget", (budget_bytes,))
+
     def forget(self) -> None:
         self._channel().call("forget", ())
 

@@ -71,6 +71,11 @@ from . import views
 log = logging.getLogger(__name__)
 
 
+def _wants_room(placed: Placed) -> bool:
+    """The load would evict a model, wait for busy ones or be refused, for memory (not for the count limit)."""
+    return bool(placed.evict or placed.busy or placed.plan.refusal is not None) and not placed.count_limited
+
+
 class ModelManager(SwapScheduler, KeepAliveTimers):
     """Owns the loaded models (each with its engine and runner), their states and plans, and the load lock."""
 
@@ -259,10 +264,16 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         if replacing is None:  # /api/models and /ready say loading from the start; planning runs in a thread
             placeholder = ModelState(name=key, state="loading", entry=entry, path=entry.path)
             self.models[key] = placeholder
+        shrunk = False
         try:
             for attempt in range(3):
                 holdings = self._holdings()
                 _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
+                if not shrunk and _wants_room(placed):
+                    shrunk = True
+                    if await self._shrink_prompt_caches(key):  # their memory first, then a model's
+                        holdings = self._holdings()
+                        _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
                 if swap is not None and placed.busy:  # wait for the fewest of them that make room
                     _, forced = await asyncio.to_thread(self._place, key, opts, holdings, True)
                     victims_ = forced.evict or placed.busy
@@ -289,9 +300,46 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         finally:
             self._holding_back -= held
             self._reloading.discard(key)
+            if shrunk:
+                await self._rebudget_prompt_caches(key)
         if swap is not None and victims:
             self.swaps += 1
         return state
+
+    async def _shrink_prompt_caches(self, key: str) -> bool:
+        """Empty the residents' prompt caches beyond the slots (service.engine.prompt_cache; their disk copies
+        stay) before a load evicts a model or is refused for memory. True when any held something."""
+        def work() -> list[str]:
+            emptied = []
+            for st in self.loaded():
+                gauges = getattr(st.engine, "prompt_cache_gauges", None) or {}
+                if gauges.get("bytes", 0) > 0:
+                    st.engine.set_prompt_cache_budget(0)  # type: ignore[union-attr]
+                    emptied.append(f"{st.name} ({gauges['bytes'] / MIB:.0f} MiB)")
+            return emptied
+
+        emptied = await asyncio.to_thread(work)
+        if emptied:
+            log.info("emptied the prompt caches of %s to make room for %s", ", ".join(emptied), key)
+        return bool(emptied)
+
+    async def _rebudget_prompt_caches(self, key: str) -> None:
+        """After a load that needed room: each resident's prompt cache gets an even share of half the host memory
+        left free, at most the ceiling (GGUF_PROMPT_CACHE_MIB)."""
+        def work() -> None:
+            if not self.settings.cache_prompt or self.settings.prompt_cache_mib <= 0:
+                return
+            states = [st for st in self.loaded() if hasattr(st.engine, "set_prompt_cache_budget")]
+            if not states:
+                return
+            share = min(self.settings.prompt_cache_mib * MIB, host_memory().free_bytes // (2 * len(states)))
+            for st in states:
+                try:
+                    st.engine.set_prompt_cache_budget(share)  # type: ignore[union-attr]
+                except ServiceError as exc:  # unloaded meanwhile, or its runner restarting: its next load plans anew
+                    log.info("prompt cache of %s not resized: %s", st.name, exc)
+
+        await asyncio.to_thread(work)
 
     async def _load_placed(self, entry: ModelEntry, placed: Placed, victims: list[ModelState],
                            replacing: ModelState | None, placeholder: ModelState | None, previous: ModelState | None,

@@ -35,6 +35,7 @@ CONTAINER_VALUES = {
     "host": "0.0.0.0",
     "models_dir": "/models",
     "embedded_model_dir": "/cache/embedded",
+    "prompt_cache_dir": "/cache/prompts",
     "api_key_file": "/run/secrets/gguf_api_key",
 }
 
@@ -223,6 +224,7 @@ def test_container_wiring(compose: dict[str, Any]) -> None:
             cache = [v for v in service["volumes"] if env["HF_HOME"].startswith(v["target"].rstrip("/") + "/")]
             assert cache and cache[0]["type"] == "volume" and cache[0]["source"] in data["volumes"], "HF_HOME on a named volume"
             assert env["GGUF_EMBEDDED_MODEL_DIR"].startswith(cache[0]["target"])
+            assert env["GGUF_PROMPT_CACHE_DIR"].startswith(cache[0]["target"] + "/"), "prompts outlive the container"
             (port,) = service["ports"]
             address, host_port, container_port = port.split(":")
             assert address == "127.0.0.1", "published on loopback by default"

@@ -152,6 +152,33 @@ def test_eviction_unloads_the_least_recently_used_idle_model_only(multi: Callabl
         assert mib <= FREE_MIB, card
 
 
+def test_prompt_caches_are_emptied_before_a_model_is_evicted_and_resized_after(
+        multi: Callable[..., FakeService]) -> None:
+    """Residents' prompt caches beyond the slots give their host memory first: emptied before the plan that evicts
+    b4 is made again, then each given its share of what is left (the cards are declared, so the eviction still
+    happens: the caches were host memory)."""
+    engines: list[FakeEngine] = []
+
+    def make(_: Settings) -> FakeEngine:
+        e = FakeEngine()
+        e.prompt_cache_bytes = 64 * MIB
+        engines.append(e)
+        return e
+
+    svc = multi(engine=make)
+    for short in ("a4", "b4", "c8"):
+        assert _load(svc, short).status_code == 200
+    assert all(e.prompt_cache_budgets == [] for e in engines), "no load needed room yet"
+    assert _ask(svc, "a4").status_code == 200
+    assert _load(svc, "d8").status_code == 200
+    assert _loaded(svc) == {N("a4"), N("c8"), N("d8")}
+    by_path = {Path(e.path or "").stem: e for e in engines if e.path}
+    for short in ("a4", "c8"):
+        budgets = by_path[N(short)].prompt_cache_budgets
+        assert budgets[0] == 0 and len(budgets) == 2 and 0 < budgets[1] <= 8192 * MIB, (short, budgets)
+    assert by_path[N("d8")].prompt_cache_budgets[-1] == by_path[N("a4")].prompt_cache_budgets[-1]
+
+
 def test_the_fewest_models_go_even_when_smaller_ones_are_older(multi: Callable[..., FakeService]) -> None:
     """One card: a4 and b4 (older, smaller) and d8 (newest). c8 needs d8's memory, or a4's and b4's together:
     one model is fewer than two, so d8 goes although a4 is the least recently used."""
