@@ -25,6 +25,11 @@ low-level API:
   ``update_slots`` checks; llama-server's SWA checkpoints are not built here).
   A unified cache that runs out of cells clears idle slots, least recently used
   first, before it fails a request (``try_clear_idle_slots``).
+- **Prompts beyond the slots** (issue 24; ``service.engine.prompt_cache``). A slot given to another
+  conversation first copies its sequence's state into host memory (``llama_state_seq_get_data``), within a
+  planned budget, optionally on disk; a later prompt that extends it is restored into its slot
+  (``llama_state_seq_set_data``), as llama-server's ``--cache-ram``. Slots and entries carry a scope (API key,
+  ``cache_salt``): another scope's prefix is never reused.
 - **One compute thread.** Every ``llama_decode`` of an engine, its embedding
   batches too, runs on its scheduler thread, and when another engine is loaded
   in the process that thread ends once its engine has been idle for
