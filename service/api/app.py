@@ -17,7 +17,7 @@ from ..errors import NotReady
 from ..residency import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
 from ..settings import Settings
-from . import anthropic, errors, management, metrics, openai, ops, text
+from . import anthropic, errors, management, metrics, ollama, openai, ops, text
 from .admission import Admission
 from . import page, security
 
@@ -92,6 +92,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     app.include_router(ops.router)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(ollama.router)
     app.include_router(management.router)
     app.include_router(metrics.router)
     app.include_router(text.router)

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 Family = Literal["openai", "anthropic", "management"]
 ANTHROPIC_PREFIX = "/v1/messages"
 """Routes of Anthropic's Messages API: their errors are in Anthropic's shape."""
+OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/tags", "/api/version", "/api/ps", "/api/show",
+                          "/api/embed", "/api/embeddings", "/api/delete", "/api/pull"})
+"""Routes of Ollama's API (``service.api.ollama``): their errors are Ollama's ``{"error": "..."}``, which its
+clients read (``ollama.ResponseError`` takes the ``error`` string), with the management API's statuses."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,12 @@ def anthropic_envelope(status: int, message: str) -> dict[str, Any]:
 
 def error_body(path: str, status: int, message: str, type_: str, code: str | None, param: str | None = None,
                **extra: Any) -> dict[str, Any]:
-    """The error envelope a route's clients read: Anthropic's on /v1/messages, OpenAI's everywhere else."""
+    """The error envelope a route's clients read: Anthropic's on /v1/messages, Ollama's on its routes, OpenAI's
+    everywhere else."""
     if path.startswith(ANTHROPIC_PREFIX):
         return anthropic_envelope(status, message)
+    if path in OLLAMA_PATHS:
+        return {"error": message}
     return envelope(message, type_, code, param, **extra)
 
 

@@ -155,28 +155,38 @@ def cache_scope(request: Request, settings: Any, salt: str | None) -> str:
 
 
 async def start(request: Request, manager: ModelManager, metrics: Metrics, body: GenerationRequest,
-                 kind: Literal["completion", "chat"]) -> Started | JSONResponse:
+                 kind: Literal["completion", "chat"], *, n_ctx: int | None = None,
+                 default_max_tokens: int | None = None) -> Started | JSONResponse:
     """Check, compile, queue and wait for admission: a refusal is raised (a plain HTTP error, never a stream);
     the client leaving meanwhile is a bare 499. The model's lease is released when the generation ends (the
-    runner), or here when the request ends before it was queued."""
+    runner), or here when the request ends before it was queued.
+
+    ``n_ctx``: a per-request ceiling below the model's context (Ollama's ``num_ctx``, which never reloads a model
+    here): the prompt plus the client's limit must fit it, and the generation stops there. ``default_max_tokens``:
+    the limit when the client gives none, a cap only (as for chats), instead of the family's default."""
     t0 = time.perf_counter()
     settings = manager.settings
-    params = body.params(COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else settings.max_tokens_default)
+    default = default_max_tokens or (COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion"
+                                     else settings.max_tokens_default)
+    params = body.params(default)
     params = replace(params, cache_scope=cache_scope(request, settings, body.cache_salt))
     lease = await resolve_model(manager, body)
     try:
-        return await admit(request, lease, settings, metrics, body, kind, params, t0)
+        return await admit(request, lease, settings, metrics, body, kind, params, t0, n_ctx=n_ctx,
+                           cap_only=default_max_tokens is not None)
     finally:
         if not lease.queued:
             lease.release()  # the request ended before its generation was queued
 
 
 async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics, body: GenerationRequest,
-                 kind: Literal["completion", "chat"], params: GenerationParams, t0: float) -> Started | JSONResponse:
+                 kind: Literal["completion", "chat"], params: GenerationParams, t0: float, *,
+                 n_ctx: int | None = None, cap_only: bool = False) -> Started | JSONResponse:
     name = lease.name
     # The context check applies to the client's own limit; the server's default is only a cap.
-    asked = body.requested_max_tokens() if kind == "chat" else params.max_tokens
+    asked = body.requested_max_tokens() if kind == "chat" or cap_only else params.max_tokens
     engine = lease.engine
+    ceiling = min(engine.n_ctx, n_ctx) if n_ctx else engine.n_ctx
     cancel = Cancel()
     choices = Choices(json_kind=json_constraint(params), biased=bool(params.logit_bias))
     tools: list[dict[str, Any]] | None = None
@@ -213,7 +223,9 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
         if cancel.cancelled:
             return JSONResponse({}, status_code=499)  # the client left while its prompt was tokenized
         n_prompt = len(tokens)
-        check_context(engine.n_ctx, n_prompt, asked, prompt_param)
+        check_context(ceiling, n_prompt, asked, prompt_param)
+        if ceiling < engine.n_ctx and run.max_tokens is not None:
+            run = replace(run, max_tokens=min(run.max_tokens, ceiling - n_prompt))  # the generation stops there
         if asked is not None and run.n > 1 and n_prompt + run.n * asked > engine.n_ctx:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {engine.n_ctx} tokens; the prompt's {n_prompt} tokens plus "

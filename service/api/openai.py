@@ -211,7 +211,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self, max_tokens: int) -> list[str] | list[list[int]]:
         """The inputs, each a string or token ids; token ids beyond ``max_tokens`` in all are refused here (strings
-        are counted as they are tokenized, ``_embed``)."""
+        are counted as they are tokenized, ``embed``)."""
         value = self.input
         if isinstance(value, str):
             value = [value]
@@ -245,16 +245,17 @@ async def embeddings(request: Request, body: EmbeddingRequest, manager: ManagerD
     inputs = body.inputs(max_tokens)
     lease = await resolve_model(manager, body)
     try:
-        return await _embed(request, lease, metrics, body, inputs, max_tokens)
+        return await embed(request, lease, metrics, body, inputs, max_tokens)
     finally:
         if not lease.queued:
             lease.release()
 
 
-async def _embed(request: Request, lease: Lease, metrics: Metrics, body: EmbeddingRequest,
+async def embed(request: Request, lease: Lease, metrics: Metrics, body: EmbeddingRequest,
                  inputs: list[str] | list[list[int]], max_tokens: int) -> Any:
     """Tokenize, count and embed ``inputs``: at most ``max_tokens`` tokens in all (``BadRequest`` naming ``input``
-    before any batch runs), each within one embedding batch (``engine.embed``)."""
+    before any batch runs), each within one embedding batch (``engine.embed``). Public: Ollama's /api/embed
+    (``service.api.ollama``) takes the same path."""
     name, engine = lease.name, lease.engine
     n_embd, limit = engine.embedding_limits()
     if not limit:

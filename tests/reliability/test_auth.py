@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
+from service.api.errors import OLLAMA_PATHS
 from service.api.security import PUBLIC_PATHS, is_loopback, key_matches, presented_key
 from tests.conftest import ROOT
 
@@ -56,6 +57,8 @@ def test_every_route_outside_the_public_list_needs_a_key(fake_factory: Callable[
             err = body["error"]
             if path.startswith("/v1/messages"):  # Anthropic's shape on its routes
                 assert body["type"] == "error" and err["type"] == "authentication_error", body
+            elif path in OLLAMA_PATHS:  # Ollama's shape on its routes: the message alone
+                assert isinstance(err, str) and err, body
             else:
                 assert (err["code"], err["type"]) == ("invalid_api_key", "authentication_error")
             checked += 1

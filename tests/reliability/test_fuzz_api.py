@@ -25,6 +25,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from service.api.errors import OLLAMA_PATHS
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 
 from .conftest import SOAK, rss_kib
@@ -38,8 +39,10 @@ generated options under a 4096-token context ceiling, plus the HTTP layer."""
 DOCUMENTED_5XX = {(503, "model_not_ready"), (503, "insufficient_memory"), (507, "INSUFFICIENT_MEMORY"),
                   (503, "overloaded_error")}
 """The last: Anthropic's name for a 503 on /v1/messages (its errors carry a type, not a code)."""
-HUB_ROUTES = {"POST /api/hf/files"}
+HUB_ROUTES = {"POST /api/hf/files", "POST /api/pull"}
 """Routes that ask the Hugging Face hub: here a closed loopback port, so 502 ``upstream_error`` is their true answer."""
+OLLAMA_CODES = {502: "upstream_error", 503: "model_not_ready", 507: "INSUFFICIENT_MEMORY"}
+"""Ollama's errors carry only a message: on its routes the status alone is the documented answer."""
 ENV = {
     "GGUF_CONFIRM_LOADS": "false", "GGUF_CONTEXT_LENGTH": "4096", "GGUF_MAX_TOKENS_DEFAULT": "8",
     "GGUF_LOAD_WAIT_S": "5", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1",
@@ -66,6 +69,9 @@ def _tame(case: Any) -> None:
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 8:
                 body[key] = 8
+        options = body.get("options")  # Ollama's routes
+        if isinstance(options, dict) and isinstance(options.get("num_predict"), int) and options["num_predict"] > 8:
+            options["num_predict"] = 8
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +119,9 @@ def test_fuzz_every_operation_from_the_openapi_schema(fuzzed: ServiceProcess, ca
                     assert body.get("type") == "error" and isinstance(err, dict) and isinstance(err.get("type"), str) \
                         and isinstance(err.get("message"), str), (label, r.text[:300])
                     code = err["type"]
+                elif op.path in OLLAMA_PATHS:  # Ollama's shape, {"error": "..."}: no code, the status says it
+                    assert isinstance(err, str) and err, (label, r.text[:300])
+                    code = OLLAMA_CODES.get(r.status_code)
                 else:
                     assert isinstance(err, dict) and isinstance(err.get("code"), str), (label, r.text[:300])
                     code = err["code"]
