@@ -290,7 +290,8 @@ def _done_reason(a: Answer) -> str:
     return "length" if a.finish_reason == "length" else "stop"
 
 
-def _calls(a: Answer) -> list[dict[str, Any]]:
+def tool_calls(a: Answer) -> list[dict[str, Any]]:
+    """The answer's calls in Ollama's shape: ``arguments`` an object (``{}`` while cut short by num_predict)."""
     out = []
     for i, c in enumerate(a.calls):
         try:
@@ -346,7 +347,7 @@ async def _answer(request: Request, manager: ModelManager, metrics: Any, kind: L
         return StreamingResponse(_stream(request, manager, started, kind, think, t0, wall0), media_type=NDJSON)
     a = (await collect(request, metrics, started))[0]
     out = {"model": started.name, "created_at": _now(),
-           **_shape(kind, a.content, a.reasoning if think else "", _calls(a)),
+           **_shape(kind, a.content, a.reasoning if think else "", tool_calls(a)),
            "done": True, "done_reason": _done_reason(a),
            **_timings(a.last, t0, _load_s(manager, started.name, wall0))}
     return out
@@ -381,7 +382,7 @@ async def _stream(request: Request, manager: ModelManager, started: Started, kin
                     yield data
         timer.generation(answer.last)
         if answer.calls:
-            yield _line({"model": started.name, "created_at": _now(), **_shape(kind, "", "", _calls(answer)),
+            yield _line({"model": started.name, "created_at": _now(), **_shape(kind, "", "", tool_calls(answer)),
                          "done": False})
         yield _line({"model": started.name, "created_at": _now(), **_shape(kind, "", ""), "done": True,
                      "done_reason": _done_reason(answer),
@@ -540,7 +541,7 @@ async def show(request: Request, body: ModelBody, manager: ManagerDep) -> dict[s
     embedding context is on."""
     name = body.named(manager)
     entry = await asyncio.to_thread(manager.registry.resolve, name)
-    spec, path, stat = await _spec(request, manager, entry)
+    spec, _, stat = await _spec(request, manager, entry)
     try:
         override = manager.settings.chat_template()
     except ValueError:
@@ -556,9 +557,11 @@ async def show(request: Request, body: ModelBody, manager: ManagerDep) -> dict[s
     if embeds:
         caps.append("embedding")
     params = "\n".join(f"{k} {v}" for k, v in DEFAULTS.items())
-    return {"modified_at": _iso(stat.st_mtime), "template": source, "license": str(spec.metadata.get("general.license", "")),
-            "modelfile": f"FROM {path}\n", "parameters": params, "details": _details(spec),
-            "model_info": _model_info(spec, body.verbose), "capabilities": caps}
+    # modelfile names the model, not its file: a path on the server is not the client's business.
+    return {"modified_at": _iso(stat.st_mtime), "template": source,
+            "license": str(spec.metadata.get("general.license", "")), "modelfile": f"FROM {entry.name}\n",
+            "parameters": params, "details": _details(spec), "model_info": _model_info(spec, body.verbose),
+            "capabilities": caps}
 
 
 # -- embeddings
