@@ -141,3 +141,18 @@ def test_show_and_tags(fake, embedded_model):  # type: ignore[no-untyped-def]
     (m,) = [m for m in fake.client.get("/api/tags").json()["models"] if m["name"] == EMBEDDED_NAME]
     assert m["size"] == os.path.getsize(embedded_model) and m["details"]["parameter_size"] == "268.10M"
     assert fake.client.post("/api/show", json={"model": "nope"}).status_code == 404
+
+
+def test_delete_unloads_the_model_first(fake_factory, embedded_model, tmp_path):  # type: ignore[no-untyped-def]
+    import os
+
+    spare = tmp_path / "spare.gguf"
+    os.link(embedded_model, spare)
+    fake = fake_factory(models=[str(spare)], default_model="spare")
+    assert [m["model"] for m in fake.client.get("/api/ps").json()["models"]] == ["spare"]
+    r = fake.client.request("DELETE", "/api/delete", json={"model": "spare"})
+    assert r.status_code == 200, r.text
+    assert fake.client.get("/api/ps").json()["models"] == []
+    assert "spare" not in [m["name"] for m in fake.client.get("/api/tags").json()["models"]]
+    r = fake.client.post("/api/chat", json={"model": "spare", "messages": ASK, "stream": False})
+    assert r.status_code == 404 and r.json()["error"] == "The model 'spare' does not exist"
