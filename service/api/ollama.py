@@ -10,7 +10,7 @@ limits and auth), its choice read through ``service.chat.choices``, answered in 
   use), ``num_ctx`` a per-request ceiling (never a reload: larger than the model's context, it is ignored),
   ``format`` (``"json"`` or a JSON schema: the grammar path of ``response_format``), ``tools`` (OpenAI's shape)
   answered with ``message.tool_calls`` whose ``arguments`` are objects, ``think`` (thinking goes to
-  ``thinking``), ``keep_alive``; the last object has ``done``, ``done_reason`` and the timings in nanoseconds from
+  ``thinking``; a loaded model that does not think: 400), ``keep_alive``; the last object has ``done``, ``done_reason`` and the timings in nanoseconds from
   the engine's own measures (``Chunk.prompt_seconds``, ``decode_seconds``). An empty prompt (or no messages)
   loads the model (``done_reason`` ``load``), with ``keep_alive`` 0 unloads it (``unload``), as Ollama does.
 - ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``, ``GET /api/version``: the registry's models, the loaded
@@ -339,6 +339,12 @@ async def _answer(request: Request, manager: ModelManager, metrics: Any, kind: L
     t0 = time.perf_counter()
     wall0 = time.time()
     think = body.think is not False  # false: the thinking is not shown (the template cannot be told not to think)
+    st = manager.resident(req.model or "")
+    if body.think not in (None, False) and st is not None and st.engine is not None \
+            and st.engine.chat_format().think is None:
+        # Ollama's answer too: a client that asks for thinking learns the model has none, instead of an answer
+        # without it. (A model loaded on demand by this request is not checked: its format is read at load.)
+        raise BadRequest(f"\"{st.name}\" does not support thinking", param="think")
     started = await start(request, manager, metrics, req, "chat" if isinstance(req, ChatRequest) else "completion",
                           n_ctx=n_ctx, default_max_tokens=manager.settings.max_tokens_default)
     if isinstance(started, JSONResponse):

@@ -164,6 +164,13 @@ def test_tools_answer_parses(client: ollama.Client) -> None:
     assert r.done and (r.message.content or r.message.tool_calls)
 
 
+def test_think_on_a_model_that_does_not_think_is_refused(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=EMBEDDED_NAME, messages=ASK, think=True, stream=False, options=OPTS)
+    assert e.value.status_code == 400 and "does not support thinking" in e.value.error
+    assert client.chat(model=EMBEDDED_NAME, messages=ASK, think=False, stream=False, options=OPTS).done
+
+
 def test_tool_result_without_a_call_is_refused(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=EMBEDDED_NAME, messages=[*ASK, {"role": "tool", "tool_name": "nope", "content": "x"}],
