@@ -139,6 +139,29 @@ class Downloads:
         threading.Thread(target=fetch, name=f"download-{filename}", daemon=True).start()
         return dl
 
+    def find_quant(self, repo_id: str, quant: str, revision: str | None = None) -> str:
+        """The one GGUF at the top of the repo whose name holds ``quant`` (``Q4_K_M``, any case): Ollama's
+        ``hf.co/OWNER/REPO:QUANT`` names a file so. Blocking (network): call from a thread. None matches: 404;
+        several (or a split model's shards): 400 naming them."""
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+        try:
+            names = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None).list_repo_files(repo_id, revision=revision)
+        except RepositoryNotFoundError as exc:
+            raise ModelNotFound(f"no Hugging Face repo '{repo_id}'", param="model") from exc
+        except (OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
+            raise Upstream(f"the Hugging Face hub did not answer for '{repo_id}': {exc}") from exc
+        except Exception as exc:  # the hub client's transport errors are not ours: converted here
+            raise Upstream(f"the Hugging Face hub could not be reached for '{repo_id}': {type(exc).__name__}") from exc
+        found = [n for n in names if "/" not in n and n.endswith(".gguf") and quant.lower() in n.lower()]
+        if not found:
+            raise ModelNotFound(f"no GGUF file of '{repo_id}' is named with {quant!r}", param="model")
+        if len(found) > 1:
+            raise BadRequest(f"several GGUF files of '{repo_id}' are named with {quant!r} ({', '.join(found[:8])}); "
+                             "name the file: hf.co/OWNER/REPO/FILE.gguf", param="model")
+        return found[0]
+
     def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
         """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.
 

@@ -17,7 +17,7 @@ limits and auth), its choice read through ``service.chat.choices``, answered in 
   ones with their plan's memory, one model's GGUF metadata (the probe's) and capabilities.
 - ``POST /api/embed``, ``POST /api/embeddings``: the embedding path of /v1/embeddings (``openai.embed``).
 - ``DELETE /api/delete``: a model file of the models directory, unloaded first; ``POST /api/pull``: a Hugging Face
-  download (``service.downloads``) with its progress as NDJSON.
+  download (``service.downloads``; ``hf.co/OWNER/REPO:QUANT`` finds the file) with its progress as NDJSON.
 
 Errors are Ollama's ``{"error": "..."}`` (``errors.OLLAMA_PATHS``) with the management API's statuses; a failure
 during a stream is one ``{"error": ...}`` line. Not supported (400 naming the field): images, ``suffix``,
@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -651,6 +652,10 @@ async def delete(body: ModelBody, manager: ManagerDep) -> Response:
     return Response(status_code=200)
 
 
+_QUANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A quantization in ``hf.co/OWNER/REPO:QUANT`` (``Q4_K_M``, ``IQ2_XXS``, ``bf16``)."""
+
+
 class PullBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -660,19 +665,26 @@ class PullBody(BaseModel):
     insecure: bool = False
 
 
-def pull_source(name: str) -> tuple[str, str, str | None]:
-    """``hf.co/OWNER/REPO/FILE.gguf`` (or ``huggingface.co/...``, or without the host), ``@REVISION`` optional:
-    the repo, file and revision the download fetches. Ollama's registry names (``llama3:8b``) are not on Hugging
-    Face: 400."""
+def pull_source(name: str) -> tuple[str, str | None, str | None, str | None]:
+    """``hf.co/OWNER/REPO/FILE.gguf`` or ``hf.co/OWNER/REPO:QUANT`` (Ollama's way to name a Hugging Face GGUF by
+    its quantization), also with ``huggingface.co/`` or no host, ``@REVISION`` optional: the repo, the file (None:
+    find it by ``QUANT``), the quantization and the revision. Ollama's registry names (``llama3:8b``) are not on
+    Hugging Face: 400."""
     rest = name.strip()
-    for host in ("https://", "http://", "hf.co/", "huggingface.co/"):
-        rest = rest.removeprefix(host) if rest.startswith(host) else rest
+    for prefix in ("https://", "http://"):
+        rest = rest.removeprefix(prefix)
+    hosted = rest.startswith(("hf.co/", "huggingface.co/"))
+    rest = rest.split("/", 1)[1] if hosted else rest
     rest, _, revision = rest.partition("@")
     parts = rest.split("/")
-    if len(parts) != 3 or not parts[2].endswith(".gguf"):
-        raise BadRequest("model: a Hugging Face file, hf.co/OWNER/REPO/FILE.gguf (Ollama's own registry is not "
-                         "reached)", param="model")
-    return f"{parts[0]}/{parts[1]}", parts[2], revision or None
+    if len(parts) == 3 and parts[2].endswith(".gguf"):
+        return f"{parts[0]}/{parts[1]}", parts[2], None, revision or None
+    if len(parts) == 2:
+        repo, colon, quant = parts[1].partition(":")
+        if hosted and colon and quant:
+            return f"{parts[0]}/{repo}", None, quant, revision or None
+    raise BadRequest("model: a Hugging Face GGUF, hf.co/OWNER/REPO/FILE.gguf or hf.co/OWNER/REPO:QUANT (Ollama's own "
+                     "registry is not reached)", param="model")
 
 
 @router.post("/pull")
@@ -680,12 +692,21 @@ async def pull(body: PullBody, downloads: DownloadsDep) -> Any:
     """Download a GGUF from Hugging Face into the models directory (``service.downloads``): its progress as NDJSON
     (``status``, ``digest``, ``total``, ``completed``), then ``success`` or an ``error`` line; ``stream: false``:
     one answer once it ends."""
-    repo_id, filename, revision = pull_source(body.model or body.name or "")
+    repo_id, filename, quant, revision = pull_source(body.model or body.name or "")
+    bad = BadRequest("model: the repo, file or revision has characters a Hugging Face name does not", param="model")
+    try:
+        HfPull.model_validate({"repo_id": repo_id, "filename": filename or "x.gguf", "revision": revision})
+        if quant is not None and not _QUANT.fullmatch(quant):
+            raise bad
+    except ValidationError:
+        raise bad from None
+    if filename is None:
+        assert quant is not None
+        filename = await asyncio.to_thread(downloads.find_quant, repo_id, quant, revision)
     try:
         checked = HfPull.model_validate({"repo_id": repo_id, "filename": filename, "revision": revision})
     except ValidationError:
-        raise BadRequest("model: the repo, file or revision has characters a Hugging Face name does not",
-                         param="model") from None
+        raise bad from None
     dl = downloads.pull(checked.repo_id, checked.filename, checked.revision)
     digest = "sha256:" + hashlib.sha256(f"{repo_id}/{filename}@{revision}".encode()).hexdigest()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import threading
 from datetime import datetime, timedelta, timezone
@@ -30,13 +31,37 @@ OPTS = {"num_predict": 8, "temperature": 0, "seed": 7}
 ASK = [{"role": "user", "content": "Name a colour."}]
 
 
+class _TreeHub(_Hub):
+    """The hub's resolve protocol (tests/service/test_pull.py) and its file listing, which
+    ``hf.co/OWNER/REPO:QUANT`` reads (``GET /api/models/OWNER/REPO/tree/REVISION``)."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/[^/?]+", self.path)
+        if m is None:
+            return super().do_GET()
+        d = self.root / m.group(1)
+        if not d.is_dir():
+            body = b'{"error": "Repository not found"}'
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+        else:
+            body = json.dumps([{"type": "file", "path": p.name, "size": p.stat().st_size, "oid": "0" * 40}
+                               for p in sorted(d.iterdir())]).encode()
+            self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) -> Iterator[str]:
     """A local Hugging Face hub (its resolve protocol) holding a copy of the embedded model."""
     root = tmp_path_factory.mktemp("hub")
     (root / "acme" / "tiny").mkdir(parents=True)
     os.link(embedded_model, root / "acme" / "tiny" / "pulled-tiny.gguf")
-    handler = type("Hub", (_Hub,), {"root": root, "requests": []})
+    os.link(embedded_model, root / "acme" / "tiny" / "tiny-Q4_K_M.gguf")
+    handler = type("Hub", (_TreeHub,), {"root": root, "requests": []})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
@@ -263,6 +288,18 @@ def test_pull(client: ollama.Client, models_dir: Path) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.pull("llama3:8b")
     assert e.value.status_code == 400
+    # Ollama's hf.co/OWNER/REPO:QUANT: the repo's one file named with the quantization, any case.
+    done = client.pull("hf.co/acme/tiny:q4_k_m", stream=False)
+    assert done.status == "success" and (models_dir / "tiny-Q4_K_M.gguf").exists()
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("hf.co/acme/tiny:Q8_0")
+    assert e.value.status_code == 404 and "Q8_0" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("hf.co/acme/tiny:tiny")  # both files are named with it
+    assert e.value.status_code == 400 and "several" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("hf.co/acme/none:Q4_K_M")
+    assert e.value.status_code == 404
 
 
 @pytest.mark.parametrize("path,body", [

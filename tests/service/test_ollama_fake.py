@@ -103,16 +103,19 @@ def test_tool_results_answer_the_earliest_open_call_of_their_tool(fake):  # type
 
 
 @pytest.mark.parametrize("name,want", [
-    ("hf.co/acme/tiny/model-Q4_K_M.gguf", ("acme/tiny", "model-Q4_K_M.gguf", None)),
-    ("huggingface.co/acme/tiny/m.gguf@v2", ("acme/tiny", "m.gguf", "v2")),
-    ("https://hf.co/acme/tiny/m.gguf", ("acme/tiny", "m.gguf", None)),
-    ("acme/tiny/m.gguf", ("acme/tiny", "m.gguf", None)),
+    ("hf.co/acme/tiny/model-Q4_K_M.gguf", ("acme/tiny", "model-Q4_K_M.gguf", None, None)),
+    ("huggingface.co/acme/tiny/m.gguf@v2", ("acme/tiny", "m.gguf", None, "v2")),
+    ("https://hf.co/acme/tiny/m.gguf", ("acme/tiny", "m.gguf", None, None)),
+    ("acme/tiny/m.gguf", ("acme/tiny", "m.gguf", None, None)),
+    ("hf.co/acme/tiny-GGUF:Q4_K_M", ("acme/tiny-GGUF", None, "Q4_K_M", None)),
+    ("hf.co/acme/tiny:q8_0@main", ("acme/tiny", None, "q8_0", "main")),
 ])
-def test_pull_names(name: str, want: tuple[str, str, str | None]) -> None:
+def test_pull_names(name: str, want: tuple[str, str | None, str | None, str | None]) -> None:
     assert pull_source(name) == want
 
 
-@pytest.mark.parametrize("name", ["llama3:8b", "hf.co/acme/tiny:Q4_K_M", "acme/tiny", "a/b/c/d.gguf", ""])
+@pytest.mark.parametrize("name", ["llama3:8b", "acme/tiny:Q4_K_M", "hf.co/acme/tiny:", "acme/tiny", "a/b/c/d.gguf",
+                                  "hf.co/acme", ""])
 def test_pull_names_refused(name: str) -> None:
     with pytest.raises(BadRequest):
         pull_source(name)
