@@ -66,6 +66,9 @@ schema ``format`` earlier). Numeric, since clients compare it (VS Code's Copilot
 
 NDJSON = "application/x-ndjson"
 
+SPEC_CACHE_FILES = 256
+"""Probed headers kept for the listings (one per file identity: path, size, modification time)."""
+
 DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
 """Ollama's sampling defaults (its ``api.DefaultOptions``), used where a request's ``options`` leave them out: an
 Ollama client expects these, not OpenAI's (temperature 1, no top-k)."""
@@ -449,13 +452,18 @@ async def _spec(request: Request, manager: ModelManager, entry: ModelEntry) -> t
     stat = await asyncio.to_thread(os.stat, path)
     if st is not None and st.plan is not None and st.path == path:
         return st.plan.model, path, stat
-    cache: dict[tuple[str, int, int], Any] = request.app.__dict__.setdefault("_ollama_specs", {})
+    cache: dict[tuple[str, int, int], Any] | None = getattr(request.app.state, "ollama_specs", None)
+    if cache is None:
+        cache = request.app.state.ollama_specs = {}
     key = (path, stat.st_size, stat.st_mtime_ns)
     spec = cache.get(key)
     if spec is None:
         from sizing.probe import probe_path
 
-        spec = cache[key] = await asyncio.to_thread(probe_path, path)
+        spec = await asyncio.to_thread(probe_path, path)
+        if len(cache) >= SPEC_CACHE_FILES:
+            cache.clear()  # files replaced again and again: their old identities go
+        cache[key] = spec
     return spec, path, stat
 
 
