@@ -159,3 +159,38 @@ def test_delete_unloads_the_model_first(fake_factory, embedded_model, tmp_path):
     assert "spare" not in [m["name"] for m in fake.client.get("/api/tags").json()["models"]]
     r = fake.client.post("/api/chat", json={"model": "spare", "messages": ASK, "stream": False})
     assert r.status_code == 404 and r.json()["error"] == "The model 'spare' does not exist"
+
+
+def _scripted(text: str):  # type: ignore[no-untyped-def]
+    """A fake engine whose every answer is ``text``, in pieces of a few characters (the model's tokens)."""
+    from service.engine.base import Chunk
+    from service.engine.fake import FakeEngine
+
+    class Scripted(FakeEngine):
+        def _one(self, n_prompt, params, cancel, seed):  # type: ignore[no-untyped-def]
+            pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+            for p in pieces:
+                yield Chunk(text=p)
+            yield Chunk(finish_reason="stop", prompt_tokens=n_prompt, completion_tokens=len(pieces))
+
+    return Scripted()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_tool_call_streamed_whole_and_not(fake_factory):  # type: ignore[no-untyped-def]
+    call = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'  # the generic format
+    fake = fake_factory(engine=_scripted(call))
+    body = {"model": EMBEDDED_NAME, "messages": ASK, "tools": [WEATHER]}
+    whole = fake.client.post("/api/chat", json={**body, "stream": False}).json()
+    (c,) = whole["message"]["tool_calls"]
+    assert c["function"] == {"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}
+    assert whole["message"]["content"] == "" and whole["done_reason"] == "stop"
+    with fake.client.stream("POST", "/api/chat", json=body) as s:
+        lines = [json.loads(line) for line in s.iter_lines() if line]
+    with_calls = [x for x in lines if x["message"].get("tool_calls")]
+    assert len(with_calls) == 1 and not with_calls[0]["done"] and lines[-1]["done"]  # the call in one object
+    assert with_calls[0]["message"]["tool_calls"][0]["function"] == c["function"]
+    assert "".join(x["message"]["content"] for x in lines) == ""  # the call's syntax is never content
