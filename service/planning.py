@@ -53,7 +53,7 @@ from .engine.calibrate import Calibrator, FileIdentity, add_samples, points
 from .engine.cpu import RepackChoice, host_repack
 from .engine.dryrun import DryRunError, DryRunResult
 from .engine.params import ModelParams, model_params, plan_params
-from .engine.prompt_cache import budget as prompt_cache_budget
+from .engine.prompt_cache import plan_budget
 from .errors import BadRequest, InsufficientMemory
 from .options import LoadOptions, merged
 from .settings import Settings
@@ -105,7 +105,7 @@ def prompt_cache_json(settings: Settings, plan: Plan) -> dict[str, Any]:
     load of this plan may keep idle conversations in, and where they go on disk."""
     host = plan.estimate.host.total_bytes if plan.estimate is not None else 0
     on = settings.cache_prompt and settings.prompt_cache_mib > 0
-    budget = prompt_cache_budget(settings.prompt_cache_mib * MIB, plan.host.free_bytes, host) if on else 0
+    budget = plan_budget(plan, settings.prompt_cache_mib * MIB) if on else 0
     out: dict[str, Any] = {
         "budget_mib": round(budget / MIB, 1), "ceiling_mib": settings.prompt_cache_mib if on else 0,
         "why": (f"half of the {max(0, plan.host.free_bytes - host) / MIB:.0f} MiB of host memory the plan leaves free, "

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
-from sizing.units import gpu_label
+from sizing.units import MIB, gpu_label
 
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob, current_delivery
@@ -96,8 +96,7 @@ from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations
 from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
 from .prompting import Prompting
-from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, budget as prompt_cache_budget, \
-    model_fingerprint
+from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
@@ -323,9 +322,9 @@ class LlamaEngine(Prompting):
         self._abort_cb: Any = None
         self._abort_watch: list[_Request] = []
         """The requests whose prompt the running ``llama_decode`` evaluates, while the abort callback is set."""
-        self._pc_ceiling = max(0, prompt_cache_mib) * 1024 * 1024
+        self._pc_ceiling = max(0, prompt_cache_mib) * MIB
         self._pc_dir = prompt_cache_dir
-        self._pc_disk = max(0, prompt_cache_disk_mib) * 1024 * 1024
+        self._pc_disk = max(0, prompt_cache_disk_mib) * MIB
         self._pcache = PromptCache(0)
         """Idle conversations beyond the slots (owned by the scheduler thread; its gauges are read from others)."""
 
@@ -504,10 +503,9 @@ class LlamaEngine(Prompting):
                     _engines_loaded -= 1
             if thread is not None:
                 thread.join()
-            if self._mem is not None:
+            if self._mem is not None and self._pcache.directory is not None:
                 for slot in self._slots:  # what the slots hold outlives the context on disk
-                    if self._pcache.directory is not None and slot.tokens:
-                        self._save_slot(slot)
+                    self._keep_slot(slot, 0)
             self._pcache.close()
             self._pcache = PromptCache(0)
             if self._batch is not None:
@@ -545,8 +543,7 @@ class LlamaEngine(Prompting):
 
         if not self._cache_prompt:
             return PromptCache(0)
-        host = plan.estimate.host.total_bytes if plan.estimate is not None else 0
-        pc = PromptCache(prompt_cache_budget(self._pc_ceiling, plan.host.free_bytes, host))
+        pc = PromptCache(plan_budget(plan, self._pc_ceiling))
         if self._pc_dir and self._pc_disk > 0:
             from pathlib import Path
 
@@ -880,8 +877,7 @@ class LlamaEngine(Prompting):
                         if len(spare) < len(head.followers):
                             break
                         for f, s in zip(head.followers, spare):
-                            self._keep_slot(s, 0)
-                            self._clear_slot(s)
+                            self._vacate(s)
                             s.req, f.slot = f, s
                     self._admit(waiting.popleft(), slot, active)
                 for r in [r for r in active if r.gone]:
@@ -1026,8 +1022,7 @@ class LlamaEngine(Prompting):
                 n_keep = n_entry
                 self._pcache.stats.restored_tokens += n_entry
             elif src is not None:
-                self._keep_slot(slot, 0)
-                self._clear_slot(slot)
+                self._vacate(slot)
                 llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
                 slot.tokens = src.tokens[:n_src]
                 slot.cells = self._cells.share(src.cells[:n_src])
@@ -1064,6 +1059,11 @@ class LlamaEngine(Prompting):
         if self._pcache.enabled and len(slot.tokens) - n_keep >= PROMPT_CACHE_MIN_TOKENS:
             self._save_slot(slot)
 
+    def _vacate(self, slot: Slot) -> None:
+        """Empty the slot for another prompt, its own kept in the prompt cache first (``_keep_slot``)."""
+        self._keep_slot(slot, 0)
+        self._clear_slot(slot)
+
     def _save_slot(self, slot: Slot) -> None:
         import llama_cpp
 
@@ -1071,7 +1071,7 @@ class LlamaEngine(Prompting):
         if pc.contains(slot.tokens, slot.scope):
             return
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx.ctx, slot.id))
-        if size <= 0 or (size > pc.budget_bytes and pc.directory is None):
+        if size <= 0 or not pc.takes(size):
             return
         state = bytearray(size)  # llama.cpp writes into it: no copy
         buf = (ctypes.c_uint8 * size).from_buffer(state)
@@ -1088,15 +1088,13 @@ class LlamaEngine(Prompting):
         import llama_cpp
 
         pc = self._pcache
-        self._keep_slot(slot, 0)
-        self._clear_slot(slot)
+        self._vacate(slot)
         n = len(entry.tokens)
         while self._unified and self._cells.used + n > self._n_ctx:  # room, as a full cache makes it
             victim = lru_idle_with_cells([s for s in self._slots if s is not slot])
             if victim is None:
                 break
-            self._keep_slot(victim, 0)
-            self._clear_slot(victim)
+            self._vacate(victim)
         state = pc.take(entry)
         if state is None:
             return False
@@ -1384,8 +1382,7 @@ class LlamaEngine(Prompting):
         victim_slot = lru_idle_with_cells(self._slots)
         if code == 1 and victim_slot is not None and self._unified:
             log.info("KV cache full: clearing idle slot %d (%d cached tokens)", victim_slot.id, len(victim_slot.tokens))
-            self._keep_slot(victim_slot, 0)
-            self._clear_slot(victim_slot)
+            self._vacate(victim_slot)
         elif code == 2:
             for r in members:
                 if r.gone:

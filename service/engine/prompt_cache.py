@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from sizing.units import MIB
+
 from .base import scope_of
 
 log = logging.getLogger(__name__)
 
-MIB = 1024 * 1024
 FORMAT = 1
 """The file format's version (part of the binding: a file of another format is another model's, never read)."""
 MAGIC = b"GGUFKV1\n"
@@ -63,6 +64,12 @@ def budget(ceiling_bytes: int, host_free_bytes: int, plan_host_bytes: int) -> in
     if ceiling_bytes <= 0:
         return 0
     return max(0, min(ceiling_bytes, (host_free_bytes - plan_host_bytes) // 2))
+
+
+def plan_budget(plan: Any, ceiling_bytes: int) -> int:
+    """``budget`` for a plan (``sizing.plan.Plan``): its host's free memory less what it places there."""
+    host = plan.estimate.host.total_bytes if plan.estimate is not None else 0
+    return budget(ceiling_bytes, plan.host.free_bytes, host)
 
 
 def model_fingerprint(path: str) -> str:
@@ -166,6 +173,10 @@ class PromptCache:
                 "misses": s.misses, "restored_tokens": s.restored_tokens, "evicted": s.evicted,
                 "rejected": s.rejected, "restore_failed": s.restore_failed}
 
+    def takes(self, nbytes: int) -> bool:
+        """Whether a state this large can be kept: in memory within the budget, else on disk."""
+        return nbytes <= self.budget_bytes or self.directory is not None
+
     @property
     def enabled(self) -> bool:
         return self.budget_bytes > 0 or self.directory is not None
@@ -194,7 +205,7 @@ class PromptCache:
         n = len(tokens)
         if n < MIN_TOKENS or self.contains(tokens, scope):
             return False
-        if len(state) > self.budget_bytes and self.directory is None:
+        if not self.takes(len(state)):
             return False
         with self._lock:
             for e in [e for e in self.entries if e.scope == scope and len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens]:
@@ -423,14 +434,12 @@ class PromptCache:
             if time.monotonic() > deadline:
                 return
             with self._lock:
-                held = sum(x.nbytes for x in self.entries if x.state is not None)
-                if e not in self.entries or e.state is not None or held + e.nbytes > self.budget_bytes:
+                if e not in self.entries or e.state is not None or self.memory_bytes + e.nbytes > self.budget_bytes:
                     continue
             state = self._load(e)
             if state is not None:
                 with self._lock:
-                    held = sum(x.nbytes for x in self.entries if x.state is not None)
-                    if e in self.entries and e.state is None and held + e.nbytes <= self.budget_bytes:
+                    if e in self.entries and e.state is None and self.memory_bytes + e.nbytes <= self.budget_bytes:
                         e.state = state
 
     def _read(self, e: Entry) -> bytearray | None:
@@ -456,4 +465,5 @@ class PromptCache:
             return None
 
 
-__all__ = ["Entry", "MIN_TOKENS", "PromptCache", "budget", "binding_of", "model_fingerprint", "scope_of"]
+__all__ = ["Entry", "MIN_TOKENS", "PromptCache", "budget", "binding_of", "model_fingerprint", "plan_budget",
+           "scope_of"]

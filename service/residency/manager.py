@@ -264,14 +264,15 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         if replacing is None:  # /api/models and /ready say loading from the start; planning runs in a thread
             placeholder = ModelState(name=key, state="loading", entry=entry, path=entry.path)
             self.models[key] = placeholder
-        shrunk = False
+        shrunk = emptied = False
         try:
             for attempt in range(3):
                 holdings = self._holdings()
                 _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
                 if not shrunk and _wants_room(placed):
                     shrunk = True
-                    if await self._shrink_prompt_caches(key):  # their memory first, then a model's
+                    emptied = await self._shrink_prompt_caches(key)
+                    if emptied:  # their memory first, then a model's
                         holdings = self._holdings()
                         _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
                 if swap is not None and placed.busy:  # wait for the fewest of them that make room
@@ -300,7 +301,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         finally:
             self._holding_back -= held
             self._reloading.discard(key)
-            if shrunk:
+            if emptied:
                 await self._rebudget_prompt_caches(key)
         if swap is not None and victims:
             self.swaps += 1
