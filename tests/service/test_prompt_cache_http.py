@@ -4,6 +4,7 @@ plan's line in the dry run and /api/models; the metrics; per API key and per ``c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -98,5 +99,14 @@ def test_a_cached_prompt_is_not_shared_across_keys_or_salts(tmp_path: Path) -> N
         again = client.completions.create(model=name, prompt=A, max_tokens=4, temperature=0,
                                           extra_body={"cache_salt": "session-9"})
         assert again.usage.prompt_tokens_details.cached_tokens > 150  # type: ignore[union-attr]
+        pid = svc.proc.pid
+        for salt in ("x" * 100_000, 7, ["a"], {"$ne": ""}, "\u0000\ud800"):  # huge, not a string, hostile
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "cache_salt": salt}
+            r = svc.client.post("/v1/chat/completions", content=json.dumps(body),  # escapes a lone surrogate
+                                headers={"Authorization": f"Bearer {one}", "Content-Type": "application/json"})
+            assert 400 <= r.status_code < 500 or (isinstance(salt, str) and len(salt) < 256 and r.status_code == 200), \
+                (repr(salt)[:40], r.status_code, r.text[:200])
+        assert svc.proc.poll() is None and svc.proc.pid == pid
+        assert _complete(svc, A, one) > 150  # still serving, its cache intact
     finally:
         svc.stop()
