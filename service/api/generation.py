@@ -11,6 +11,7 @@ runner), or here when the request ends before it was queued.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Iterator, Literal
@@ -25,7 +26,7 @@ from ..chat.grammar_worker import compiler as grammar_compiler
 from ..chat.reasoning import ReasoningFormat
 from ..chat.tools import check_tools, tool_grammar
 from ..engine.base import Cancel, Chunk, GenerationParams, scope_of
-from ..errors import BadRequest, ContextLengthExceeded, ServiceError
+from ..errors import ContextLengthExceeded, ServiceError
 from ..keepalive import parse_keep_alive
 from ..residency import Lease, ModelManager
 from ..runner import chunks
@@ -135,11 +136,18 @@ def chat_setup(body: "ChatRequest", engine: Any, settings: Any,
     biased = bool(params.logit_bias)
     if not allowed:
         return params, Choices(fmt, reasoning=mode, json_kind=json_constraint(params), biased=biased), shown
-    if params.json_schema is not None or params.json_object:
-        raise BadRequest("response_format and tools cannot constrain one answer together", param="response_format")
     named = isinstance(choice, dict)
     forced = named or choice == "required"
     parallel = body.parallel_tool_calls is not False and not named
+    kind = json_constraint(params)
+    if kind is not None and forced:
+        params = replace(params, json_schema=None, json_object=False)  # a forced call is the answer: nothing to format
+    elif kind is not None:
+        # Calls, or an answer of the format (an agent's output type beside its tools): one grammar of both.
+        answer = json.loads(params.json_schema) if params.json_schema is not None else {"type": "object"}
+        lark = tool_grammar(fmt, allowed, required=False, parallel=parallel, answer=answer)
+        return (replace(params, lark=lark, json_schema=None, json_object=False),
+                Choices(fmt, reasoning=mode, tools=True, json_kind=kind, biased=biased), shown)
     lark = tool_grammar(fmt, allowed, required=forced, parallel=parallel)
     return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True, forced=forced, biased=biased), shown
 

@@ -43,7 +43,9 @@ class _Choice:
         # whole output is the answer even where the template's generation prompt opened the thinking
         # (thinking_open), so the split starts outside it and the JSON is never taken for reasoning. A thinking
         # the output itself opens (a grammar that allows one first) is still split.
-        self.split = ReasoningSplitter(fmt.think, reasoning, starts_open=fmt.thinking_open and json_kind is None)
+        # Beside tools the grammar is the tools' (calls or the answer), which starts with the thinking it opened.
+        self.split = ReasoningSplitter(fmt.think, reasoning,
+                                       starts_open=fmt.thinking_open and (json_kind is None or tools))
         # Forced calls are call syntax only, unless thinking reaches the parser as text (reasoning none/inline).
         self.parse = ToolCallParser(fmt, enabled=tools, forced=forced,
                                     calls_only=forced and (fmt.think is None or reasoning == "separate"))
@@ -103,7 +105,7 @@ class Choices:
         """``BadRequest`` when the model ended a constrained answer before the grammar accepted it."""
         if c.finish_reason != "stop" or c.stop_sequence is not None:
             return  # length: cut, and said so; cancelled: nobody reads it; a stop string: the client's own cut
-        if st.json_kind is not None and not _whole_json("".join(st.answer), st.json_kind):
+        if st.json_kind is not None and not st.parse.called and not _whole_json("".join(st.answer), st.json_kind):
             raise BadRequest(
                 "response_format: the model ended its answer before the "
                 + ("JSON object" if st.json_kind == "object" else "schema") + " was complete: the schema cannot be "
