@@ -2,9 +2,11 @@
 
     ServiceError                 (an unexpected failure of ours)
     ├── BadRequest               the client's request cannot be served as sent (``param`` names the field)
-    │   └── ContextLengthExceeded   the prompt (and max_tokens) do not fit the context
+    │   ├── ContextLengthExceeded   the prompt (and max_tokens) do not fit the context
+    │   └── PreviousResponseNotFound  previous_response_id names no stored response of this key
     ├── Unauthorized             no API key, or a wrong one
     ├── ModelNotFound            no model of that name
+    ├── NotFound                 no stored object of that id (for this key)
     ├── SplitNotHonoured         the split asked for cannot be honoured
     ├── Busy                     a load or unload waited its limit for running generations
     ├── PayloadTooLarge          the body is beyond the limit
@@ -50,12 +52,21 @@ class ContextLengthExceeded(BadRequest):
     """The prompt (and max_tokens) do not fit the context."""
 
 
+class PreviousResponseNotFound(BadRequest):
+    """``previous_response_id`` names no response stored for this API key (never stored, dropped, or forgotten by a
+    restart)."""
+
+
 class Unauthorized(ServiceError):
     """No API key, or a wrong one."""
 
 
 class ModelNotFound(ServiceError):
     """No model of that name (or alias)."""
+
+
+class NotFound(ServiceError):
+    """No stored object of that id (a response of /v1/responses), or not one of this API key's."""
 
 
 class SplitNotHonoured(ServiceError):

@@ -155,6 +155,11 @@ class Settings(BaseSettings):
         True, description="With API keys configured, a cached prompt is reused only by requests with the same key "
         "(a shared prefix would tell one tenant by its speed what another sent). Off: shared by all keys.",
     )
+    responses_store_mib: int = Field(
+        64, ge=0, description="Memory that keeps stored responses of /v1/responses (store: true, the default) for "
+        "previous_response_id and GET /v1/responses/{id}, per API key (one store without keys); the least recently "
+        "used are dropped first. In memory only: a restart forgets them. 0: nothing is stored.",
+    )
     slot_prompt_similarity: float = Field(
         0.10, ge=0.0, le=1.0, description="A request goes to the idle slot whose cached tokens cover more than this "
         "share of its prompt (the largest share wins), else to the least recently used slot (llama-server's "

@@ -16,8 +16,9 @@ from ..chat.template import check_template
 from ..errors import NotReady
 from ..residency import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
+from ..response_store import ResponseStore
 from ..settings import Settings
-from . import anthropic, errors, management, metrics, ollama, openai, ops, text
+from . import anthropic, errors, management, metrics, ollama, openai, ops, responses, text
 from .admission import Admission
 from . import page, security
 
@@ -88,9 +89,11 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     app.state.metrics = metrics.Metrics()
     app.state.api_keys = keys  # generation scopes cached prompts per key (service.api.generation.cache_scope)
     app.state.drain = security.DrainState()
+    app.state.responses = ResponseStore(settings.responses_store_mib << 20)  # /v1/responses' stored responses
     errors.install(app)
     app.include_router(ops.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.include_router(ollama.router)
     app.include_router(management.router)

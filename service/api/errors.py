@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sizing.errors import ConfigError, ProbeError, SizingError
 
-from ..errors import (BadRequest, Busy, ContextLengthExceeded, EngineFailure, InsufficientMemory, ModelNotFound, NotReady,
-                      PayloadTooLarge, QueueFull, RunnerDied, ServiceError, SplitNotHonoured, Unauthorized, Upstream)
+from ..errors import (BadRequest, Busy, ContextLengthExceeded, EngineFailure, InsufficientMemory, ModelNotFound, NotFound,
+                      NotReady, PayloadTooLarge, PreviousResponseNotFound, QueueFull, RunnerDied, ServiceError,
+                      SplitNotHonoured, Unauthorized, Upstream)
 from .validation import esc
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ TABLE: dict[type[Exception], Http | dict[Family, Http]] = {
     ContextLengthExceeded: Http(400, "invalid_request_error", "context_length_exceeded"),
     Unauthorized: Http(401, "authentication_error", "invalid_api_key"),
     ModelNotFound: Http(404, "invalid_request_error", "model_not_found"),
+    NotFound: Http(404, "invalid_request_error", "not_found"),
+    PreviousResponseNotFound: Http(400, "invalid_request_error", "previous_response_not_found"),
     SplitNotHonoured: Http(409, "invalid_request_error", "SPLIT_NOT_HONOURED"),
     Busy: Http(409, "invalid_request_error", "model_busy"),
     PayloadTooLarge: Http(413, "invalid_request_error", "payload_too_large"),
