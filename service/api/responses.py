@@ -451,16 +451,16 @@ async def _usage(request: Request, started: Started, a: Answer) -> dict[str, Any
     last = a.last
     reasoning = 0
     if a.reasoning:
-        try:  # the thinking's tokens, counted again from its text (the engine counts a generation's tokens whole)
-            lease = await request.app.state.manager.acquire(started.name)
+        # The thinking's tokens, counted again from its text (the engine counts a generation's tokens whole), by the
+        # model while it is resident: never a load for a count.
+        state = request.app.state.manager.resident(started.name)
+        engine = state.engine if state is not None and state.serving else None
+        if engine is not None:
             try:
-                engine = lease.engine
                 reasoning = len(await request.app.state.admission.run(
                     started.name, len(a.reasoning), lambda: engine.tokenize_text(a.reasoning, False, False)))
-            finally:
-                lease.release()
-        except ServiceError:
-            log.debug("reasoning tokens not counted: the model is gone")
+            except Exception:  # unloaded meanwhile: the count is what is lost, not the answer
+                log.debug("reasoning tokens not counted: %s is gone", started.name)
         reasoning = min(reasoning, last.completion_tokens)
     return {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
             "output_tokens": last.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
