@@ -244,7 +244,11 @@ def test_embed(client: ollama.Client) -> None:
     assert math.isclose(sum(x * x for x in r.embeddings[0]), 1.0, rel_tol=1e-3)
     assert r.embeddings[0] != r.embeddings[1]
     one = client.embeddings(model=EMBEDDED_NAME, prompt="a red apple")
-    assert one.embedding == pytest.approx(r.embeddings[0], abs=1e-5)
+    # The same text alone and in a batch: equal up to the CPU kernels' batch-dependent rounding, which is larger on
+    # some hosts (AVX512 with AMX: 4e-3 at most, measured) than on others (AVX2: 1e-5); the engine's test bounds
+    # it by the cosine the same way (tests/engine/test_choices_bias_embeddings.py).
+    assert len(one.embedding) == 640
+    assert sum(x * y for x, y in zip(one.embedding, r.embeddings[0])) > 0.999
 
 
 def test_tags_show_ps(client: ollama.Client, embedded_model: str) -> None:
