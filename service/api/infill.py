@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..chat.choices import Answer
 from ..engine.base import Chunk
 from ..errors import BadRequest, EngineFailure, ServiceError
+from .admission import LARGE_TEXT_CHARS, refuse_unfit
 from .deps import ManagerDep, MetricsDep
 from .errors import code_of, service_error_body, sse
 from .generation import Started, admit, cache_scope, collect, resolve_model
@@ -113,6 +114,9 @@ async def infill(request: Request, body: InfillRequest, manager: ManagerDep, met
         # The client's limit leaves room in the context for the answer (format_prompt_infill's 2 x n_predict).
         n_predict = body.requested_max_tokens() or 0
         try:
+            if len(body.prompt) >= LARGE_TEXT_CHARS:  # kept whole in the layout: refused unread if it cannot fit
+                per_token = int(await request.app.state.admission.run(lease.name, 0, engine.max_token_chars))
+                refuse_unfit(len(body.prompt), engine.n_ctx, per_token, "prompt")
             ids: list[int] = await request.app.state.admission.run(
                 lease.name, chars, lambda: engine.infill_tokens(body.input_prefix, body.input_suffix, extra,
                                                                 body.prompt, n_predict))
