@@ -656,7 +656,7 @@ class LlamaEngine(Prompting, TaskPrompts):
     def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
         """The relevance score of each (query, document) input (``rerank_tokens``), as llama-server's
         ``send_rerank`` reads it: the first of the ``n_cls_out`` values rank pooling gives the sequence
-        (``llama_get_embeddings_seq``). Batched and scheduled as ``embed``; ``BadRequest`` naming ``documents``
+        (``llama_get_embeddings_seq``). Batched and scheduled as ``embed``; ``BadRequest`` naming ``model``
         for a model that does not rank."""
         if self._emb is None or self._emb_pooling != RANK_POOLING:
             raise BadRequest(self._no_rank_reason(), param="model")
