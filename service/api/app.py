@@ -18,7 +18,7 @@ from ..residency import EngineFactory, ModelManager, default_engine
 from ..models import ModelsFileError, Registry
 from ..response_store import ResponseStore
 from ..settings import Settings
-from . import anthropic, errors, management, metrics, ollama, openai, ops, responses, text
+from . import anthropic, errors, infill, management, metrics, ollama, openai, ops, rerank, responses, text
 from .admission import Admission
 from . import page, security
 
@@ -99,6 +99,8 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     app.include_router(management.router)
     app.include_router(metrics.router)
     app.include_router(text.router)
+    app.include_router(rerank.router)
+    app.include_router(infill.router)
     page.install(app)
     # Added innermost first: the last one added sees a request first (order in service/api/security.py).
     app.add_middleware(security.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -189,7 +189,11 @@ async def start(request: Request, manager: ModelManager, metrics: Metrics, body:
 
 async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics, body: GenerationRequest,
                  kind: Literal["completion", "chat"], params: GenerationParams, t0: float, *,
-                 n_ctx: int | None = None, cap_only: bool = False) -> Started | JSONResponse:
+                 n_ctx: int | None = None, cap_only: bool = False,
+                 prompt_ids: list[int] | None = None) -> Started | JSONResponse:
+    """The checks, queueing and admission of ``start`` for a resolved model. ``prompt_ids``: a prompt the route
+    tokenized itself (llama-server's /infill builds its FIM layout from token ids), taken as it is, checked
+    against the context like any other (a completion's body then gives only the parameters)."""
     name = lease.name
     # The context check applies to the client's own limit; the server's default is only a cap.
     asked = body.requested_max_tokens() if kind == "chat" or cap_only else params.max_tokens
@@ -198,11 +202,14 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
     cancel = Cancel()
     choices = Choices(json_kind=json_constraint(params), biased=bool(params.logit_bias))
     tools: list[dict[str, Any]] | None = None
-    if kind == "completion":
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_param = "prompt"
+    if prompt_ids is not None:
+        pass  # the route tokenized its prompt: the body gives only parameters
+    elif kind == "completion":
         assert isinstance(body, CompletionRequest)
-        prompt: str | None = body.prompt_text()
-        messages: list[dict[str, Any]] | None = None
-        prompt_param = "prompt"
+        prompt = body.prompt_text()
     else:
         assert isinstance(body, ChatRequest)
         body.check_messages()
@@ -226,8 +233,9 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
         if not await compile_response_format(params, settings, watcher):
             return JSONResponse({}, status_code=499)  # the client left while its grammar compiled
         # Tokenized off the engine's queue, bounded, refused unread if it cannot fit (service/api/admission.py).
-        tokens = await prompt_tokens(request.app.state.admission, name, engine, param=prompt_param, prompt=prompt,
-                                     messages=messages, tools=tools)
+        tokens = list(prompt_ids) if prompt_ids is not None else await prompt_tokens(
+            request.app.state.admission, name, engine, param=prompt_param, prompt=prompt, messages=messages,
+            tools=tools)
         if cancel.cancelled:
             return JSONResponse({}, status_code=499)  # the client left while its prompt was tokenized
         n_prompt = len(tokens)

@@ -130,6 +130,14 @@ class EmbeddingResult:
 
 
 @dataclass(frozen=True)
+class RerankResult:
+    """The relevance score of each (query, document) input, in input order, and the tokens they took."""
+
+    scores: tuple[float, ...]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     """The log probability of one sampled token and its most likely alternatives (natural log)."""
 
@@ -244,6 +252,30 @@ class Engine(Protocol):
 
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         """Pooled, normalised embeddings of token lists (each within ``embedding_limits``)."""
+        ...
+
+    def rerank_limit(self) -> int:
+        """Tokens one (query, document) input may hold; 0 when the model cannot rank (its GGUF declares no rank
+        pooling, or embeddings are off)."""
+        ...
+
+    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
+        """Each (query, document) pair's tokens as llama-server formats them (``service.engine.task_prompts``);
+        ``BadRequest`` beyond ``max_tokens`` in all."""
+        ...
+
+    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> "RerankResult":
+        """The relevance score of each input of ``rerank_tokens`` (each within ``rerank_limit``)."""
+        ...
+
+    def fim_tokens(self) -> Any:
+        """The vocabulary's FIM token ids (``task_prompts.FimTokens``)."""
+        ...
+
+    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
+                      n_predict: int) -> list[int]:
+        """An /infill request's prompt tokens (llama-server's FIM layout and truncation); ``BadRequest`` naming
+        ``model`` without FIM tokens."""
         ...
 
     def load(self, path: str, plan: Plan) -> LoadReport: ...

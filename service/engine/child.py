@@ -5,7 +5,7 @@ descriptor ``FD`` and talks to it in small pickled messages (``multiprocessing.c
 style of vLLM's engine-core client and Ollama's runner (the house style's process boundaries):
 
     parent -> child   ("init", engine_kwargs, log_level, name)     first, once
-                      ("call", id, method, args)                   load, check, tokenize, count, embed, forget
+                      ("call", id, method, args)                   load, check, tokenize, count, embed, rerank, forget
                       ("gen", id, method, args)                    complete, chat, generate: a stream of chunks
                       ("cancel", id)                               the client left (``Cancel.set`` upstream)
                       ("stats", id)                                the gauges a metrics scrape reads
@@ -40,10 +40,11 @@ from .base import Cancel, Chunk, direct_delivery
 log = logging.getLogger(__name__)
 
 CALLS = frozenset({"load", "check", "set_prompt_cache_budget", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget", "prompt_tokens",
-                   "chat_prompt_tokens", "max_token_chars", "tokenize_text", "token_pieces", "render_chat"})
+                   "chat_prompt_tokens", "max_token_chars", "tokenize_text", "token_pieces", "render_chat", "rerank_tokens", "rerank",
+                   "infill_tokens"})
 """Engine methods a "call" may name (nothing else of the engine is reachable from the socket)."""
 GENERATIONS = frozenset({"complete", "chat", "generate"})
-CANCELLABLE = frozenset({"embed"})
+CANCELLABLE = frozenset({"embed", "rerank"})
 """Calls that take a ``Cancel`` as their last argument (it is made here, set by a "cancel" message)."""
 MAX_THREADS = 64
 """Calls and generations in flight at once (the API process bounds them: slots plus its queue)."""
@@ -154,7 +155,8 @@ class Child:
         e = self.engine
         report = e.load(path, plan)
         info = {"n_ctx": e.n_ctx, "kv_cells_allocated": e.kv_cells_allocated, "slots": e.slots, "n_vocab": e.n_vocab,
-                "embedding_limits": e.embedding_limits(), "chat_format": e.chat_format(), "pid": os.getpid()}
+                "embedding_limits": e.embedding_limits(), "chat_format": e.chat_format(), "pid": os.getpid(),
+                "rerank_limit": e.rerank_limit(), "fim_tokens": e.fim_tokens()}
         return report, info
 
     def _generate(self, cid: int, method: str, args: tuple[Any, ...], cancel: Cancel) -> None:

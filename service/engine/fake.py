@@ -18,7 +18,8 @@ from typing import Any, Iterator
 from sizing.plan import Plan
 
 from ..errors import BadRequest, InsufficientMemory, NotReady
-from .base import Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob
+from .base import Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob
+from .task_prompts import FimTokens
 from ..chat.format import ChatFormat
 
 FAKE_N_VOCAB = 1000
@@ -52,6 +53,10 @@ class FakeEngine:
         """What the fake says its prompt cache beyond the slots holds (set by tests)."""
         self.prompt_cache_budgets: list[int] = []
         """Every ``set_prompt_cache_budget`` asked, in order."""
+        self.ranks = False
+        """Set by tests: the fake is a reranker (its score: the share of the document's words in the query)."""
+        self.fim = FimTokens()
+        """Set by tests: the fake's FIM token ids (none by default: /infill is refused)."""
 
     @property
     def prompt_cache_gauges(self) -> dict[str, int]:
@@ -110,6 +115,32 @@ class FakeEngine:
             norm = sum(x * x for x in v) ** 0.5
             out.append(tuple(x / norm for x in v))
         return EmbeddingResult(vectors=tuple(out), prompt_tokens=sum(len(t) for t in inputs))
+
+    def rerank_limit(self) -> int:
+        return 512 if self.ranks and self._n_ctx else 0
+
+    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
+        out = [self.tokenize(query) + self.tokenize(d)[1:] for d in documents]
+        if sum(map(len, out)) > max_tokens:
+            raise BadRequest(f"documents: more than {max_tokens} tokens in all", param="documents")
+        return out
+
+    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
+        self._require()
+        if not self.ranks:
+            raise BadRequest("this model cannot rerank", param="model")
+        scores = tuple(len(set(toks[1:])) / len(toks) for toks in inputs)
+        return RerankResult(scores=scores, prompt_tokens=sum(len(t) for t in inputs))
+
+    def fim_tokens(self) -> FimTokens:
+        return self.fim
+
+    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
+                      n_predict: int) -> list[int]:
+        if self.fim.missing():
+            raise BadRequest("this model cannot infill: " + ", ".join(self.fim.missing()), param="model")
+        f = self.fim
+        return [f.pre, *self.tokenize(prefix)[1:], *self.tokenize(prompt)[1:], f.suf, *self.tokenize(suffix)[1:], f.mid]
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         if self.load_delay_s:

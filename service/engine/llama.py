@@ -89,13 +89,15 @@ from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
-from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, TokenLogprob, current_delivery
+from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob,
+                   current_delivery)
 from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations
 from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
 from .prompting import Prompting
+from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
@@ -124,6 +126,9 @@ EMBEDDING_PIECE_TOKENS = 32
 2 cores: 0.2-0.25 s (a 480-token batch took 2.9-3.4 s, half of it one unabortable node, the logits of every token
 through the 262,144-token vocabulary; measured, bench/embedding_fairness_bench.py). Fixed, so that a request's
 vectors do not depend on what ran beside it."""
+RANK_POOLING = 4
+"""llama.h's ``LLAMA_POOLING_TYPE_RANK``: the classification head on the pooled sequence (rerankers), whose
+``llama_get_embeddings_seq`` is ``n_cls_out`` scores."""
 EMBEDDING_MAX_DEFER_S = 1.0
 """An embedding decode that has waited this long behind generations runs between two of their steps (and to its
 end: not aborted), so that embeddings progress while generations never stop: at least one piece a second."""
@@ -233,7 +238,7 @@ class _Request:
         return self.abandoned or self.cancel.cancelled
 
 
-class LlamaEngine(Prompting):
+class LlamaEngine(Prompting, TaskPrompts):
     """llama.cpp behind the ``Engine`` protocol: slots that remember their prompts, decoded in shared batches."""
 
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
@@ -278,6 +283,10 @@ class LlamaEngine(Prompting):
         self._emb_aborted = 0
         """Embedding decodes aborted for a generation since load (each run again)."""
         self._n_embd = 0
+        self._n_cls_out = 0
+        """Values rank pooling gives a sequence (``llama_model_n_cls_out``): the first is the relevance score."""
+        self._rerank_template: str | None = None
+        """The GGUF's ``tokenizer.chat_template.rerank`` (``{query}``, ``{document}``), when it has one."""
         self._evaluated = 0
         self._preserved: set[int] = set()
         self._batch_invariant = batch_invariant
@@ -466,6 +475,9 @@ class LlamaEngine(Prompting):
             self._preserved = set(self.chat_format().special.values())
             self._evaluated = 0
             self._n_embd = int(model.n_embd())
+            self._n_cls_out = max(1, int(llama_cpp.llama_model_n_cls_out(model.model)))
+            raw = llama_cpp.llama_model_chat_template(model.model, b"rerank")
+            self._rerank_template = raw.decode("utf-8", "replace") if raw else None
             self._device = ",".join(gpu_label(i) for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU"
             with self._sched_lock:
                 self._inbox = queue.SimpleQueue()
@@ -582,17 +594,17 @@ class LlamaEngine(Prompting):
     """llama.h's ``LLAMA_POOLING_TYPE_MEAN``, ``_CLS``, ``_LAST``: the poolings ``embed`` reads."""
 
     def _declared_pooling(self, model: Any) -> int | None:
-        """The pooling the GGUF declares (``{arch}.pooling_type``) when it is mean, cls or last; else None."""
+        """The pooling the GGUF declares (``{arch}.pooling_type``) when it is mean, cls, last or rank; else None."""
         meta = model.metadata()
         declared = meta.get(f"{meta.get('general.architecture', '')}.pooling_type")
         try:
             value = int(declared) if declared is not None else -1
         except ValueError:
             value = -1
-        return value if value in self._POOLING.values() else None
+        return value if value in self._POOLING.values() or value == RANK_POOLING else None
 
     def _pooling(self, model: Any) -> int:
-        """The model's pooling type (GGUF ``{arch}.pooling_type``: mean, cls, last), else the configured one."""
+        """The model's pooling type (GGUF ``{arch}.pooling_type``: mean, cls, last, rank), else the configured one."""
         declared = self._declared_pooling(model)
         return declared if declared is not None else self._POOLING.get(self._pooling_fallback, self._POOLING["mean"])
 
@@ -629,29 +641,66 @@ class LlamaEngine(Prompting):
         pooled values are combined: the token-weighted mean of the pieces' means, cls from the piece holding
         position 0, last from the piece holding the last token. Every decode runs on the scheduler thread when
         generations let it (``_embedding_turn``); the pieces are fixed by the inputs alone, so the vectors are
-        the same whatever ran beside them."""
+        the same whatever ran beside them. A ranking model (rank pooling) has scores, not embeddings: 400."""
+        import numpy as np
+
+        if self._emb is not None and self._emb_pooling == RANK_POOLING:
+            raise BadRequest("this model is a reranker (its GGUF declares rank pooling): its outputs are relevance "
+                             "scores, not embeddings; use /v1/rerank", param="input")
+        out: list[tuple[float, ...]] = []
+        for v in self._pool(inputs, cancel, "input"):
+            norm = float(np.linalg.norm(v))
+            out.append(tuple(float(x) for x in (v / norm if norm > 0 else v)))
+        return EmbeddingResult(vectors=tuple(out), prompt_tokens=sum(len(t) for t in inputs))
+
+    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
+        """The relevance score of each (query, document) input (``rerank_tokens``), as llama-server's
+        ``send_rerank`` reads it: the first of the ``n_cls_out`` values rank pooling gives the sequence
+        (``llama_get_embeddings_seq``). Batched and scheduled as ``embed``; ``BadRequest`` naming ``model``
+        for a model that does not rank."""
+        if self._emb is None or self._emb_pooling != RANK_POOLING:
+            raise BadRequest(self._no_rank_reason(), param="model")
+        scores = tuple(float(v[0]) for v in self._pool(inputs, cancel, "documents"))
+        return RerankResult(scores=scores, prompt_tokens=sum(len(t) for t in inputs))
+
+    def _no_rank_reason(self) -> str:
+        if self._emb is None:
+            return ("this model cannot rerank: its embedding context is off (GGUF_EMBEDDINGS: off, or auto with "
+                    "layers on a GPU)")
+        return ("this model cannot rerank: its GGUF declares no rank pooling ({arch}.pooling_type 4, a reranker's "
+                "classification head)")
+
+    def rerank_limit(self) -> int:
+        """Tokens one (query, document) input may hold: the embedding batch of a ranking model; 0: it cannot rank."""
+        return self._emb_tokens if self._emb is not None and self._emb_pooling == RANK_POOLING else 0
+
+    def _pool(self, inputs: list[list[int]], cancel: Cancel, param: str) -> list[Any]:
+        """Each input's pooled values as llama.cpp gives them (float64 arrays: n_embd, or n_cls_out with rank
+        pooling), evaluated as ``embed`` describes; ``param`` names the request's field in errors."""
         import llama_cpp
         import numpy as np
 
         with self._emb_lock:
             emb = self._emb
             if emb is None:
-                raise BadRequest("embeddings are off for this model (GGUF_EMBEDDINGS: off, or auto with layers on a GPU)", param="input")
-            limit, n_embd = self._emb_tokens, self._n_embd
+                raise BadRequest("embeddings are off for this model (GGUF_EMBEDDINGS: off, or auto with layers on a GPU)", param=param)
+            limit = self._emb_tokens
+            pooling = self._emb_pooling
+            rank = pooling == RANK_POOLING
+            width = self._n_cls_out if rank else self._n_embd
             for i, toks in enumerate(inputs):
                 if not toks:
-                    raise BadRequest(f"input[{i}] is empty", param="input")
+                    raise BadRequest(f"{param}[{i}] is empty", param=param)
                 if len(toks) > limit:
                     raise ContextLengthExceeded(
-                        f"input[{i}] has {len(toks)} tokens; an embedding holds at most {limit} (GGUF_EMBEDDING_TOKENS)",
-                        param="input", prompt_tokens=len(toks), n_ctx=limit)
+                        f"{param}[{i}] has {len(toks)} tokens; an embedding holds at most {limit} (GGUF_EMBEDDING_TOKENS)",
+                        param=param, prompt_tokens=len(toks), n_ctx=limit)
                 if any(not 0 <= t < self._n_vocab for t in toks):
-                    raise BadRequest(f"input[{i}]: a token id is not in the vocabulary (0 .. {self._n_vocab - 1})",
-                                     param="input")
+                    raise BadRequest(f"{param}[{i}]: a token id is not in the vocabulary (0 .. {self._n_vocab - 1})",
+                                     param=param)
             mem = llama_cpp.llama_get_memory(emb.ctx)
             batch = self._emb_batch
             piece = min(EMBEDDING_PIECE_TOKENS, limit) if self._emb_pieces else limit
-            pooling = self._emb_pooling
             mean = pooling == self._POOLING["mean"]
 
             def decode(clear: bool) -> int:
@@ -663,7 +712,7 @@ class LlamaEngine(Prompting):
                     llama_cpp.llama_memory_clear(mem, True)
                 return int(llama_cpp.llama_decode(emb.ctx, batch))
 
-            out: list[tuple[float, ...]] = []
+            out: list[Any] = []
             i = 0
             while i < len(inputs):
                 group: list[list[int]] = []
@@ -692,20 +741,18 @@ class LlamaEngine(Prompting):
                     if ret != 0:
                         raise EngineFailure(f"llama.cpp failed to evaluate an embedding batch (llama_decode returned {ret})")
                     for seq, (count, lo, hi) in held.items():
-                        if not (mean or (pooling == self._POOLING["cls"] and lo == 0)
+                        if not (mean or rank or (pooling == self._POOLING["cls"] and lo == 0)
                                 or (pooling == self._POOLING["last"] and hi == len(group[seq]) - 1)):
                             continue
                         ptr = llama_cpp.llama_get_embeddings_seq(emb.ctx, seq)
                         if not ptr:
                             raise EngineFailure("llama.cpp returned no pooled embedding")
-                        parts[seq].append((np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64), count))
+                        parts[seq].append((np.ctypeslib.as_array(ptr, shape=(width,)).astype(np.float64), count))
                 for got in parts:
-                    # One piece: its value as llama.cpp pooled it (cls and last have one); else the weighted mean.
-                    v = got[0][0] if len(got) == 1 else sum(p * c for p, c in got) / sum(c for _, c in got)
-                    norm = float(np.linalg.norm(v))
-                    out.append(tuple(float(x) for x in (v / norm if norm > 0 else v)))
+                    # One piece: its value as llama.cpp pooled it (cls, last, rank have one); else the weighted mean.
+                    out.append(got[0][0] if len(got) == 1 else sum(p * c for p, c in got) / sum(c for _, c in got))
                 i += len(group)
-            return EmbeddingResult(vectors=tuple(out), prompt_tokens=sum(len(t) for t in inputs))
+            return out
 
     def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
         """llama.cpp's tokenizer (``special``: control-token spellings become control tokens), remembering the

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 from sizing.plan import Plan
 
 from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
-from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, current_delivery
+from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, current_delivery
 from .native import child_env
 
 log = logging.getLogger(__name__)
@@ -573,6 +573,25 @@ class ProcessEngine:
 
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         return self._channel().call("embed", (inputs,), cancel)  # type: ignore[no-any-return]
+
+    def rerank_limit(self) -> int:
+        return int(self._info.get("rerank_limit", 0))
+
+    def fim_tokens(self) -> Any:
+        """Read at load (the API checks them on the event loop: it never waits)."""
+        from .task_prompts import FimTokens
+
+        return self._info.get("fim_tokens") or FimTokens()
+
+    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
+        return self._channel().call("rerank_tokens", (query, documents, max_tokens))  # type: ignore[no-any-return]
+
+    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
+        return self._channel().call("rerank", (inputs,), cancel)  # type: ignore[no-any-return]
+
+    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
+                      n_predict: int) -> list[int]:
+        return self._channel().call("infill_tokens", (prefix, suffix, extra, prompt, n_predict))  # type: ignore[no-any-return]
 
     def set_prompt_cache_budget(self, budget_bytes: int) -> None:
         if self._state == "loaded":

@@ -52,6 +52,10 @@ class FixtureShape:
     qk_norm: bool = False
     post_norms: bool = False
     n_swa: int = 0
+    special_tokens: tuple[str, ...] = ()
+    """Control tokens after the byte tokens (``_vocab``), e.g. FIM markers."""
+    token_ids: dict[str, str] = field(default_factory=dict)
+    """``tokenizer.ggml.{key}_token_id`` -> the spelling of the token it names (``fim_pre``: ``<|fim_prefix|>``)."""
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
@@ -266,6 +270,8 @@ def _add_vocab(w: gguf.GGUFWriter, shape: "FixtureShape | ArchFixture") -> None:
         w.add_token_merges(merges)
     w.add_bos_token_id(1 if shape.tokenizer == "llama" else 0)
     w.add_eos_token_id(2 if shape.tokenizer == "llama" else 1)
+    for key, spelling in getattr(shape, "token_ids", {}).items():
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(spelling))
 
 
 def _arch_metadata(w: gguf.GGUFWriter, name: str, fx: ArchFixture, quant: Quant) -> None:
@@ -294,6 +300,15 @@ TINY_LLAMA = FixtureShape("llama", 128, 2, 4, 4, 32, 256, 512, 2048, tokenizer="
 """A llama-shaped model small enough to load and run in a blink: 2 layers of 128 (heads of 32, so every KV cache type divides them), a 512-token sentencepiece
 vocabulary (the 256 byte tokens among them). Written by ``write_fixture`` its weights are the file's hole, read as
 zeros: llama.cpp loads it, evaluates prompts and samples tokens (meaningless ones), like any model."""
+
+
+FIM_TOKENS = {"fim_pre": "<|fim_prefix|>", "fim_suf": "<|fim_suffix|>", "fim_mid": "<|fim_middle|>",
+              "fim_pad": "<|fim_pad|>", "fim_rep": "<|repo_name|>", "fim_sep": "<|file_sep|>"}
+"""Qwen2.5-Coder's FIM markers, by the GGUF key that names each (``llama_vocab::impl::load`` reads the ids)."""
+
+TINY_LLAMA_FIM = FixtureShape("llama", 128, 2, 4, 4, 32, 256, 512, 2048, tokenizer="llama",
+                              special_tokens=tuple(FIM_TOKENS.values()), token_ids=dict(FIM_TOKENS))
+"""``TINY_LLAMA`` with FIM tokens in its vocabulary, their ids in the header: llama.cpp infills with it."""
 
 
 def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "bf16",

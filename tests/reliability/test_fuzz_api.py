@@ -66,7 +66,7 @@ def _tame(case: Any) -> None:
             body["model"] = EMBEDDED_NAME
         if "url" in body:
             body["url"] = "http://127.0.0.1:9/fuzz.gguf"
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "n_predict"):  # n_predict: /infill (llama-server's name)
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 8:
                 body[key] = 8
         options = body.get("options")  # Ollama's routes

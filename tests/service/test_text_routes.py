@@ -76,3 +76,13 @@ def test_bad_bodies_are_4xx_naming_the_field(served: Any, path: str, body: dict[
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert param in r.text, r.text
     assert served.client.post("/tokenize", json={"content": "still serving"}).status_code == 200
+
+
+def test_the_embedded_gemma_neither_infills_nor_ranks(served: Any) -> None:
+    """gemma-3-270m's vocabulary has no FIM tokens and its GGUF declares no rank pooling: 400s naming why."""
+    r = served.client.post("/infill", json={"input_prefix": "def f(", "input_suffix": "):"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert all(f"tokenizer.ggml.fim_{n}_token_id" in r.text for n in ("pre", "suf", "mid")), r.text
+    r = served.client.post("/v1/rerank", json={"query": "sea", "documents": ["a ship", "a lamp"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "rank pooling" in r.text, r.text
+    assert served.client.post("/tokenize", json={"content": "still serving"}).status_code == 200
