@@ -130,9 +130,10 @@ BAD_INPUTS: list[tuple[str, str, str, int, str | None]] = [
     ("tool_choice naming no tool", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
      '[{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}',
      400, "tool_choice"),
-    ("tools with response_format", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
-     '[{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}}', 400,
-     "response_format"),
+    # Tools beside a format are served (calls or an answer of the format); a format without its schema is not.
+    ("tools with a schema-less response_format", "/v1/chat/completions", '{"messages": [{"role": "user", "content": '
+     '"a"}], "tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_schema", '
+     '"json_schema": {"name": "x"}}}', 400, "response_format"),
     ("functions", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]}',
      400, "functions"),
     ("malformed tool_calls", "/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"function": '
