@@ -183,7 +183,8 @@ def test_a_prefix_held_by_a_busy_slot_is_shared_not_evaluated(unified: LlamaEngi
     assert started.wait(60)
     used_before = unified.kv_cells_used
     _, last = _run(unified.complete(system + "Write a song.", replace(GREEDY, max_tokens=4), Cancel()))
-    t.join(60)
+    # A generous bound, not a speed figure: 64 tokens took over 60 s once, beside another suite on the 2 cores.
+    t.join(600)
     n_system = unified.count_tokens(system)
     assert last.cached_tokens >= n_system - 2  # the shared system prompt was not evaluated again
     assert result["long"].completion_tokens == 64
