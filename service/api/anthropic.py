@@ -34,8 +34,7 @@ from ..errors import BadRequest, EngineFailure, ServiceError
 from ..chat.choices import Answer, Event
 from .deps import ManagerDep, MetricsDep
 from .errors import code_of, param_of, service_error_body
-from .admission import prompt_tokens
-from .generation import Started, chat_setup, collect, resolve_model, start
+from .generation import Started, chat_prompt_tokens, collect, start
 from .openai_wire import ChatRequest
 from ..chat.tools import check_call_id, check_name
 
@@ -353,16 +352,5 @@ async def count_tokens(request: Request, body: CountTokensRequest, manager: Mana
     """The prompt tokens a /v1/messages request with these messages, system and tools evaluates (its
     ``input_tokens`` plus ``cache_read_input_tokens``): the same rendering and tokens, counted off the engine's
     queue (``service.api.admission``)."""
-    chat = to_chat(body, manager.settings)
-    chat.check_messages()
-    params = chat.params(manager.settings.max_tokens_default)
-    lease = await resolve_model(manager, chat)
-    try:
-        engine = lease.engine
-        _, _, tools = chat_setup(chat, engine, manager.settings, params)
-        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-        n = len(await prompt_tokens(request.app.state.admission, lease.name, engine, param="messages",
-                                    messages=messages, tools=tools))
-    finally:
-        lease.release()
+    n = await chat_prompt_tokens(request, manager, to_chat(body, manager.settings), "messages")
     return {"input_tokens": n}

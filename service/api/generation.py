@@ -152,6 +152,23 @@ def chat_setup(body: "ChatRequest", engine: Any, settings: Any,
     return replace(params, lark=lark), Choices(fmt, reasoning=mode, tools=True, forced=forced, biased=biased), shown
 
 
+async def chat_prompt_tokens(request: Request, manager: ModelManager, chat: "ChatRequest", param: str) -> int:
+    """The prompt tokens a chat request evaluates (its rendering, tools included), counted off the engine's queue
+    (``service.api.admission``) and nothing generated: Anthropic's count_tokens and the Responses API's
+    input_tokens."""
+    chat.check_messages()
+    params = chat.params(manager.settings.max_tokens_default)
+    lease = await resolve_model(manager, chat)
+    try:
+        engine = lease.engine
+        _, _, tools = chat_setup(chat, engine, manager.settings, params)
+        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+        return len(await prompt_tokens(request.app.state.admission, lease.name, engine, param=param,
+                                       messages=messages, tools=tools))
+    finally:
+        lease.release()
+
+
 def cache_scope(request: Request, settings: Any, salt: str | None) -> str:
     """Whose cached prompts the request may reuse: with API keys configured, its key's (unless
     ``GGUF_PROMPT_CACHE_PER_KEY`` is off), and its ``cache_salt`` (``service.engine.prompt_cache.scope_of``)."""

@@ -50,10 +50,9 @@ from ..chat.tools import check_call_id, check_name
 from ..engine.base import TokenLogprob
 from ..errors import BadRequest, EngineFailure, NotFound, PreviousResponseNotFound, ServiceError
 from ..response_store import ResponseStore, StoredResponse, owner_of, size_of
-from .admission import prompt_tokens
 from .deps import ManagerDep, MetricsDep
 from .errors import code_of, param_of, service_error_body
-from .generation import Started, chat_setup, collect, resolve_model, start
+from .generation import Started, chat_prompt_tokens, collect, start
 from .openai_wire import MAX_TOP_LOGPROBS, ChatRequest
 from .security import presented_key
 from .validation import KeepAlive
@@ -645,18 +644,8 @@ async def _stream(request: Request, started: Started, conv: Conversation, out: O
 async def input_tokens(request: Request, body: InputTokensRequest, manager: ManagerDep) -> dict[str, Any]:
     """The prompt tokens a /v1/responses request with this input, instructions, tools and previous response
     evaluates (its ``usage.input_tokens``): the same rendering and tokens, counted off the engine's queue."""
-    conv = Conversation(request, body)
-    chat = conv.chat(body, manager.settings)
-    params = chat.params(manager.settings.max_tokens_default)
-    lease = await resolve_model(manager, chat)
-    try:
-        engine = lease.engine
-        _, _, tools = chat_setup(chat, engine, manager.settings, params)
-        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-        n = len(await prompt_tokens(request.app.state.admission, lease.name, engine, param="input",
-                                    messages=messages, tools=tools))
-    finally:
-        lease.release()
+    chat = Conversation(request, body).chat(body, manager.settings)
+    n = await chat_prompt_tokens(request, manager, chat, "input")
     return {"object": "response.input_tokens", "input_tokens": n}
 
 
