@@ -67,8 +67,22 @@ INTEGER_LIMIT = 2 ** 53 - 1
 """The bound put on an open side: 9,007,199,254,740,991 (16 digits), the largest integer a double holds exactly
 (JavaScript's ``Number.MAX_SAFE_INTEGER``, what most JSON parsers read without loss). llguidance compares bounds as
 doubles: 10^16 - 1 became 10^16 and let a 17th digit through (measured)."""
+MAX_FRACTION_DIGITS = 10
+"""Digits after a ``number``'s point in a schema-constrained answer when the schema sets no ``multipleOf`` of its
+own. Unbounded, the embedded model wrote ``"area_km2": 105.4000000000...`` and ``105.46666...`` until
+``max_tokens`` (issue 25, langchain's and instructor's tool calls). llama.cpp allows 16 (``decimal-part``,
+``[0-9]{1,16}``); llguidance bounds a fraction only through ``multipleOf``, which it reads as the double's
+shortest decimal: 1e-10 is the smallest power of ten it accepts (1e-11 to 1e-16 are refused, "too many digits")."""
+FRACTION_STEP = 1e-10
+"""``multipleOf`` put on a ``number`` the schema does not step: ``MAX_FRACTION_DIGITS`` digits after the point."""
 _NOT_SCHEMAS = ("const", "enum", "default", "examples")
 """Keywords whose values are JSON data, not schemas: never rewritten."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose values map names to schemas: the names are not keywords (a property may be called ``type``)."""
+_INTERSECTED = ("allOf", "not", "if", "then", "else", "dependentSchemas", "$ref")
+"""Keywords whose schemas apply together with their parent's (``anyOf`` and ``oneOf`` too, beside ``properties``):
+closing one (``closed``) would refuse the keys the other declares (``allOf: [{properties: a}, {properties: b}]``
+would allow neither), so neither is closed."""
 
 
 @dataclass(frozen=True)
@@ -169,28 +183,114 @@ def check_schema_bounds(schema: Any) -> None:
             stack.extend((v, depth + 1) for v in node)
 
 
+def bounded_schema(schema: Any) -> Any:
+    """``schema`` as an answer is generated from it: its numbers bounded (``bounded_numbers``) and its objects
+    closed (``closed``), so that a small model's answer ends (issue 25). A copy: the request's text is not
+    changed, and every answer it allows is one the request's schema allows."""
+    return _rewrite(schema, numbers=True, objects=True)
+
+
 def bounded_numbers(schema: Any) -> Any:
     """``schema`` with every ``integer`` or ``number`` it declares bounded on each side the schema leaves open
     (``minimum`` -``INTEGER_LIMIT``, ``maximum`` ``INTEGER_LIMIT``: at most ``MAX_INTEGER_DIGITS`` integer digits);
     a bound of its own is kept as written. A copy: the request's text is not changed. Data keywords (``const``,
     ``enum``, ``default``, ``examples``) are not walked. With a range llguidance writes a number without an
-    exponent (1e5 as 100000); a fraction's digits stay unbounded (its ranges bound values, not digits)."""
-    def walk(node: Any) -> Any:
+    exponent (1e5 as 100000). A ``number`` without a ``multipleOf`` of its own gets ``FRACTION_STEP``: at most
+    ``MAX_FRACTION_DIGITS`` digits after the point (a range bounds values, not digits)."""
+    return _rewrite(schema, numbers=True, objects=False)
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` and says nothing of other keys closed to them
+    (``additionalProperties: false``), as llama.cpp's own JSON-schema grammar reads such an object
+    (``common/json-schema-to-grammar.cpp``, ``_build_object_rule``: other keys only when ``additionalProperties``
+    is ``true`` or a schema). JSON Schema's default lets any other key in, and llguidance follows it: a small model
+    then writes invented keys after the declared ones until ``max_tokens`` (issue 25, pydantic's schemas through
+    instructor and langchain: ``"population_density": 100, "population_density": 100, ...``, finish ``length``).
+    What a closed object allows is a subset of what the open one did, so every answer still validates against the
+    request's schema. Left open: an object that speaks of other keys (``additionalProperties``,
+    ``patternProperties``, ``unevaluatedProperties``, ``propertyNames``, ``minProperties``, ``dependentRequired``,
+    ``dependencies``) or requires a key it does not list, and a schema applied together with another
+    (``_INTERSECTED``: both of them, and the ``$ref`` targets such a schema names)."""
+    return _rewrite(schema, numbers=False, objects=True)
+
+
+def _rewrite(schema: Any, *, numbers: bool, objects: bool) -> Any:
+    open_refs = _intersected_refs(schema) if objects else set()
+
+    def walk(node: Any, pointer: str, intersected: bool) -> Any:
         if isinstance(node, list):
-            return [walk(v) for v in node]
+            return [walk(v, f"{pointer}/{i}", intersected) for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
-        out = {k: (v if k in _NOT_SCHEMAS else walk(v)) for k, v in node.items()}
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            at = f"{pointer}/{_escape(k)}"
+            if k in _NOT_SCHEMAS:
+                out[k] = v
+            elif k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: walk(s, f"{at}/{_escape(name)}", _with_parent(node, k)) for name, s in v.items()}
+            else:
+                out[k] = walk(v, at, _with_parent(node, k))
         types = node.get("type")
-        declared = set(types) if isinstance(types, list) else {types}
-        if declared & {"integer", "number"}:
+        declared = set(t for t in types if isinstance(t, str)) if isinstance(types, list) else {types}
+        if numbers and declared & {"integer", "number"}:
             if "minimum" not in node and "exclusiveMinimum" not in node:
                 out["minimum"] = -INTEGER_LIMIT
             if "maximum" not in node and "exclusiveMaximum" not in node:
                 out["maximum"] = INTEGER_LIMIT
+            if "number" in declared and "multipleOf" not in node:
+                out["multipleOf"] = FRACTION_STEP
+        if (objects and isinstance(node.get("properties"), dict) and (types is None or "object" in declared)
+                and not intersected and pointer not in open_refs
+                and not any(_with_parent(node, k) for k in node)
+                and not {"additionalProperties", "patternProperties", "unevaluatedProperties", "minProperties",
+                         "propertyNames", "dependentRequired", "dependencies"} & node.keys()
+                and _required_declared(node)):
+            out["additionalProperties"] = False
         return out
 
-    return walk(schema)
+    return walk(schema, "#", False)
+
+
+def _required_declared(node: dict[str, Any]) -> bool:
+    """Whether every key ``node`` requires is one of its ``properties`` (closed, it could not require another)."""
+    required = node.get("required", [])
+    return isinstance(required, list) and all(isinstance(k, str) and k in node["properties"] for k in required)
+
+
+def _with_parent(node: dict[str, Any], key: str) -> bool:
+    """Whether the schemas under ``node[key]`` apply together with ``node``'s own keywords."""
+    return key in _INTERSECTED or (key in ("anyOf", "oneOf") and isinstance(node.get("properties"), dict))
+
+
+def _escape(key: str) -> str:
+    """A key as a JSON pointer's reference token (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _intersected_refs(schema: Any) -> set[str]:
+    """The ``$ref`` targets applied together with another schema: named by an ``allOf`` member (or any schema in an
+    ``_INTERSECTED`` place), or beside keywords of the referring schema's own (``properties``, ``allOf``...)."""
+    refs: set[str] = set()
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:
+        node, intersected = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, intersected) for v in node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (intersected or "properties" in node
+                                         or any(_with_parent(node, k) for k in node if k != "$ref")):
+                refs.add(ref)
+            for k, v in node.items():
+                if k in _NOT_SCHEMAS:
+                    continue
+                if k in _SCHEMA_MAPS and isinstance(v, dict):
+                    stack.extend((s, _with_parent(node, k)) for s in v.values())
+                else:
+                    stack.append((v, _with_parent(node, k)))
+    return refs
 
 
 @functools.lru_cache(maxsize=256)
@@ -222,7 +322,7 @@ def _compile(kind: str, text: str) -> Grammar:
             if not isinstance(schema, (dict, bool)):
                 raise _refuse("a JSON schema is an object (or true/false)")
             check_schema_bounds(schema)
-            grammar = LLMatcher.grammar_from_json_schema(json.dumps(bounded_numbers(schema)),
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(bounded_schema(schema)),
                                                          defaults=dict(JSON_OPTIONS))  # type: ignore[arg-type]
     except BadRequest:
         raise
