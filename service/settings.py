@@ -138,6 +138,16 @@ class Settings(BaseSettings):
         True, description="Keep each slot's KV after a request and evaluate only what a new prompt does not share with "
         "a cached one (llama-server's cache_prompt). Off: every prompt is evaluated whole.",
     )
+    speculative: Literal["ngram", "off"] = Field(
+        "ngram", description="Self-speculative decoding: each step drafts the tokens that followed the last earlier "
+        "occurrence of the sequence's last 2-3 tokens (llama-server's ngram-simple) and keeps those the model "
+        "chooses itself, so the answer does not change; a request's `speculative: false` turns it off for that "
+        "request. Drafts take the logits rows of idle slots (none with GGUF_PARALLEL=1). off: one token a step.",
+    )
+    draft_max: int = Field(
+        16, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max), "
+        "within the idle slots' logits rows.",
+    )
     prompt_cache_mib: int = Field(
         8192, ge=0, description="Ceiling of the host memory that keeps idle conversations' KV beyond the slots (as "
         "llama-server's --cache-ram, 8192 MiB by default): a later turn is restored instead of evaluated. Each load's "

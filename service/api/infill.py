@@ -89,6 +89,9 @@ def _final(name: str, last: Chunk, content: str) -> dict[str, Any]:
             "predicted_n": last.completion_tokens, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
             "predicted_per_second": predicted / last.decode_seconds if last.decode_seconds else 0.0,
+            # llama-server's names for the drafted tokens and those kept, there when a draft was verified.
+            **({"draft_n": last.drafted_tokens, "draft_n_accepted": last.accepted_tokens}
+               if last.drafted_tokens else {}),
         },
     }
 

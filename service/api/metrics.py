@@ -84,6 +84,10 @@ class Metrics:
                                       registry=self.registry)
         self._completion_tokens = Counter("gguf_completion_tokens", "Tokens generated.", ["model"],
                                           registry=self.registry)
+        self._drafted = Counter("gguf_draft_tokens", "Tokens drafted by self-speculation and verified.", ["model"],
+                                registry=self.registry)
+        self._accepted = Counter("gguf_draft_accepted_tokens", "Drafted tokens the model chose itself (each a decode "
+                                 "step saved).", ["model"], registry=self.registry)
         self._ttft = Histogram("gguf_time_to_first_token_seconds", "From the request's arrival to its first generated token.",
                                ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry)
         self._token = Histogram("gguf_token_latency_seconds", "Time between consecutive generated tokens.",
@@ -107,6 +111,10 @@ class Metrics:
         """A finished generation's usage and, when the engine measured them, its prompt and decode times."""
         self._prompt_tokens.labels(model).inc(last.prompt_tokens)
         self._completion_tokens.labels(model).inc(last.completion_tokens)
+        drafted = getattr(last, "drafted_tokens", 0)
+        if drafted:
+            self._drafted.labels(model).inc(drafted)
+            self._accepted.labels(model).inc(last.accepted_tokens)
         with self._lock:
             t = self._timed.setdefault(model, [0.0, 0.0, 0.0, 0.0])
             evaluated = last.prompt_tokens - getattr(last, "cached_tokens", 0)  # a cached prefix is not evaluated

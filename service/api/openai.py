@@ -53,6 +53,10 @@ def _usage(last: Chunk) -> dict[str, Any]:
         "completion_tokens": last.completion_tokens,
         "total_tokens": last.prompt_tokens + last.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        # Drafted tokens (self-speculation) as OpenAI's Predicted Outputs count a prediction's: those the answer
+        # kept, and those it did not (still computed).
+        "completion_tokens_details": {"accepted_prediction_tokens": last.accepted_tokens,
+                                      "rejected_prediction_tokens": last.drafted_tokens - last.accepted_tokens},
     }
 
 

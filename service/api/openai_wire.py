@@ -115,6 +115,9 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = Field(None, max_length=256, description="vLLM's extension: cached prompts are reused only "
                                    "by requests with the same salt (and, with API keys configured, the same key).")
     keep_alive: KeepAlive = None
+    speculative: bool = Field(True, description="Self-speculative decoding where the server has it on "
+                              "(GGUF_SPECULATIVE): several tokens a step where the answer repeats its context, the "
+                              "same answer. false: one token a step.")
 
     @field_validator("stop")
     @classmethod
@@ -171,6 +174,7 @@ class GenerationRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object, ignore_eos=self.ignore_eos,
             cache_prompt=self.cache_prompt, logit_bias=self.bias(), n=self.n, top_k=self.top_k,
+            speculative=self.speculative,
         )
 
     def requested_max_tokens(self) -> int | None:

@@ -94,6 +94,9 @@ class GenerationParams:
     """Keep the k most likely tokens (0: all; Anthropic's ``top_k``)."""
     lark: str | None = None
     """An llguidance Lark grammar (tool calls: ``service/chat/tools.py``); lazy parts wait for their trigger."""
+    speculative: bool = True
+    """Self-speculation where the engine has it on (``GGUF_SPECULATIVE``): drafts from the sequence's own tokens,
+    kept where the model chooses them itself (the answer does not change); False: one token a step."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,10 @@ class Chunk:
     Timings are not part of a chunk's identity: the same generation is equal however fast it ran."""
     decode_seconds: float = field(default=0.0, compare=False)
     """Final chunk: time to decode the tokens after the first (completion_tokens - 1 of them)."""
+    drafted_tokens: int = field(default=0, compare=False)
+    """Final chunk: tokens drafted by self-speculation and verified (``service.engine.speculation``)."""
+    accepted_tokens: int = field(default=0, compare=False)
+    """Final chunk: drafted tokens the model chose itself (each saved a decode step)."""
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ from .prompting import Prompting
 from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
 from .sampling import SavedLogits, logprob_of, sampler_chain
+from .speculation import DRAFT_MAX, DRAFT_MIN, DraftPolicy, NgramDrafter
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
 from .native import cuda_order
@@ -224,6 +225,13 @@ class _Request:
     once its prompt is evaluated (``_fork``)."""
     stop_sequence: str | None = None
     seed: int = 0
+    drafter: NgramDrafter | None = None
+    """Self-speculation (``service.engine.speculation``): None where it is off for this request."""
+    policy: DraftPolicy | None = None
+    draft: list[int] = field(default_factory=list)
+    """Tokens drafted into this step's batch after ``next_token``, each with its logits row."""
+    unverified: bool = False
+    """The sequence's KV holds drafted positions past ``slot.tokens`` (dropped when it ends: ``_release``)."""
 
     @property
     def n_past(self) -> int:
@@ -244,7 +252,7 @@ class LlamaEngine(Prompting, TaskPrompts):
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
                  slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, chat_template: str | None = None,
                  embedding_pooling: str = "mean", prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
-                 prompt_cache_disk_mib: int = 0) -> None:
+                 prompt_cache_disk_mib: int = 0, speculative: bool = True, draft_max: int = DRAFT_MAX) -> None:
         """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
 
         ``cache_prompt``: keep each slot's KV after a request and reuse its common prefix with the next
@@ -263,7 +271,13 @@ class LlamaEngine(Prompting, TaskPrompts):
 
         ``prompt_cache_mib``: the ceiling of the host memory idle conversations' KV may hold beyond the slots
         (``service.engine.prompt_cache``; the load's budget is planned under it; 0: off); ``prompt_cache_dir``:
-        also keep them on disk there, at most ``prompt_cache_disk_mib``."""
+        also keep them on disk there, at most ``prompt_cache_disk_mib``.
+
+        ``speculative``: draft up to ``draft_max`` tokens a step from each sequence's own tokens and keep those
+        the model chooses itself (``service.engine.speculation``; off in batch-invariant mode, whose point is
+        that a token's batch does not change it). Drafted rows fit in the logits rows llama.cpp reserves at
+        context creation (one per sequence, ``output_reserve(n_seq_max)``), so the plan's output buffer stays
+        what is allocated: a step drafts at most as many tokens as slots are idle."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._template_override = chat_template
@@ -290,6 +304,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._evaluated = 0
         self._preserved: set[int] = set()
         self._batch_invariant = batch_invariant
+        self._speculative = speculative and not batch_invariant
+        self._draft_max = max(0, draft_max)
         self._cache_prompt = cache_prompt
         self._similarity = slot_prompt_similarity
         self._lock = threading.Lock()  # load/unload against each other
@@ -804,6 +820,9 @@ class LlamaEngine(Prompting, TaskPrompts):
                      greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
             for i in range(max(1, params.n))
         ]
+        if self._speculative and params.speculative and self._draft_max >= DRAFT_MIN:
+            for r in reqs:
+                r.drafter, r.policy = NgramDrafter(), DraftPolicy(draft_max=self._draft_max)
         reqs[0].followers = reqs[1:]
         if not self._post(reqs[0]):
             raise NotReady("the model was unloaded")
@@ -1184,6 +1203,9 @@ class LlamaEngine(Prompting, TaskPrompts):
 
         slot = r.slot
         if slot is not None:
+            if r.unverified:  # drafted positions past the tokens kept (``_verify``): not this sequence's
+                llama_cpp.llama_memory_seq_rm(self._mem, slot.id, len(slot.tokens), -1)
+                r.unverified = False
             if not (keep and self._cache_prompt):
                 self._clear_slot(slot)
             self._uses += 1
@@ -1209,6 +1231,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._send(r, Chunk(
             finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,
             stop_sequence=r.stop_sequence,
+            drafted_tokens=r.policy.drafted if r.policy else 0, accepted_tokens=r.policy.accepted if r.policy else 0,
             prompt_seconds=(r.t_first - r.t_start) if r.t_first else 0.0,
             decode_seconds=(r.t_last - r.t_first) if r.n_out > 1 else 0.0,
         ))
@@ -1235,12 +1258,26 @@ class LlamaEngine(Prompting, TaskPrompts):
         b_token, b_pos, b_nseq, b_seq, b_logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
         members: list[_Request] = []
         room = self._n_batch
+        # Drafted tokens take logits rows beyond one per sequence: at most the rows of idle slots (see __init__).
+        spare = self._n_slots - len(active) if self._speculative else 0
+        if spare > 0 and self._unified:
+            # A unified cache's free cells go first to the tokens that stay: every sequence's next token and
+            # the prompt tokens this step may evaluate; drafts only where cells are left after those.
+            prompts = sum(len(r.tokens) - r.n_past for r in active if r.prompting)
+            spare = min(spare, self._n_ctx - self._cells.used - len(active) - min(prompts, room))
         for r in active:
-            r.batch_take, r.batch_logits_idx = 0, -1
+            r.batch_take, r.batch_logits_idx, r.draft = 0, -1, []
             if r.next_token is not None and room > 0:
                 r.batch_take = 1
                 room -= 1
                 members.append(r)
+                if spare > 0 and r.drafter is not None and not r.gone:
+                    assert r.policy is not None and r.slot is not None
+                    k = min(spare, room, r.policy.budget(r.n_out), r.max_new_tokens - r.n_out - 1)
+                    r.draft = r.drafter.draft(r.slot.tokens, r.next_token, k) if k >= DRAFT_MIN else []
+                    r.batch_take += len(r.draft)
+                    spare -= len(r.draft)
+                    room -= len(r.draft)
         for r in active:  # oldest first: admission order
             if room <= 0:
                 break
@@ -1270,6 +1307,10 @@ class LlamaEngine(Prompting, TaskPrompts):
                 b_token[n], b_pos[n], b_nseq[n], b_logits[n] = r.next_token, p0, 1, 1
                 b_seq[n][0] = seq
                 n += 1
+                for i, t in enumerate(r.draft, 1):
+                    b_token[n], b_pos[n], b_nseq[n], b_logits[n] = t, p0 + i, 1, 1
+                    b_seq[n][0] = seq
+                    n += 1
                 continue
             last = len(r.tokens) - 1
             toks = r.tokens
@@ -1306,6 +1347,9 @@ class LlamaEngine(Prompting, TaskPrompts):
             slot = r.slot
             assert slot is not None
             p0 = len(slot.tokens)
+            if r.draft:
+                self._verify(r, ctx, active)
+                continue
             if r.next_token is not None:
                 slot.tokens.append(r.next_token)
                 r.next_token = None
@@ -1316,6 +1360,36 @@ class LlamaEngine(Prompting, TaskPrompts):
                 slot.n_canon += r.batch_take
             if r.batch_logits_idx >= 0:
                 self._on_logits(r, r.batch_logits_idx, ctx, active)
+
+    def _verify(self, r: _Request, ctx: Any, active: list[_Request]) -> None:
+        """The rows of a drafted step: each samples as a step of its own would (the sampler chain, or the argmax),
+        and a drafted token stands while it is the token sampled from the row before it; the first that is not
+        ends the step, the sampled token becoming the next step's input. One draw of the sampler per token kept,
+        as without the draft: the answer, its seed's included, is the one non-speculative decoding gives (to the
+        rounding of rows computed together), several tokens a step."""
+        import llama_cpp
+
+        slot = r.slot
+        assert slot is not None and r.next_token is not None and r.policy is not None
+        draft, r.draft = r.draft, []
+        slot.tokens.append(r.next_token)
+        slot.cells.extend(self._cells.new(1))
+        r.next_token = None
+        r.unverified = True
+        idx = r.batch_logits_idx
+        kept = 0
+        for i in range(len(draft) + 1):
+            self._on_logits(r, idx + i, ctx, active)
+            if r.slot is None or i == len(draft) or r.next_token != draft[i]:
+                break  # ended (its release dropped the unverified positions), or the draft was not chosen
+            kept += 1
+            slot.tokens.append(r.next_token)  # already in the KV: its row is the next one
+            slot.cells.extend(self._cells.new(1))
+            r.next_token = None
+        r.policy.record(r.n_out, len(draft), kept)
+        if r.unverified:
+            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, len(slot.tokens), -1)
+            r.unverified = False
 
     def _on_logits(self, r: _Request, idx: int, ctx: Any, active: list[_Request]) -> None:
         """Sample this sequence's next token (from batch row ``idx``, or the saved logits) and turn it into text."""

@@ -19,7 +19,8 @@ def default_engine(settings: Settings) -> Engine:
                                   chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling,
                                   batch_invariant=settings.batch_invariant, prompt_cache_mib=settings.prompt_cache_mib,
                                   prompt_cache_dir=settings.prompt_cache_dir,
-                                  prompt_cache_disk_mib=settings.prompt_cache_disk_mib)
+                                  prompt_cache_disk_mib=settings.prompt_cache_disk_mib,
+                                  speculative=settings.speculative != "off", draft_max=settings.draft_max)
     if settings.runner_process:
         from ..engine.process import ProcessEngine
 

@@ -116,6 +116,34 @@ def test_chat_logprobs(served):  # type: ignore[no-untyped-def]
         assert t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"], abs=1e-6)
 
 
+def test_drafted_tokens_are_in_the_usage_and_the_metrics(served):  # type: ignore[no-untyped-def]
+    """Self-speculation on by default: an answer that copies its prompt is drafted, the drafts the model kept are
+    OpenAI's ``accepted_prediction_tokens``, the others ``rejected_prediction_tokens``; ``speculative: false``
+    gives the same answer one token a step."""
+    text = ("The keeper of the lighthouse wrote in his log every evening: the wind, the height of the waves, the "
+            "ships that passed and the birds that rested on the gallery.")
+    prompt = f"Original text:\n{text}\n\nThe same text, copied exactly:\n{text[:30]}"
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+
+    def kept_so_far() -> float:  # the counter has no series for the model before its first draft
+        m = served.client.get("/metrics").text
+        return value(m, "gguf_draft_accepted_tokens_total", model=EMBEDDED_NAME) if "gguf_draft_accepted" in m else 0.0
+
+    before = kept_so_far()
+    on = client.completions.create(model=EMBEDDED_NAME, prompt=prompt, max_tokens=32, temperature=0)
+    off = client.completions.create(model=EMBEDDED_NAME, prompt=prompt, max_tokens=32, temperature=0,
+                                    extra_body={"speculative": False})
+    assert on.choices[0].text == off.choices[0].text
+    assert on.usage is not None and on.usage.completion_tokens_details is not None
+    assert off.usage is not None and off.usage.completion_tokens_details is not None
+    kept = on.usage.completion_tokens_details.accepted_prediction_tokens or 0
+    assert kept > 0 and (on.usage.completion_tokens_details.rejected_prediction_tokens or 0) >= 0
+    assert off.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert off.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    assert kept_so_far() - before == kept
+    assert value(served.client.get("/metrics").text, "gguf_draft_tokens_total", model=EMBEDDED_NAME) >= kept
+
+
 def test_metrics_show_allocated_beside_predicted(served):  # type: ignore[no-untyped-def]
     served.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     text = served.client.get("/metrics").text

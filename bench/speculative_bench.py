@@ -1,0 +1,140 @@
+"""Self-speculative decoding (issue 26): decode speed with drafts, without them, and llama-server's ngram-simple.
+
+    python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--no-llama-server] [--model PATH]
+
+One client at a time, greedy, ``ignore_eos`` (every answer the same length on every side). Three sides, one
+request each per workload and round, their order rotated: the service (its defaults: ``GGUF_SPECULATIVE=ngram``),
+the same service with ``speculative: false`` in the request (one token a step), and llama-server built from the
+vendored llama.cpp (``bench/llama_server.py``) with ``--spec-type ngram-simple`` (its defaults: a 12-token
+n-gram, up to 48 drafted tokens). Workloads:
+
+- ``copy``: a ~500-token text to rewrite with one word changed (the answer copies the prompt);
+- ``json``: records in the prompt, one of them to repeat as JSON (the answer quotes the prompt);
+- ``plain``: free text on a topic (little to copy: what drafting costs where it does not help).
+
+Printed per workload: the median decode tokens/s of each side, the service's ratio with drafts to without
+(targets: at least 1.5x on ``copy`` and ``json``, at least 0.97x on ``plain``) and to llama-server (target: at
+least 1.0x on ``copy`` and ``json``), and the share of drafted tokens kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from llama_server import find_or_build, serve  # noqa: E402
+from serving_bench import service  # noqa: E402
+
+STORY = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. He noted the wind, the "
+         "height of the waves, the ships that passed and the birds that rested on the gallery. In winter the storms "
+         "came from the west and the lamp burned through the night; in summer the fog rolled in from the sea and the "
+         "horn sounded every minute until dawn. His daughter brought bread and letters from the village on Sundays, "
+         "and she read him the news while he mended the nets. When the supply boat was late he rationed the oil and "
+         "trimmed the wick himself, counting the hours until the sky grew pale. The old charts on the wall showed "
+         "the reefs and the wrecks of a hundred years, each marked in red ink by the keepers before him. ")
+RECORDS = "\n".join(
+    f'{{"id": {i}, "name": "{n}", "city": "{c}", "role": "{r}", "since": {1990 + 3 * i}}}'
+    for i, (n, c, r) in enumerate([("Ada Lovelace", "London", "analyst"), ("Alan Turing", "Manchester", "engineer"),
+                                   ("Grace Hopper", "Arlington", "admiral"), ("Edsger Dijkstra", "Austin", "professor"),
+                                   ("Barbara Liskov", "Boston", "researcher"), ("Donald Knuth", "Stanford", "author")]))
+WORKLOADS: dict[str, str] = {
+    "copy": (f"Text:\n{STORY * 2}\nThe same text, with the word 'lighthouse' written as 'beacon':\n"
+             f"{STORY[:24].replace('lighthouse', 'beacon')}"),
+    "json": f"Records:\n{RECORDS}\n\nEvery record again, in the same order:\n{RECORDS[:20]}",
+    "plain": "An essay on the history of bread, from the first farmers to the bakeries of today.\n\n",
+}
+
+
+def _run(url: str, prompt: str, tokens: int, extra: dict[str, Any]) -> tuple[float, int, int]:
+    """One streamed completion: decode tokens/s (first token to last), drafted and kept tokens (0, 0 where the
+    server does not say)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": False, **extra}
+    first = last = 0.0
+    n = 0
+    drafted = kept = 0
+    with httpx.Client(base_url=url, timeout=900) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                usage = ev.get("usage") or {}
+                details = usage.get("completion_tokens_details") or {}
+                if usage:
+                    n = int(usage.get("completion_tokens", n))
+                    kept = int(details.get("accepted_prediction_tokens") or 0)
+                    drafted = kept + int(details.get("rejected_prediction_tokens") or 0)
+                if any(c.get("text") for c in ev.get("choices") or ()):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                timings = ev.get("timings") or {}
+                if timings.get("draft_n"):
+                    drafted, kept = int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0))
+    return ((n - 1) / (last - first) if n > 1 and last > first else 0.0), drafted, kept
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--no-llama-server", action="store_true")
+    args = ap.parse_args()
+    from service.models import embedded_model_path
+
+    model = args.model or embedded_model_path()
+    with contextlib.ExitStack() as stack:
+        sides: dict[str, Callable[[str], tuple[float, int, int]]] = {}
+        url = stack.enter_context(service(model))
+        sides["service"] = lambda p: _run(url, p, args.tokens, {})
+        sides["service, no drafts"] = lambda p: _run(url, p, args.tokens, {"speculative": False})
+        if not args.no_llama_server:
+            lurl = stack.enter_context(serve(find_or_build(), model, "--spec-type", "ngram-simple"))
+            sides["llama-server ngram-simple"] = lambda p: _run(lurl, p, args.tokens, {})
+        names = list(sides)
+        for w, prompt in WORKLOADS.items():  # warm-up: every side's first request of each workload
+            for name in names:
+                sides[name](prompt)
+        speed: dict[tuple[str, str], list[float]] = {}
+        drafts: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for rnd in range(args.rounds):
+            for w, prompt in WORKLOADS.items():
+                order = names[rnd % len(names):] + names[:rnd % len(names)]
+                for name in order:
+                    s, d, k = sides[name](prompt)
+                    speed.setdefault((w, name), []).append(s)
+                    drafts.setdefault((w, name), []).append((d, k))
+        print(f"decode tokens/s, median of {args.rounds} rounds, {args.tokens} tokens, one client, greedy")
+        for w in WORKLOADS:
+            med = {n: statistics.median(speed[(w, n)]) for n in names}
+            parts = [f"{n} {med[n]:.1f}" for n in names]
+            d = sum(x for x, _ in drafts[(w, "service")])
+            k = sum(y for _, y in drafts[(w, "service")])
+            ratio = med["service"] / med["service, no drafts"] if med["service, no drafts"] else 0.0
+            line = f"{w:6s} " + " | ".join(parts) + f" | with/without drafts {ratio:.2f}x"
+            if "llama-server ngram-simple" in med and med["llama-server ngram-simple"]:
+                line += f" | service/llama-server {med['service'] / med['llama-server ngram-simple']:.2f}x"
+                ld = sum(x for x, _ in drafts[(w, "llama-server ngram-simple")])
+                lk = sum(y for _, y in drafts[(w, "llama-server ngram-simple")])
+                line += f" | llama-server kept {lk}/{ld}"
+            line += f" | service kept {k}/{d} drafted tokens"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Self-speculative decoding: the next tokens guessed from a sequence's own tokens, and when to guess. Pure: no
+llama.cpp.
+
+Where an answer copies from its context (an edited text, tool arguments quoting the prompt, a JSON answer
+repeating its input, code rewritten), the tokens that followed the last earlier occurrence of the sequence's
+last few tokens are a good guess of the tokens that come next: prompt lookup, llama-server's ``ngram-simple``
+speculation (common/ngram-map.cpp of the llama.cpp that llama-cpp-python 0.3.36 vendors: "the m tokens
+following the last occurrence of the current n-gram"). The engine (``service.engine.llama``) puts the guessed
+tokens into the same batch as the sequence's next token and keeps those the model itself would have chosen:
+with greedy decoding a drafted token is accepted exactly when it is the argmax of the row before it, so the
+answer is the one non-speculative decoding gives, several tokens a step.
+
+``NgramDrafter`` finds the guesses; ``DraftPolicy`` decides how many to verify: a draft costs rows of a batch
+(the output head alone is n_vocab x n_embd multiply-adds a row), so a sequence whose drafts keep being rejected
+stops drafting for a while, and the pause doubles each time it happens again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NGRAM_SIZES = (3, 2)
+"""The n-gram lengths looked up, longest first: a 3-gram is a more certain match; a 2-gram finds the copy again
+sooner after an edit."""
+DRAFT_MAX = 16
+"""The most tokens drafted for one sequence in one step (``GGUF_DRAFT_MAX``; llama-server's ``--draft-max``
+is 16)."""
+DRAFT_MIN = 1
+"""Fewer tokens than this are not worth a draft."""
+PAUSE_AFTER_MISSES = 3
+"""Consecutive drafts rejected whole before a sequence stops drafting."""
+PAUSE_TOKENS = 16
+"""The first pause, in generated tokens; each later pause of the same request is twice the last one."""
+
+
+@dataclass
+class NgramDrafter:
+    """Prompt lookup over one sequence's tokens, which only grow while it generates.
+
+    An index from each n-gram to the position after its latest occurrence is updated with the new tokens at
+    each call (amortised O(1) a token, the prompt once), so a draft costs a dictionary lookup, not a scan."""
+
+    sizes: tuple[int, ...] = NGRAM_SIZES
+    _index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _indexed: int = 0
+    """Positions < ``_indexed`` have had the n-grams ending before them indexed."""
+
+    def draft(self, tokens: list[int], last: int, k: int) -> list[int]:
+        """At most ``k`` tokens guessed to follow ``tokens`` then ``last`` (the sampled token not yet in
+        ``tokens``); empty: no earlier occurrence of the last n-gram."""
+        n_tok = len(tokens)
+        if k <= 0 or n_tok < 2:
+            return []
+        if n_tok < self._indexed:  # another sequence's tokens: start over
+            self._index.clear()
+            self._indexed = 0
+        index = self._index
+        # The n-gram ending just before position i (tokens[i - n:i]) maps to i, the position of the token that
+        # followed it; the latest occurrence wins.
+        for n in self.sizes:
+            for i in range(max(n, self._indexed), n_tok):
+                index[(n, *tokens[i - n:i])] = i
+        self._indexed = n_tok
+        for n in self.sizes:
+            if n_tok < n - 1:
+                continue
+            at = index.get((n, *tokens[n_tok - n + 1:], last))
+            if at is not None:
+                return tokens[at:at + k]
+        return []
+
+
+@dataclass
+class DraftPolicy:
+    """How many tokens one sequence drafts, from how its drafts fared (one per request)."""
+
+    draft_max: int = DRAFT_MAX
+    misses: int = 0
+    """Consecutive drafts of which no token was accepted."""
+    paused_until: int = 0
+    """Generated-token count before which the sequence does not draft."""
+    pause: int = PAUSE_TOKENS
+    drafted: int = 0
+    accepted: int = 0
+
+    def budget(self, n_out: int) -> int:
+        """The most tokens to draft now, after ``n_out`` generated tokens (0: do not draft)."""
+        if n_out < self.paused_until:
+            return 0
+        return self.draft_max
+
+    def record(self, n_out: int, drafted: int, accepted: int) -> None:
+        """A verified draft: ``drafted`` tokens of which the first ``accepted`` were the model's own choice."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= PAUSE_AFTER_MISSES:
+            self.paused_until = n_out + self.pause
+            self.pause *= 2
+            self.misses = 0
+
+
+def accepted_prefix(draft: list[int], chosen: list[int]) -> int:
+    """How many leading drafted tokens the model chose itself: ``chosen[i]`` is its token after the batch row of
+    ``draft[i - 1]`` (``chosen[0]`` after the sequence's own next token), so ``draft[i]`` stands only while every
+    draft before it did."""
+    j = 0
+    while j < len(draft) and draft[j] == chosen[j]:
+        j += 1
+    return j
+
+
+__all__ = ["DRAFT_MAX", "DRAFT_MIN", "NGRAM_SIZES", "DraftPolicy", "NgramDrafter", "accepted_prefix"]

@@ -1,0 +1,213 @@
+"""Self-speculative decoding: the n-gram drafter and the pause policy alone, then the engine on the embedded model,
+where an answer with drafts must be the answer without them (greedy, seeded sampling, a grammar, stop strings,
+limits, choices) and the KV a draft leaves behind must be only what was kept."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+import pytest
+
+from service.engine.base import Cancel, Chunk, GenerationParams
+from service.engine.llama import LlamaEngine
+from service.engine.speculation import PAUSE_AFTER_MISSES, PAUSE_TOKENS, DraftPolicy, NgramDrafter, accepted_prefix
+from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.probe import probe_path
+from sizing.probe.devices import host_memory
+
+TEXT = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. He noted the wind, the "
+        "height of the waves, the ships that passed and the birds that rested on the gallery. In winter the storms "
+        "came from the west and the lamp burned through the night; in summer the fog rolled in from the sea and the "
+        "horn sounded every minute until dawn. ")
+COPY = "Original text:\n" + TEXT + "\n\nThe same text, copied exactly:\n" + TEXT[:40]
+"""A prompt whose answer repeats it: the embedded base model copies the text on."""
+GREEDY = GenerationParams(max_tokens=64, temperature=0.0, cache_prompt=False)
+
+
+def test_the_draft_is_what_followed_the_last_occurrence_of_the_last_tokens() -> None:
+    d = NgramDrafter()
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2]
+    assert d.draft(tokens, 3, 8) == [4, 5, 9, 2, 3, 4, 7, 8]  # what followed 1 2 3
+    assert d.draft(tokens, 3, 2) == [4, 5]  # at most k
+    assert d.draft(tokens, 6, 8) == []  # 2 6 never occurred
+    assert NgramDrafter().draft(tokens[:-1] + [9, 2], 3, 8) == [4, 7, 8, 1, 9, 2]  # 9 2 3 never: 2 3, last at 6
+    assert NgramDrafter(sizes=(3,)).draft([5, 1, 2, 8, 1, 2], 3, 4) == []  # 1 2 3 never occurred: no 2-gram look-up
+
+
+def test_the_longest_n_gram_wins_then_the_latest_occurrence() -> None:
+    tokens = [1, 2, 3, 10, 11, 7, 2, 3, 20, 21, 5, 2]
+    assert NgramDrafter().draft(tokens, 3, 2) == [20, 21]  # the 2-gram 2 3 last occurred at 6
+    tokens = [1, 2, 3, 10, 11, 9, 2, 3, 20, 21, 1, 2]
+    assert NgramDrafter().draft(tokens, 3, 2) == [10, 11]  # the 3-gram 1 2 3 first
+
+
+def test_the_index_grows_with_the_tokens_as_a_new_one_would_be() -> None:
+    import random
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(6) for _ in range(40)]
+    grown = NgramDrafter()
+    for n in range(2, len(tokens)):
+        last = rng.randrange(6)
+        assert grown.draft(tokens[:n], last, 5) == NgramDrafter().draft(tokens[:n], last, 5)
+    assert grown.draft([1, 2, 1], 2, 3) == [1]  # fewer tokens than indexed: another sequence, indexed anew
+
+
+def test_a_sequence_whose_drafts_keep_failing_pauses_and_the_pause_doubles() -> None:
+    p = DraftPolicy(draft_max=8)
+    assert p.budget(0) == 8
+    for i in range(PAUSE_AFTER_MISSES):
+        p.record(10 + i, 4, 0)
+    assert p.budget(12) == 0 and p.budget(12 + PAUSE_TOKENS - 1) == 0 and p.budget(12 + PAUSE_TOKENS) == 8
+    p.record(40, 4, 3)  # an accepted draft clears the misses
+    assert p.misses == 0 and (p.drafted, p.accepted) == (4 * PAUSE_AFTER_MISSES + 4, 3)
+    for _ in range(PAUSE_AFTER_MISSES):
+        p.record(50, 2, 0)
+    assert p.budget(50 + 2 * PAUSE_TOKENS - 1) == 0 and p.budget(50 + 2 * PAUSE_TOKENS) == 8
+
+
+def test_accepted_prefix() -> None:
+    assert accepted_prefix([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted_prefix([4, 5], [4, 5, 7]) == 2
+    assert accepted_prefix([4], [3, 1]) == 0
+
+
+def _plan(path: str, slots: int) -> Plan:
+    """Repacked CPU weights off: their gemm rounds rows computed together otherwise than one alone (0.78 logit
+    measured, ``LlamaEngine``'s ``batch_invariant``), which a draft's rows are; the weights llama.cpp leaves
+    as they are round the same in both to the last bit but where ggml's tinyBLAS takes several rows."""
+    return make_plan(probe_path(path), [], host_memory(),
+                     PlanRequest(n_ctx=4096, n_seq_max=slots, kv_unified=True, cache_type="q8_0", min_ctx=256,
+                                 cpu_repack=False))
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_model: str) -> Iterator[LlamaEngine]:
+    eng = LlamaEngine()
+    eng.load(embedded_model, _plan(embedded_model, 4))
+    yield eng
+    eng.unload()
+
+
+def _run(chunks: Iterator[Chunk]) -> tuple[str, Chunk]:
+    got = list(chunks)
+    return "".join(c.text for c in got), got[-1]
+
+
+def _both(engine: LlamaEngine, prompt: str, params: GenerationParams) -> tuple[tuple[str, Chunk], tuple[str, Chunk]]:
+    off = _run(engine.complete(prompt, replace(params, speculative=False), Cancel()))
+    on = _run(engine.complete(prompt, replace(params, speculative=True), Cancel()))
+    return off, on
+
+
+@pytest.mark.slow
+def test_greedy_answers_with_drafts_are_the_answers_without(engine: LlamaEngine) -> None:
+    (text_off, last_off), (text_on, last_on) = _both(engine, COPY, GREEDY)
+    assert text_on == text_off and last_on.completion_tokens == last_off.completion_tokens == 64
+    assert last_off.drafted_tokens == 0
+    # The copy is drafted, and most drafts are the model's own choice: fewer steps for the same tokens.
+    assert last_on.accepted_tokens > 20 and last_on.drafted_tokens >= last_on.accepted_tokens
+    other = "The history of the printing press begins"
+    (a, _), (b, _) = _both(engine, other, replace(GREEDY, max_tokens=48))
+    assert a == b
+
+
+@pytest.mark.slow
+def test_seeded_samples_with_drafts_are_the_samples_without(engine: LlamaEngine) -> None:
+    """One draw of the sampler per kept token, in the same order: the seed gives the same answer."""
+    params = replace(GREEDY, temperature=0.8, top_p=0.95, seed=11)
+    (text_off, _), (text_on, last_on) = _both(engine, COPY, params)
+    assert text_on == text_off and last_on.drafted_tokens > 0
+    pen = replace(GREEDY, frequency_penalty=0.3, presence_penalty=0.2)  # the penalty sampler sees each kept token
+    (a, _), (b, _) = _both(engine, COPY, pen)
+    assert a == b
+
+
+@pytest.mark.slow
+def test_a_grammar_keeps_only_the_drafts_it_allows(engine: LlamaEngine) -> None:
+    schema = '{"type":"object","properties":{"text":{"type":"string","maxLength":120}},"required":["text"]}'
+    params = replace(GREEDY, json_schema=schema, max_tokens=60)
+    prompt = COPY + '\n\nThe same text as JSON: {"text": "' + TEXT[:30]
+    (a, _), (b, last) = _both(engine, prompt, params)
+    assert a == b
+
+
+@pytest.mark.slow
+def test_a_stop_string_or_the_limit_inside_a_draft_ends_the_answer_there(engine: LlamaEngine) -> None:
+    (full, _), _ = _both(engine, COPY, GREEDY)
+    word = full.split()[6]
+    stop = replace(GREEDY, stop=(word,))
+    (a, la), (b, lb) = _both(engine, COPY, stop)
+    assert a == b and word not in b and lb.finish_reason == "stop" and lb.completion_tokens == la.completion_tokens
+    for n in (1, 2, 5):
+        (a, la), (b, lb) = _both(engine, COPY, replace(GREEDY, max_tokens=n))
+        assert a == b and lb.completion_tokens == la.completion_tokens == n and lb.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_the_kv_a_draft_leaves_is_only_the_tokens_kept(engine: LlamaEngine) -> None:
+    """A later prompt that extends a drafted answer reuses the slot's KV (prefix reuse): its answer is the one a
+    cold evaluation gives, which it could not be if rejected drafts' cells were left in the sequence."""
+    text, _ = _run(engine.complete(COPY, replace(GREEDY, cache_prompt=True, max_tokens=40), Cancel()))
+    follow = COPY + text + "\n\nAgain:\n" + TEXT[:20]
+    warm, lw = _run(engine.complete(follow, replace(GREEDY, cache_prompt=True, speculative=False, max_tokens=24),
+                                    Cancel()))
+    cold, _ = _run(engine.complete(follow, replace(GREEDY, speculative=False, max_tokens=24), Cancel()))
+    assert lw.cached_tokens > 0 and warm == cold
+    assert engine.kv_cells_used <= 4096
+
+
+@pytest.mark.slow
+def test_choices_draft_each_and_give_the_answers_without(engine: LlamaEngine) -> None:
+    params = replace(GREEDY, n=2, temperature=0.7, seed=5, max_tokens=40)
+
+    def by_choice(chunks: Iterator[Chunk]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for c in chunks:
+            out[c.index] = out.get(c.index, "") + c.text
+        return out
+
+    off = by_choice(engine.complete(COPY, replace(params, speculative=False), Cancel()))
+    on = by_choice(engine.complete(COPY, params, Cancel()))
+    assert on == off and len(on) == 2
+
+
+@pytest.mark.slow
+def test_one_slot_has_no_rows_to_draft_into(embedded_model: str) -> None:
+    """Drafted rows use idle slots' logits rows (what llama.cpp reserved at creation): one slot has none."""
+    eng = LlamaEngine()
+    eng.load(embedded_model, _plan(embedded_model, 1))
+    try:
+        _, last = _run(eng.complete(COPY, replace(GREEDY, max_tokens=16), Cancel()))
+    finally:
+        eng.unload()
+    assert last.drafted_tokens == 0 and last.completion_tokens == 16
+
+
+@pytest.mark.slow
+def test_a_step_asks_for_no_more_logits_rows_than_llama_cpp_reserved(engine: LlamaEngine,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp reserves one logits row per sequence at context creation (``output_reserve(n_seq_max)``, the
+    output buffer the plan counts) and grows the buffer, unlogged, for a batch that asks for more: drafts fit in
+    the rows of idle slots, so no step asks for more than ``slots`` rows, alone or beside another request."""
+    import threading
+
+    import llama_cpp
+
+    decode = llama_cpp.llama_decode
+    rows: list[int] = []
+
+    def counting(ctx: object, batch: llama_cpp.llama_batch) -> int:
+        rows.append(sum(1 for i in range(batch.n_tokens) if batch.logits[i]))
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    _run(engine.complete(COPY, replace(GREEDY, max_tokens=24), Cancel()))
+    assert max(rows) == engine.slots  # one sequence: its token and a draft in the 3 idle slots' rows
+    rows.clear()
+    t = threading.Thread(target=lambda: _run(engine.complete(COPY, replace(GREEDY, max_tokens=24), Cancel())))
+    t.start()
+    _run(engine.complete(TEXT, replace(GREEDY, max_tokens=24), Cancel()))
+    t.join(600)
+    assert 1 < max(rows) <= engine.slots
