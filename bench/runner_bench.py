@@ -39,9 +39,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--speculative", choices=("ngram", "off"), default="ngram",
+                    help="GGUF_SPECULATIVE on both sides (default the service's: ngram)")
     args = ap.parse_args()
     model = embedded_model_path()
-    sides = {"runner process": {"GGUF_RUNNER_PROCESS": "true"}, "in process": {"GGUF_RUNNER_PROCESS": "false"}}
+    spec = {"GGUF_SPECULATIVE": args.speculative}
+    sides = {"runner process": {"GGUF_RUNNER_PROCESS": "true", **spec},
+             "in process": {"GGUF_RUNNER_PROCESS": "false", **spec}}
     results: dict[str, dict[str, list[float]]] = {s: {"decode": [], "ttft": [], "four": []} for s in sides}
     with service(model, **sides["runner process"]) as a, service(model, **sides["in process"]) as b:
         urls = {"runner process": a, "in process": b}
@@ -57,7 +61,7 @@ def main() -> None:
                 results[side]["four"].append(four(urls[side], args.tokens))
     med: dict[str, dict[str, float]] = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in results.items()}
     rp, ip = med["runner process"], med["in process"]
-    print(f"{args.rounds} rounds, {args.tokens} tokens, medians")
+    print(f"{args.rounds} rounds, {args.tokens} tokens, GGUF_SPECULATIVE={args.speculative}, medians")
     print(f"{'':<34} {'runner process':>15} {'in process':>11} {'ratio':>8}  target")
     rows: list[tuple[str, str, Any]] = [
         ("one client decode tok/s", "decode", ">= 0.97"),

@@ -21,7 +21,9 @@ from sizing.plan.planner import Plan, PlanRequest, make_plan
 pytestmark = pytest.mark.slow
 
 PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are")
-GREEDY = GenerationParams(max_tokens=16, temperature=0.0)
+# One token a step: these tests compare engines and batch layouts; drafts (tests/engine/test_speculation.py) add
+# rows to a step, which repacked CPU weights round otherwise than a row alone.
+GREEDY = GenerationParams(max_tokens=16, temperature=0.0, speculative=False)
 COLD = replace(GREEDY, cache_prompt=False)
 HISTORY = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. "
            "He noted the wind, the height of the waves, the ships that passed and the birds. ") * 6
