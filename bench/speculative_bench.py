@@ -1,6 +1,6 @@
 """Self-speculative decoding (issue 26): decode speed with drafts, without them, and llama-server's ngram-simple.
 
-    python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--no-llama-server] [--model PATH]
+    python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--no-llama-server] [--draft-max N] [--model PATH]
 
 One client at a time, greedy, ``ignore_eos`` (every answer the same length on every side). Three sides, one
 request each per workload and round, their order rotated: the service (its defaults: ``GGUF_SPECULATIVE=ngram``),
@@ -99,13 +99,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--model", default=None)
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--draft-max", type=int, default=None, help="GGUF_DRAFT_MAX for the service (default its own)")
     args = ap.parse_args()
     from service.models import embedded_model_path
 
     model = args.model or embedded_model_path()
     with contextlib.ExitStack() as stack:
         sides: dict[str, Callable[[str, bool], tuple[float, int, int]]] = {}
-        url = stack.enter_context(service(model))
+        url = stack.enter_context(service(model, **({"GGUF_DRAFT_MAX": str(args.draft_max)} if args.draft_max else {})))
         sides["service"] = lambda p, s: _run(url, p, args.tokens, {}, s)
         sides["service, no drafts"] = lambda p, s: _run(url, p, args.tokens, {"speculative": False}, s)
         if not args.no_llama_server:

@@ -94,6 +94,8 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         cpu_cores=settings.n_threads or os.cpu_count() or 1,
         embedding_tokens=0 if settings.embeddings == "off" else settings.embedding_tokens,
         embedding_gpu=settings.embeddings == "on",
+        # The drafts' logits rows (self-speculation; not in batch-invariant mode, where the engine drafts nothing).
+        draft_rows=settings.draft_max if settings.speculative != "off" and not o.batch_invariant else 0,
         cpu_repack=repack.on if repack is not None else None,
         cpu_repack_reason=repack.reason if repack is not None else "",
         cpu_features=repack.features if repack is not None else frozenset(),

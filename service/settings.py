@@ -140,13 +140,14 @@ class Settings(BaseSettings):
     )
     speculative: Literal["ngram", "off"] = Field(
         "ngram", description="Self-speculative decoding: each step drafts the tokens that followed the last earlier "
-        "occurrence of the sequence's last 2-3 tokens (llama-server's ngram-simple) and keeps those the model "
+        "occurrence of the sequence's last 12, 6, 3 or 2 tokens (llama-server's ngram-simple) and keeps those the model "
         "chooses itself, so the answer does not change; a request's `speculative: false` turns it off for that "
-        "request. Drafts take the logits rows of idle slots (none with GGUF_PARALLEL=1). off: one token a step.",
+        "request. off: one token a step.",
     )
     draft_max: int = Field(
-        16, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max), "
-        "within the idle slots' logits rows.",
+        32, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). "
+        "The plan holds this many logits rows for drafts in host memory (n_vocab x 4 bytes each: 1 MiB for "
+        "gemma-3's vocabulary) beside one per slot; drafts also use idle slots' rows.",
     )
     prompt_cache_mib: int = Field(
         8192, ge=0, description="Ceiling of the host memory that keeps idle conversations' KV beyond the slots (as "

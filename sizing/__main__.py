@@ -55,6 +55,7 @@ def _plan(args: argparse.Namespace) -> int:
         kv_unified=not args.no_kv_unified,
         embedding_tokens=args.embedding_tokens,
         embedding_gpu=args.embedding_gpu,
+        draft_rows=args.draft_rows,
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
@@ -130,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="tokens of the /v1/embeddings context (default 512, the service's; 0: none)")
     pl.add_argument("--embedding-gpu", action="store_true",
                     help="size the embedding context on GPU plans too (the service's GGUF_EMBEDDINGS=on)")
+    pl.add_argument("--draft-rows", type=int, default=32,
+                    help="logits rows for self-speculation's drafts (default 32, the service's GGUF_DRAFT_MAX with "
+                    "GGUF_SPECULATIVE=ngram; 0: none)")
     pl.add_argument("--no-offload", action="store_true", help="refuse instead of keeping layers in host memory")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=_plan)

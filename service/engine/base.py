@@ -40,6 +40,10 @@ class LoadReport:
     offloaded_layers: tuple[int, int] | None = None
     load_seconds: float = 0.0
     log_lines: tuple[str, ...] = ()
+    draft_output_bytes: int = 0
+    """What the output buffer grew by after creation for self-speculation's drafts (``LlamaEngine``'s
+    ``_reserve_draft_rows``): host memory (the ``CPU`` row, where the output buffer is), not in ``allocations``,
+    which are llama.cpp's log lines (it logs the growth only in debug builds)."""
     embedding_allocations: tuple[Allocation, ...] = ()
     """The embedding context's buffers (its output buffer at creation: it grows with the first full batch); its log
     lines are not in ``log_lines``, which are the generation context's (what the dry run confirms)."""

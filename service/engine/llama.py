@@ -276,8 +276,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         ``speculative``: draft up to ``draft_max`` tokens a step from each sequence's own tokens and keep those
         the model chooses itself (``service.engine.speculation``; off in batch-invariant mode, whose point is
         that a token's batch does not change it). Drafted rows fit in the logits rows llama.cpp reserves at
-        context creation (one per sequence, ``output_reserve(n_seq_max)``), so the plan's output buffer stays
-        what is allocated: a step drafts at most as many tokens as slots are idle."""
+        context creation (one per sequence, ``output_reserve(n_seq_max)``) and in the rows the plan adds for them
+        (``ContextConfig.draft_rows``, reserved at load): a step drafts at most the idle slots' rows and those."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._template_override = chat_template
@@ -306,6 +306,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._batch_invariant = batch_invariant
         self._speculative = speculative and not batch_invariant
         self._draft_max = max(0, draft_max)
+        self._draft_rows = 0
+        """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
         self._cache_prompt = cache_prompt
         self._similarity = slot_prompt_similarity
         self._lock = threading.Lock()  # load/unload against each other
@@ -477,6 +479,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             self._pcache = self._open_prompt_cache(path, plan, cparams)
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
             self._saved = SavedLogits(self._n_vocab)
+            self._draft_rows = 0
 
             @llama_cpp.ggml_abort_callback  # type: ignore[misc]
             def _abort(_data: ctypes.c_void_p) -> bool:
@@ -499,6 +502,11 @@ class LlamaEngine(Prompting, TaskPrompts):
                 self._inbox = queue.SimpleQueue()
                 self._sched_on = True
                 self._start_scheduler()
+            if self._speculative and plan.cfg.draft_rows > 0:
+                # On the scheduler thread: a decode on this one would give it an OpenMP team of its own, which
+                # slowed every later decode of the process by a third (the "One compute thread" note above).
+                rows = plan.cfg.draft_rows
+                self._draft_rows = self._on_scheduler(lambda: self._reserve_draft_rows(rows))
             global _engines_loaded
             with _engines_lock:
                 _engines_loaded += 1
@@ -513,7 +521,35 @@ class LlamaEngine(Prompting, TaskPrompts):
                  f", {pc.disk_entries} entries on disk in {pc.directory}" if pc.directory else "",
                  "on" if mparams.use_extra_bufts else "off", why)
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
-                          load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs)
+                          load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
+                          draft_output_bytes=self._draft_rows * self._n_vocab * 4)
+
+    def _reserve_draft_rows(self, rows: int) -> int:
+        """Grow llama.cpp's output buffer to hold ``rows`` drafted tokens' logits beside one row per sequence, now
+        rather than at the first draft: one batch of that many outputs in sequence 0 of the empty context, then
+        removed. ``output_reserve`` (src/llama-context.cpp) reallocates to ``n_vocab * max(n_outputs, n_seq_max)``
+        F32 and logs it only in debug builds, so the plan's line (``sizing.memory.draft_output_bytes``) and this
+        figure are llama.cpp's formula; what is measured is that the batch was accepted. 0: no rows (none planned,
+        or the batch failed: drafts then stay in the rows of idle slots)."""
+        import llama_cpp
+
+        rows = max(0, min(rows, self._n_batch - self._n_slots, self._n_ctx_seq - self._n_slots))
+        if rows <= 0:
+            return 0
+        n = self._n_slots + rows
+        batch = self._batch
+        tok = max(0, int(llama_cpp.llama_vocab_bos(self._vocab)))
+        for i in range(n):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = n
+        ret = int(llama_cpp.llama_decode(self._ctx.ctx, batch))
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        if ret != 0:
+            log.warning("llama engine: the output buffer could not grow for %d drafted rows (llama_decode %d): drafts "
+                        "use idle slots' rows only", rows, ret)
+            return 0
+        return rows
 
     def unload(self) -> None:
         """Stop the scheduler (requests still queued or running fail with ``NotReady``), free the context."""
@@ -1259,7 +1295,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         members: list[_Request] = []
         room = self._n_batch
         # Drafted tokens take logits rows beyond one per sequence: at most the rows of idle slots (see __init__).
-        spare = self._n_slots - len(active) if self._speculative else 0
+        spare = self._n_slots + self._draft_rows - len(active) if self._speculative else 0
         if spare > 0 and self._unified:
             # A unified cache's free cells go first to the tokens that stay: every sequence's next token and
             # the prompt tokens this step may evaluate; drafts only where cells are left after those.

@@ -55,15 +55,19 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
         out["keep_alive_s"] = keep_alive_json(state.keep_alive_s)
         out["expires_in_s"] = None if state.expires_at is None else round(max(0.0, state.expires_at - time.time()), 3)
         rows = allocation_rows(est) if est is not None else {}
+        grown = state.report.draft_output_bytes
         out["memory"] = [
             {
                 "device": a.device,
-                "allocated_mib": mib(a.total_bytes),
+                "allocated_mib": mib(a.total_bytes + (grown if a.device == "CPU" else 0)),
                 "allocated": {
                     "weights_mib": mib(a.weights_bytes),
                     "kv_mib": mib(a.kv_bytes),
                     "compute_mib": mib(a.compute_bytes),
                     "output_mib": mib(a.output_bytes),
+                    # The output buffer (host memory, CUDA_Host's too) grown for drafts' logits rows
+                    # (LoadReport.draft_output_bytes).
+                    **({"draft_output_mib": mib(grown)} if grown and a.device == "CPU" else {}),
                 },
                 "predicted_mib": mib(rows[a.device]) if a.device in rows else None,
                 "held_mib": mib(held[a.device]) if a.device in held else None,

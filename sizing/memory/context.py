@@ -41,6 +41,10 @@ class ContextConfig:
     embedding_gpu: bool = False
     """The embedding context also when layers run on GPUs (its buffers then take card memory); off: only
     CPU-only plans get one (``applies_embedding``)."""
+    draft_rows: int = 0
+    """Logits rows beyond one per sequence, for the tokens self-speculation drafts into a step
+    (``service.engine.speculation``): llama.cpp's output buffer grows to ``n_seq_max + draft_rows`` rows with the
+    first batch that asks for them, which the engine sends at load (``output_buffer_bytes``)."""
 
     def applies_embedding(self, cpu_only: bool) -> bool:
         """Whether a placement (CPU-only or not) gets the embedding context."""

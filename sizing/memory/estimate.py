@@ -87,6 +87,9 @@ class DeviceMemory:
     (``sizing.memory.gpu.cuda_pool_bound_bytes``); 0 on the host."""
     embedding_bytes: int = 0
     """The embedding context's KV, compute and output buffers on this device (``ContextConfig.embedding_tokens``)."""
+    draft_bytes: int = 0
+    """Host only: the output buffer's logits rows for self-speculation's drafts (``ContextConfig.draft_rows``),
+    beside ``output_bytes`` (the buffer as llama.cpp creates it, what its dry run reports)."""
     extra_weights: tuple[tuple[str, int], ...] = ()
     """Host only: weights copied into llama.cpp's extra CPU buffer types (``AMX``, ``CPU_REPACK``: buffer, bytes),
     beside ``weights_bytes`` (the mapped file); ``sizing.memory.repack``."""
@@ -98,7 +101,8 @@ class DeviceMemory:
     @property
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes + self.output_bytes
-                + self.allowance_bytes + self.pool_bytes + self.embedding_bytes + self.extra_weights_bytes)
+                + self.draft_bytes + self.allowance_bytes + self.pool_bytes + self.embedding_bytes
+                + self.extra_weights_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -109,6 +113,7 @@ class DeviceMemory:
             "state_mib": mib(self.state_bytes),
             "compute_mib": mib(self.compute_bytes),
             "output_mib": mib(self.output_bytes),
+            **({"draft_output_mib": mib(self.draft_bytes)} if self.draft_bytes else {}),
             "allowance_mib": mib(self.allowance_bytes),
             "gpu_pool_mib": mib(self.pool_bytes),
             "embedding_mib": mib(self.embedding_bytes),
@@ -184,6 +189,16 @@ def output_buffer_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
     if cfg.embeddings:
         return (spec.n_vocab + spec.n_embd) * cfg.n_batch_effective * 4
     return spec.n_vocab * max(1, cfg.n_seq_max) * 4
+
+
+def draft_output_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
+    """What the output buffer grows by for self-speculation's drafts: ``draft_rows`` more F32 logits rows
+    (``output_reserve``: ``n_vocab * max(n_outputs, n_seq_max) * 4`` once a batch asks for
+    ``n_seq_max + draft_rows`` outputs). llama.cpp logs the growth only in debug builds; the engine asks for it
+    at load (``LlamaEngine.load``), so it is held from then on. 0 for an embedding context."""
+    if cfg.embeddings or cfg.draft_rows <= 0:
+        return 0
+    return spec.n_vocab * cfg.draft_rows * 4
 
 
 def pooling_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
@@ -325,6 +340,7 @@ def estimate(
         state_bytes=state[0],
         compute_bytes=graph if placement.cpu_only else host_graph,
         output_bytes=out_bytes,
+        draft_bytes=draft_output_bytes(spec, cfg),
         layers=tuple(host_layers),
     )
     main = MemoryEstimate(cfg=cfg, flash_attn=flash, kv_cells=cells, host=host, gpus=tuple(gpus), sources=sources)

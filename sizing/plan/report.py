@@ -157,6 +157,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "kv_unified": plan.cfg.kv_unified,
             "swa_full": plan.cfg.swa_full,
             "embedding_tokens": plan.cfg.embedding_tokens,
+            "draft_rows": plan.cfg.draft_rows,
             "n_gpu_layers": plan.placement.n_gpu_layers,
             "tensor_split": list(plan.placement.tensor_split),
             "gpus": [plan.gpus[i].index for i in plan.placement.gpus],

@@ -51,6 +51,8 @@ class PlanRequest:
     """Tokens of one /v1/embeddings batch: the plan sizes an embedding context of this many (0: none)."""
     embedding_gpu: bool = False
     """Give plans with layers on GPUs the embedding context too (off: CPU-only plans only)."""
+    draft_rows: int = 0
+    """Logits rows for self-speculation's drafts beyond one per sequence (``ContextConfig.draft_rows``)."""
     cpu_repack: bool | None = None
     """llama.cpp's extra CPU buffer types (repacked weight layouts: ``use_extra_bufts``). None: this host's safe
     default, decided where llama.cpp is loaded (``service.engine.cpu``: off where its AMX kernel crashes); the
@@ -99,6 +101,7 @@ def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
         swa_full=req.swa_full,
         embedding_tokens=req.embedding_tokens,
         embedding_gpu=req.embedding_gpu,
+        draft_rows=req.draft_rows,
     )
 
 

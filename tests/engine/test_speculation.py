@@ -11,7 +11,7 @@ import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
-from service.engine.speculation import PAUSE_AFTER_MISSES, PAUSE_TOKENS, DraftPolicy, NgramDrafter, accepted_prefix
+from service.engine.speculation import DRAFT_START, PAUSE_AFTER_MISSES, PAUSE_TOKENS, DraftPolicy, NgramDrafter
 from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
@@ -54,32 +54,41 @@ def test_the_index_grows_with_the_tokens_as_a_new_one_would_be() -> None:
     assert grown.draft([1, 2, 1], 2, 3) == [1]  # fewer tokens than indexed: another sequence, indexed anew
 
 
+def test_the_draft_length_follows_what_drafts_kept() -> None:
+    p = DraftPolicy(draft_max=20)
+    assert p.budget(0) == DRAFT_START
+    p.record(1, DRAFT_START, DRAFT_START)  # kept whole: twice as long
+    assert p.budget(5) == 2 * DRAFT_START
+    p.record(6, 8, 8)
+    p.record(15, 16, 16)
+    assert p.budget(32) == 20  # at most draft_max
+    p.record(33, 20, 5)  # 5 kept: the next draft is one longer than what was kept
+    assert p.budget(39) == 6
+    p.record(40, 6, 0)
+    assert p.budget(41) == 1
+
+
 def test_a_sequence_whose_drafts_keep_failing_pauses_and_the_pause_doubles() -> None:
     p = DraftPolicy(draft_max=8)
-    assert p.budget(0) == 8
     for i in range(PAUSE_AFTER_MISSES):
+        assert p.budget(10 + i) > 0
         p.record(10 + i, 4, 0)
-    assert p.budget(12) == 0 and p.budget(12 + PAUSE_TOKENS - 1) == 0 and p.budget(12 + PAUSE_TOKENS) == 8
-    p.record(40, 4, 3)  # an accepted draft clears the misses
-    assert p.misses == 0 and (p.drafted, p.accepted) == (4 * PAUSE_AFTER_MISSES + 4, 3)
+    n = 10 + PAUSE_AFTER_MISSES - 1
+    assert p.budget(n) == 0 and p.budget(n + PAUSE_TOKENS - 1) == 0 and p.budget(n + PAUSE_TOKENS) == 1
+    p.record(40, 1, 1)  # an accepted draft clears the misses
+    assert p.misses == 0 and (p.drafted, p.accepted) == (4 * PAUSE_AFTER_MISSES + 1, 1)
     for _ in range(PAUSE_AFTER_MISSES):
         p.record(50, 2, 0)
-    assert p.budget(50 + 2 * PAUSE_TOKENS - 1) == 0 and p.budget(50 + 2 * PAUSE_TOKENS) == 8
+    assert p.budget(50 + 2 * PAUSE_TOKENS - 1) == 0 and p.budget(50 + 2 * PAUSE_TOKENS) > 0
 
 
-def test_accepted_prefix() -> None:
-    assert accepted_prefix([4, 5, 6], [4, 5, 9, 1]) == 2
-    assert accepted_prefix([4, 5], [4, 5, 7]) == 2
-    assert accepted_prefix([4], [3, 1]) == 0
-
-
-def _plan(path: str, slots: int) -> Plan:
+def _plan(path: str, slots: int, draft_rows: int = 0) -> Plan:
     """Repacked CPU weights off: their gemm rounds rows computed together otherwise than one alone (0.78 logit
     measured, ``LlamaEngine``'s ``batch_invariant``), which a draft's rows are; the weights llama.cpp leaves
     as they are round the same in both to the last bit but where ggml's tinyBLAS takes several rows."""
     return make_plan(probe_path(path), [], host_memory(),
                      PlanRequest(n_ctx=4096, n_seq_max=slots, kv_unified=True, cache_type="q8_0", min_ctx=256,
-                                 cpu_repack=False))
+                                 cpu_repack=False, draft_rows=draft_rows))
 
 
 @pytest.fixture(scope="module")
@@ -174,15 +183,38 @@ def test_choices_draft_each_and_give_the_answers_without(engine: LlamaEngine) ->
 
 
 @pytest.mark.slow
-def test_one_slot_has_no_rows_to_draft_into(embedded_model: str) -> None:
-    """Drafted rows use idle slots' logits rows (what llama.cpp reserved at creation): one slot has none."""
-    eng = LlamaEngine()
-    eng.load(embedded_model, _plan(embedded_model, 1))
-    try:
-        _, last = _run(eng.complete(COPY, replace(GREEDY, max_tokens=16), Cancel()))
-    finally:
-        eng.unload()
-    assert last.drafted_tokens == 0 and last.completion_tokens == 16
+def test_one_slot_drafts_only_into_the_rows_its_plan_holds(embedded_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafted rows use idle slots' logits rows (what llama.cpp reserved at creation) and the plan's draft rows,
+    which the load reserves: one slot without them drafts nothing; with 6 it drafts up to 6 a step, its output
+    buffer as the plan predicts it (llama.cpp's figure at creation, and the rows it grew by)."""
+    import llama_cpp
+
+    decode = llama_cpp.llama_decode
+    rows: list[int] = []
+
+    def counting(ctx: object, batch: llama_cpp.llama_batch) -> int:
+        rows.append(sum(1 for i in range(batch.n_tokens) if batch.logits[i]))
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    for planned in (0, 6):
+        plan = _plan(embedded_model, 1, planned)
+        assert plan.estimate is not None and plan.estimate.host.draft_bytes == planned * 262144 * 4
+        eng = LlamaEngine()
+        report = eng.load(embedded_model, plan)
+        try:
+            rows.clear()
+            text, last = _run(eng.complete(COPY, replace(GREEDY, max_tokens=24), Cancel()))
+            assert text == _run(eng.complete(COPY, replace(GREEDY, max_tokens=24, speculative=False), Cancel()))[0]
+        finally:
+            eng.unload()
+        host = plan.estimate.host
+        out = [a.output_bytes for a in report.allocations if a.output_bytes]
+        assert out == [host.output_bytes] and report.draft_output_bytes == host.draft_bytes
+        if planned:
+            assert last.accepted_tokens > 0 and max(rows) == 1 + planned
+        else:
+            assert last.drafted_tokens == 0 and max(rows) == 1
 
 
 @pytest.mark.slow

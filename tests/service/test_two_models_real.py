@@ -85,6 +85,12 @@ def test_api_models_reports_what_llama_cpp_allocated_for_each(two_models: tuple[
         report = manager.models[name].report
         allocations, _ = parse_allocations(list(report.log_lines))  # llama.cpp's own lines, parsed again here
         assert allocations, f"{name}: no allocation lines in its load log"
-        want = {a.device: round(a.total_bytes / MIB, 2) for a in allocations}
+        # Beside them, the rows the output buffer grew by for drafts (llama.cpp logs that only in debug builds).
+        grown = report.draft_output_bytes
+        want = {a.device: round((a.total_bytes + (grown if a.device == "CPU" else 0)) / MIB, 2) for a in allocations}
         assert {x["device"]: x["allocated_mib"] for x in m["memory"]} == want
+        cpu = [x for x in m["memory"] if x["device"] == "CPU"][0]
+        assert cpu["allocated"].get("draft_output_mib", 0) == round(grown / MIB, 2)
+        plan = manager.models[name].plan
+        assert m["plan"]["chosen"]["draft_rows"] > 0 and grown == plan.estimate.host.draft_bytes  # as predicted
         assert m["devices"] == ["CPU"]
