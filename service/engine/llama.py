@@ -308,6 +308,9 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._draft_max = max(0, draft_max)
         self._draft_rows = 0
         """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
+        self._drafts = False
+        """This model is drafted for: speculation on and no recurrent state (one cannot take back a rejected
+        draft's tokens: ``llama_memory_seq_rm`` refuses a tail of a recurrent sequence)."""
         self._cache_prompt = cache_prompt
         self._similarity = slot_prompt_similarity
         self._lock = threading.Lock()  # load/unload against each other
@@ -480,6 +483,8 @@ class LlamaEngine(Prompting, TaskPrompts):
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
             self._saved = SavedLogits(self._n_vocab)
             self._draft_rows = 0
+            self._drafts = self._speculative and not (llama_cpp.llama_model_is_recurrent(model.model)
+                                                      or llama_cpp.llama_model_is_hybrid(model.model))
 
             @llama_cpp.ggml_abort_callback  # type: ignore[misc]
             def _abort(_data: ctypes.c_void_p) -> bool:
@@ -502,7 +507,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                 self._inbox = queue.SimpleQueue()
                 self._sched_on = True
                 self._start_scheduler()
-            if self._speculative and plan.cfg.draft_rows > 0:
+            if self._drafts and plan.cfg.draft_rows > 0:
                 # On the scheduler thread: a decode on this one would give it an OpenMP team of its own, which
                 # slowed every later decode of the process by a third (the "One compute thread" note above).
                 rows = plan.cfg.draft_rows
@@ -856,7 +861,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                      greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
             for i in range(max(1, params.n))
         ]
-        if self._speculative and params.speculative and self._draft_max >= DRAFT_MIN:
+        if self._drafts and params.speculative and self._draft_max >= DRAFT_MIN:
             for r in reqs:
                 r.drafter, r.policy = NgramDrafter(), DraftPolicy(draft_max=self._draft_max)
         reqs[0].followers = reqs[1:]
@@ -1295,7 +1300,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         members: list[_Request] = []
         room = self._n_batch
         # Drafted tokens take logits rows beyond one per sequence: at most the rows of idle slots (see __init__).
-        spare = self._n_slots + self._draft_rows - len(active) if self._speculative else 0
+        spare = self._n_slots + self._draft_rows - len(active) if self._drafts else 0
         if spare > 0 and self._unified:
             # A unified cache's free cells go first to the tokens that stay: every sequence's next token and
             # the prompt tokens this step may evaluate; drafts only where cells are left after those.

@@ -206,6 +206,10 @@ def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRe
     ``calibration``: llama.cpp's measured figures for this model (``sizing.memory.measured``), used wherever they
     cover a configuration; the simulation everywhere else.
     """
+    if req.draft_rows and any(layer.has_state for layer in spec.layers):
+        # A recurrent state cannot take back a rejected draft's tokens (llama.cpp refuses to remove a tail from
+        # it): the engine does not draft on these models, so the plan holds no rows for it.
+        req = replace(req, draft_rows=0)
     cap = ctx_cap(spec, req)
     floor = ctx_floor(spec, req, cap)
     tiers = Tiers.for_request(req)

@@ -153,3 +153,17 @@ def test_architecture_against_llama_cpp(name: str, fixture_path: Callable[..., s
         assert cal.dry_runs > 0
     finally:
         cal.close()
+
+
+def test_models_with_a_recurrent_state_get_no_draft_rows(fixture_path: Callable[..., str]) -> None:
+    """Self-speculation's logits rows (``ContextConfig.draft_rows``) only where the engine drafts: a recurrent
+    state cannot take back a rejected draft's tokens, so hybrid and recurrent models plan none."""
+    from sizing.plan.planner import PlanRequest, make_plan
+
+    host = Device(0, "host memory", 96 * GIB, 128 * GIB, "host")
+    for name, fx in ARCH_FIXTURES.items():
+        spec = probe_path(fixture_path(name))
+        plan = make_plan(spec, [], host, PlanRequest(min_ctx=256, context_length=4096, draft_rows=32))
+        want = 0 if fx.arch in HYBRID_OR_RECURRENT else 32
+        assert plan.estimate is not None, name
+        assert (plan.cfg.draft_rows, plan.estimate.host.draft_bytes) == (want, want * spec.n_vocab * 4), name
