@@ -425,6 +425,9 @@ def test_the_bars_draw_each_loaded_models_share_and_the_offload_candidates(
     for row, c in zip(rows, plan["candidates"]):
         assert row["n_gpu_layers"] == str(c["n_gpu_layers"]) and row["n_ctx"] == str(c["n_ctx"])
         assert row["gpu_weights_mib"] == fmt(c["gpu_weights_mib"])
-        assert row["decode_tokens_per_s"] == f"{c['decode_tokens_per_s']:.2f}"
+        # The page's dry run and this one ran moments apart: weights past the host's live MemAvailable are read
+        # at disk speed in the speed model (sizing/plan/offload.py), so the figure moves with what the rest of the
+        # machine holds (0.08 against 0.09 tokens/s seen once); the rows' other fields do not.
+        assert float(row["decode_tokens_per_s"]) == pytest.approx(c["decode_tokens_per_s"], rel=0.25, abs=0.015)
     assert browser.find_element(By.ID, "candidates-section").is_displayed()
     screenshot(browser, shots / "09-residents-and-candidates.png")
