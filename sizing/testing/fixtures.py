@@ -345,6 +345,14 @@ def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "
         # GGUFWriter takes numpy order (it reverses the shape); the dtype only matters for unquantized types.
         w.add_tensor_info(tname, tuple(reversed(ne)), np.dtype(np.float32), nb, raw_dtype=t)
         data_bytes += (nb + align - 1) // align * align
+    return finish_sparse(w, tmp, path, data_bytes)
+
+
+def finish_sparse(w: gguf.GGUFWriter, tmp: Path, path: Path, data_bytes: int) -> str:
+    """Write ``w``'s header, keys and tensor infos to ``tmp``, extend it by ``data_bytes`` of tensor data after
+    the aligned header, and move it to ``path``. The data section is a hole: the loader's bounds checks pass, a
+    no_alloc load reads nothing and a real one reads zeros."""
+    align = gguf.GGUF_DEFAULT_ALIGNMENT
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -353,8 +361,6 @@ def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "
     f.flush()
     header_end = f.tell()
     w.close()
-    data_offset = (header_end + align - 1) // align * align
-    # The data section is a hole: the loader's bounds checks pass and a no_alloc load reads nothing.
-    os.truncate(tmp, data_offset + data_bytes)
+    os.truncate(tmp, (header_end + align - 1) // align * align + data_bytes)
     os.replace(tmp, path)
     return str(path)

@@ -22,6 +22,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .fixtures import finish_sparse
+
 RERANKER_NAME = "tiny-bert-reranker"
 N_EMBD = 64
 N_LAYER = 2
@@ -120,18 +122,7 @@ def write_tiny_reranker(directory: str | os.PathLike[str], name: str = RERANKER_
         nb = int(np.prod(ne)) * 4
         w.add_tensor_info(tname, tuple(reversed(ne)), np.dtype(np.float32), nb, raw_dtype=gguf.GGMLQuantizationType.F32)
         data_bytes += (nb + align - 1) // align * align
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    assert w.fout is not None
-    f = w.fout[0]
-    f.flush()
-    header_end = f.tell()
-    w.close()
-    # The data section is a hole, read as zeros (as ``fixtures.write_fixture``'s).
-    os.truncate(tmp, (header_end + align - 1) // align * align + data_bytes)
-    os.replace(tmp, path)
-    return str(path)
+    return finish_sparse(w, tmp, path, data_bytes)  # the data section a hole, read as zeros
 
 
 __all__ = ["RERANKER_NAME", "write_tiny_reranker"]

@@ -182,11 +182,8 @@ def test_choices_draft_each_and_give_the_answers_without(engine: LlamaEngine) ->
     assert on == off and len(on) == 2
 
 
-@pytest.mark.slow
-def test_one_slot_drafts_only_into_the_rows_its_plan_holds(embedded_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Drafted rows use idle slots' logits rows (what llama.cpp reserved at creation) and the plan's draft rows,
-    which the load reserves: one slot without them drafts nothing; with 6 it drafts up to 6 a step, its output
-    buffer as the plan predicts it (llama.cpp's figure at creation, and the rows it grew by)."""
+def _rows_per_decode(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, each ``llama_decode``'s logits rows (the batch's outputs), appended to the list returned."""
     import llama_cpp
 
     decode = llama_cpp.llama_decode
@@ -197,6 +194,15 @@ def test_one_slot_drafts_only_into_the_rows_its_plan_holds(embedded_model: str, 
         return int(decode(ctx, batch))
 
     monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    return rows
+
+
+@pytest.mark.slow
+def test_one_slot_drafts_only_into_the_rows_its_plan_holds(embedded_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafted rows use idle slots' logits rows (what llama.cpp reserved at creation) and the plan's draft rows,
+    which the load reserves: one slot without them drafts nothing; with 6 it drafts up to 6 a step, its output
+    buffer as the plan predicts it (llama.cpp's figure at creation, and the rows it grew by)."""
+    rows = _rows_per_decode(monkeypatch)
     for planned in (0, 6):
         plan = _plan(embedded_model, 1, planned)
         assert plan.estimate is not None and plan.estimate.host.draft_bytes == planned * 262144 * 4
@@ -225,16 +231,7 @@ def test_a_step_asks_for_no_more_logits_rows_than_llama_cpp_reserved(engine: Lla
     the rows of idle slots, so no step asks for more than ``slots`` rows, alone or beside another request."""
     import threading
 
-    import llama_cpp
-
-    decode = llama_cpp.llama_decode
-    rows: list[int] = []
-
-    def counting(ctx: object, batch: llama_cpp.llama_batch) -> int:
-        rows.append(sum(1 for i in range(batch.n_tokens) if batch.logits[i]))
-        return int(decode(ctx, batch))
-
-    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    rows = _rows_per_decode(monkeypatch)
     _run(engine.complete(COPY, replace(GREEDY, max_tokens=24), Cancel()))
     assert max(rows) == engine.slots  # one sequence: its token and a draft in the 3 idle slots' rows
     rows.clear()
