@@ -13,6 +13,7 @@ from ..model import arch as archs
 from . import gpu
 from .compute import compute_bytes, host_compute_bytes
 from .context import ContextConfig
+from .draft import DraftMemory, DraftModel, draft_config, draft_placement
 from ..units import MIB, gpu_label, mib
 from ..errors import FlashAttentionRequiredError
 from ..model.ggml import cache_type
@@ -90,6 +91,9 @@ class DeviceMemory:
     draft_bytes: int = 0
     """Host only: the output buffer's logits rows for self-speculation's drafts (``ContextConfig.draft_rows``),
     beside ``output_bytes`` (the buffer as llama.cpp creates it, what its dry run reports)."""
+    draft_model_bytes: int = 0
+    """The speculative-decoding draft model's share of this device (``MemoryEstimate.draft``: its weights, KV,
+    compute and output buffers as its own estimate puts them here)."""
     extra_weights: tuple[tuple[str, int], ...] = ()
     """Host only: weights copied into llama.cpp's extra CPU buffer types (``AMX``, ``CPU_REPACK``: buffer, bytes),
     beside ``weights_bytes`` (the mapped file); ``sizing.memory.repack``."""
@@ -102,7 +106,7 @@ class DeviceMemory:
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes + self.output_bytes
                 + self.draft_bytes + self.allowance_bytes + self.pool_bytes + self.embedding_bytes
-                + self.extra_weights_bytes)
+                + self.extra_weights_bytes + self.draft_model_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -118,6 +122,7 @@ class DeviceMemory:
             "gpu_pool_mib": mib(self.pool_bytes),
             "embedding_mib": mib(self.embedding_bytes),
             **({"extra_weights_mib": {b: mib(n) for b, n in self.extra_weights}} if self.extra_weights else {}),
+            **({"draft_model_mib": mib(self.draft_model_bytes)} if self.draft_model_bytes else {}),
             "total_mib": mib(self.total_bytes),
         }
 
@@ -155,6 +160,9 @@ class MemoryEstimate:
     sources: FigureSources = FigureSources()
     embedding: EmbeddingMemory | None = None
     """The embedding context beside the generation context (None: no /v1/embeddings context)."""
+    draft: DraftMemory | None = None
+    """The speculative-decoding draft model beside this one (None: none); its bytes are in the devices'
+    ``draft_model_bytes``."""
 
     @property
     def total_bytes(self) -> int:
@@ -234,6 +242,8 @@ def estimate(
     figures: Figures | None = None,
     measured_on: str = "CPU",
     cpu_extra: frozenset[str] | None = None,
+    draft: DraftModel | None = None,
+    draft_figures: Figures | None = None,
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context.
 
@@ -243,7 +253,37 @@ def estimate(
     ``figures`` are llama.cpp's own (a calibration, ``sizing.memory.measured``) for this configuration, measured on
     ``measured_on`` (``CPU``: a CPU build, where the whole graph runs on the CPU; else a GPU backend whose
     per-device compute buffers are the placement's). Without them every term is simulated.
+
+    ``draft``: a speculative-decoding draft model loaded beside this one (``sizing.memory.draft``), estimated as a
+    model of its own on its device at ``draft_config(cfg)`` (``draft_figures``: llama.cpp's for that), its bytes
+    added to the devices it uses.
     """
+    main = _estimate(spec, cfg, placement, gpu_labels=gpu_labels, allowance_bytes=allowance_bytes, figures=figures,
+                     measured_on=measured_on, cpu_extra=cpu_extra)
+    if draft is None:
+        return main
+    dpl, pos = draft_placement(placement, draft.spec.n_layer_all, spec.n_layer_all)
+    labels = list(gpu_labels) or [gpu_label(g) for g in placement.gpus]
+    dest = _estimate(draft.spec, draft_config(cfg), dpl, gpu_labels=[labels[pos]] if pos is not None else [],
+                     allowance_bytes=0, figures=draft_figures, measured_on=measured_on, cpu_extra=cpu_extra)
+    gpus = list(main.gpus)
+    if pos is not None:
+        gpus[pos] = replace(gpus[pos], draft_model_bytes=dest.gpus[0].total_bytes)
+    return replace(main, host=replace(main.host, draft_model_bytes=dest.host.total_bytes), gpus=tuple(gpus),
+                   draft=DraftMemory(draft.label, draft.path, dest))
+
+
+def _estimate(
+    spec: ModelSpec,
+    cfg: ContextConfig,
+    placement: Placement,
+    *,
+    gpu_labels: Sequence[str],
+    allowance_bytes: int,
+    figures: Figures | None,
+    measured_on: str,
+    cpu_extra: frozenset[str] | None,
+) -> MemoryEstimate:
     flash = resolve_flash_attn(cfg, spec)
     check_cache_types(spec, cfg, flash)
     n_all = spec.n_layer_all
@@ -348,7 +388,8 @@ def estimate(
     if ecfg is None:
         return main
     # The embedding context shares the model's weights; its own buffers go where the generation context's go.
-    emb = estimate(spec, ecfg, placement, gpu_labels=labels, allowance_bytes=0)
+    emb = _estimate(spec, ecfg, placement, gpu_labels=labels, allowance_bytes=0, figures=None, measured_on="CPU",
+                    cpu_extra=None)
 
     def extra(d: DeviceMemory) -> int:
         return d.kv_bytes + d.state_bytes + d.compute_bytes + d.output_bytes

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from ..memory.context import ContextConfig, pad
+from ..memory.draft import DraftModel
 from .device import Device
 from ..units import MIB
 from ..errors import ConfigError
@@ -46,7 +47,7 @@ from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, pro
 from ..model.spec import ModelSpec
 from .speed import Tiers
 
-__all__ = ["AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan",
+__all__ = ["DRAFT_REFUSAL", "AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan",
            "PlanRequest", "RefusalCode", "Sizer", "Verdict", "context_config", "ctx_cap", "ctx_floor", "make_plan"]
 
 
@@ -76,6 +77,14 @@ class Plan:
     """The speed model's figures for the chosen placement (``sizing.plan.speed``), checked against measured ones."""
     calibration: Calibration | None = field(default=None, compare=False, repr=False)
     """llama.cpp's measured figures the plan used (None: every figure simulated)."""
+    draft_refusal: str | None = None
+    """Why the draft model asked for is not in this plan (``DRAFT_REFUSAL``), with its figures; None: it is, or
+    none was asked for."""
+
+    @property
+    def draft(self) -> DraftModel | None:
+        """The draft model this plan loads beside the main one (None: none)."""
+        return self.request.draft
 
     @property
     def fits(self) -> bool:
@@ -197,8 +206,45 @@ def _with_speed(sz: Sizer, opt: CacheTypeOption, floor: int, tiers: Tiers) -> Ca
     return replace(opt, decode_tokens_per_s=decode, prompt_tokens_per_s=prompt, largest_n_ctx=largest)
 
 
+DRAFT_REFUSAL = "DRAFT_DOES_NOT_FIT"
+"""The code of a draft model the plan leaves out (``Plan.draft_refusal``)."""
+
+
 def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest = PlanRequest(),
               calibration: Calibration | None = None) -> Plan:
+    """Plan a load, with the draft model asked for (``req.draft``) where it costs the main model nothing it is
+    owed: the plan with the draft is taken when it fits with the verdict, context and cache type the plan without
+    it has (so a context at the ceiling stays there), or ``req.draft_squeeze`` asks for it; otherwise the plan without the draft,
+    saying why (``Plan.draft_refusal``, with both contexts and the draft's bytes). A model with a recurrent state
+    gets no draft (the engine cannot take back rejected drafts there)."""
+    draft = req.draft
+    if draft is None:
+        return _make_plan(spec, gpus, host, req, calibration)
+    without = _make_plan(spec, gpus, host, replace(req, draft=None), calibration)
+    if any(layer.has_state for layer in spec.layers):
+        why = (f"{DRAFT_REFUSAL}: draft model {draft.label} not loaded: {spec.architecture} keeps a recurrent state, "
+               "which cannot take back a rejected draft's tokens")
+        return replace(without, draft_refusal=why, warnings=(*without.warnings, why))
+    plan = _make_plan(spec, gpus, host, req, calibration)
+    if plan.fits and (req.draft_squeeze or not without.fits or (
+            plan.verdict == without.verdict and plan.cfg.n_ctx >= without.cfg.n_ctx
+            and plan.cfg.type_k == without.cfg.type_k)):
+        return plan
+    cost = plan.estimate.draft if plan.estimate is not None else None
+    if cost is None and without.estimate is not None:
+        sz = Sizer(spec, gpus, host, req, without.cfg.type_k, calibration)
+        cost = sz.estimate(without.placement, without.cfg.n_ctx).draft
+    size = f" ({cost.total_bytes / MIB:.0f} MiB on {cost.device})" if cost is not None else ""
+    with_it = (f"{plan.cfg.n_ctx} tokens of {plan.cfg.type_k} cache ({plan.verdict})" if plan.fits
+               else f"refused ({plan.refusal})")
+    why = (f"{DRAFT_REFUSAL}: draft model {draft.label}{size} not loaded: with it the plan is {with_it}, without it "
+           f"{without.cfg.n_ctx} tokens of {without.cfg.type_k} cache ({without.verdict}); set draft_squeeze to keep "
+           "the draft at that cost")
+    return replace(without, draft_refusal=why, warnings=(*without.warnings, why))
+
+
+def _make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest,
+               calibration: Calibration | None) -> Plan:
     """Plan a load: per cache type the largest context; the chosen type's placement and estimate. The chosen
     type is ``req.cache_type``, or with ``auto`` the one ``sizing.plan.auto_cache`` picks from the rows (its
     sentence among the reasons): ``cfg.type_k`` is always a concrete type.

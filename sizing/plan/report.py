@@ -165,6 +165,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "cpu_repack": plan.request.cpu_repack,
             "cpu_repack_reason": plan.request.cpu_repack_reason,
         },
+        "draft": None if plan.estimate is None or plan.estimate.draft is None else plan.estimate.draft.to_json(),
+        "draft_refusal": plan.draft_refusal,
         "candidates": [candidate_json(c, plan) for c in plan.candidates],
         "predicted_speed": None if plan.predicted_decode_tokens_per_s is None else {
             "decode_tokens_per_s": round(plan.predicted_decode_tokens_per_s, 2),
@@ -245,6 +247,11 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"embedding context: {e.n_ubatch} tokens a batch, {e.n_seq_max} inputs; KV {mib(e.kv_bytes)}, "
                      f"compute {mib(e.compute_bytes)}, output {mib(e.output_bytes)} MiB (logits and embeddings of "
                      f"every token), total {mib(e.total_bytes)} MiB")
+    if plan.estimate is not None and plan.estimate.draft is not None:
+        d = plan.estimate.draft
+        j = d.to_json()
+        lines.append(f"draft model {d.name} on {d.device}: weights {j['weights_mib']}, KV {j['kv_mib']}, compute "
+                     f"{j['compute_mib']}, output {j['output_mib']} MiB (n_ctx {j['n_ctx']}), total {j['total_mib']} MiB")
     if plan.candidates:
         lines.append("partial-offload candidates (fastest first):")
         for cand in plan.candidates[:8]:

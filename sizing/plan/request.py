@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..memory.context import ContextConfig, FlashAttn
+from ..memory.draft import DraftModel
 from ..memory.estimate import DEFAULT_GPU_ALLOWANCE_BYTES
 from ..memory.repack import auto_repack
 from ..model.spec import ModelSpec
@@ -53,6 +54,12 @@ class PlanRequest:
     """Give plans with layers on GPUs the embedding context too (off: CPU-only plans only)."""
     draft_rows: int = 0
     """Logits rows for self-speculation's drafts beyond one per sequence (``ContextConfig.draft_rows``)."""
+    draft: DraftModel | None = None
+    """A speculative-decoding draft model loaded beside this one (``sizing.memory.draft``): sized on the device
+    of the main model's output layer, at the main context."""
+    draft_squeeze: bool = False
+    """Keep the draft even where it holds the main context below the ceiling; off: the plan drops the draft then
+    (``Plan.draft_refusal``) rather than give the main model less context."""
     cpu_repack: bool | None = None
     """llama.cpp's extra CPU buffer types (repacked weight layouts: ``use_extra_bufts``). None: this host's safe
     default, decided where llama.cpp is loaded (``service.engine.cpu``: off where its AMX kernel crashes); the

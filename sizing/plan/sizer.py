@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..memory.kv import kv_cells
 from ..memory.measured import Calibration, ConfigKey, Figures, placement_key
 from ..memory.estimate import MemoryEstimate, estimate, resolve_flash_attn
+from ..memory.draft import draft_config, draft_placement
 from ..memory.placement import Placement, assign_slots
 from .request import PlanRequest, context_config
 from ..model.spec import ModelSpec
@@ -82,21 +83,15 @@ class Sizer:
 
     def figures(self, placement: Placement, cfg: ContextConfig) -> Figures | None:
         """llama.cpp's measured figures for this configuration (and, on a GPU backend, placement), if calibrated."""
-        cal = self.calibration
-        if cal is None:
+        return _figures(self.spec, self.calibration, placement, cfg)
+
+    def draft_figures(self, placement: Placement, cfg: ContextConfig) -> Figures | None:
+        """The draft model's measured figures where it sits for this main placement (``sizing.memory.draft``)."""
+        draft = self.req.draft
+        if draft is None or draft.calibration is None:
             return None
-        flash = resolve_flash_attn(cfg, self.spec)
-        pkey = None if cal.placement_independent else placement_key(
-            placement.n_gpu_layers, placement.tensor_split, placement.n_cpu_moe)
-        key = ConfigKey.of(cfg, flash)
-        refused = cal.refusal(key, pkey)
-        if refused is not None:
-            raise ConfigError(f"llama.cpp refuses this configuration: {refused}")
-        c = cal.get(key, pkey)
-        if c is None:
-            return None
-        cells = kv_cells(self.spec, cfg)
-        return c.figures(cells.full, cells.swa, strict=cal.strict)
+        dpl, _ = draft_placement(placement, draft.spec.n_layer_all, self.spec.n_layer_all)
+        return _figures(draft.spec, draft.calibration, dpl, draft_config(cfg))
 
     def estimate(self, placement: Placement, n_ctx: int) -> MemoryEstimate:
         labels = [self.gpus[i].label for i in placement.gpus]
@@ -107,6 +102,7 @@ class Sizer:
             measured_on=self.calibration.backend if self.calibration is not None else "CPU",
             # Without GPUs the host's buffer types are llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
             cpu_extra=None if self.gpus else self.req.extra_buffers,
+            draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg),
         )
 
     def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
@@ -163,6 +159,23 @@ class Sizer:
             counts[short] -= 1
             counts[room[0][1]] += 1
         return None
+
+
+def _figures(spec: ModelSpec, cal: Calibration | None, placement: Placement, cfg: ContextConfig) -> Figures | None:
+    if cal is None:
+        return None
+    flash = resolve_flash_attn(cfg, spec)
+    pkey = None if cal.placement_independent else placement_key(
+        placement.n_gpu_layers, placement.tensor_split, placement.n_cpu_moe)
+    key = ConfigKey.of(cfg, flash)
+    refused = cal.refusal(key, pkey)
+    if refused is not None:
+        raise ConfigError(f"llama.cpp refuses this configuration: {refused}")
+    c = cal.get(key, pkey)
+    if c is None:
+        return None
+    cells = kv_cells(spec, cfg)
+    return c.figures(cells.full, cells.swa, strict=cal.strict)
 
 
 def split_placement(idx: Sequence[int], counts: Sequence[int]) -> Placement:
