@@ -44,6 +44,9 @@ class LoadReport:
     """What the output buffer grew by after creation for self-speculation's drafts (``LlamaEngine``'s
     ``_reserve_draft_rows``): host memory (the ``CPU`` row, where the output buffer is), not in ``allocations``,
     which are llama.cpp's log lines (it logs the growth only in debug builds)."""
+    draft_allocations: tuple[Allocation, ...] = ()
+    """The draft model's buffers (its weights and its context's: ``service.engine.draft``), from its own log lines;
+    empty without a draft model."""
     embedding_allocations: tuple[Allocation, ...] = ()
     """The embedding context's buffers (its output buffer at creation: it grows with the first full batch); its log
     lines are not in ``log_lines``, which are the generation context's (what the dry run confirms)."""

@@ -85,6 +85,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from sizing.memory.draft import draft_config, draft_placement
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
@@ -95,11 +96,13 @@ from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations
-from .params import apply_context_params, apply_model_params, embedding_context_params, plan_params, repack_of
+from .params import (apply_context_params, apply_model_params, context_params, embedding_context_params, model_params,
+                     plan_params, repack_of)
 from .prompting import Prompting
 from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
 from .sampling import SavedLogits, logprob_of, sampler_chain
+from .draft import DraftJob, DraftModelRunner, VocabularyMismatch, vocabulary_mismatch
 from .speculation import DRAFT_MAX, DRAFT_MIN, DraftPolicy, NgramDrafter
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
@@ -225,8 +228,9 @@ class _Request:
     once its prompt is evaluated (``_fork``)."""
     stop_sequence: str | None = None
     seed: int = 0
-    drafter: NgramDrafter | None = None
-    """Self-speculation (``service.engine.speculation``): None where it is off for this request."""
+    drafter: "NgramDrafter | DraftModelRunner | None" = None
+    """Self-speculation (``service.engine.speculation``), or the plan's draft model (``service.engine.draft``, shared
+    by the requests): None where it is off for this request."""
     policy: DraftPolicy | None = None
     draft: list[int] = field(default_factory=list)
     """Tokens drafted into this step's batch after ``next_token``, each with its logits row."""
@@ -308,6 +312,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._draft_max = max(0, draft_max)
         self._draft_rows = 0
         """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
+        self._draft_runner: DraftModelRunner | None = None
+        """The plan's draft model (``service.engine.draft``): drafts come from it instead of the n-gram drafter."""
         self._drafts = False
         """This model is drafted for: speculation on and no recurrent state (one cannot take back a rejected
         draft's tokens: ``llama_memory_seq_rm`` refuses a tail of a recurrent sequence)."""
@@ -419,6 +425,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         lines = LogTap.start()
         t0 = time.perf_counter()
         model = ctx = emb = None
+        runner: DraftModelRunner | None = None
         emb_pieces = False
         eparams = embedding_context_params(plan.cfg)
         try:
@@ -434,7 +441,12 @@ class LlamaEngine(Prompting, TaskPrompts):
                 # non-causal sequence whole in one ubatch) and a pooling this engine can combine: a model that
                 # declares one may pool through layers of its own (a classifier, dense projections).
                 emb_pieces = bool(llama_cpp.llama_get_causal_attn(emb.ctx)) and self._declared_pooling(model) is None
+            n_emb = len(lines)
+            if plan.draft is not None and self._speculative:
+                runner = self._load_draft(plan, mparams.use_extra_bufts, model)
         except ValueError as exc:
+            if emb is not None:
+                emb.close()
             if ctx is not None:
                 ctx.close()
             if model is not None:
@@ -443,6 +455,11 @@ class LlamaEngine(Prompting, TaskPrompts):
             if "out of memory" in text or "failed to allocate" in text:
                 raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
             raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
+        except BaseException:
+            for held in (emb, ctx, model):
+                if held is not None:
+                    held.close()
+            raise
         finally:
             LogTap.stop()
         elapsed = time.perf_counter() - t0
@@ -483,6 +500,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
             self._saved = SavedLogits(self._n_vocab)
             self._draft_rows = 0
+            self._draft_runner = runner
             self._drafts = self._speculative and not (llama_cpp.llama_model_is_recurrent(model.model)
                                                       or llama_cpp.llama_model_is_hybrid(model.model))
 
@@ -516,7 +534,8 @@ class LlamaEngine(Prompting, TaskPrompts):
             with _engines_lock:
                 _engines_loaded += 1
         allocs, offloaded = parse_allocations(lines[:n_main])
-        emb_allocs, _ = parse_allocations(lines[n_main:])
+        emb_allocs, _ = parse_allocations(lines[n_main:n_emb])
+        draft_allocs, _ = parse_allocations(lines[n_emb:])
         why = "batch-invariant mode" if self._batch_invariant else repack_of(plan).reason
         pc = self._pcache
         log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s "
@@ -527,7 +546,39 @@ class LlamaEngine(Prompting, TaskPrompts):
                  "on" if mparams.use_extra_bufts else "off", why)
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
-                          draft_output_bytes=self._draft_rows * self._n_vocab * 4)
+                          draft_output_bytes=self._draft_rows * self._n_vocab * 4,
+                          draft_allocations=draft_allocs if runner is not None else ())
+
+    def _load_draft(self, plan: Plan, use_extra_bufts: bool, main: Any) -> DraftModelRunner:
+        """The plan's draft model and its context (``sizing.memory.draft``: whole on the card of the main model's
+        output layer, or the host; the main context's size and sequences), its vocabulary checked against the
+        main model's. Raises ``ValueError`` where llama.cpp cannot load it, ``VocabularyMismatch``."""
+        import llama_cpp
+        from llama_cpp import _internals
+
+        draft = plan.draft
+        assert draft is not None
+        dpl, _ = draft_placement(plan.placement, draft.spec.n_layer_all, plan.model.n_layer_all)
+        mp = llama_cpp.llama_model_default_params()
+        keep = apply_model_params(mp, model_params(
+            dpl, [g.index for g in plan.gpus], n_devices=len(plan.gpus), use_extra_bufts=use_extra_bufts))
+        mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+        cp = llama_cpp.llama_context_default_params()
+        apply_context_params(cp, context_params(draft_config(plan.cfg)), n_threads=self._n_threads)
+        model = _internals.LlamaModel(path_model=draft.path, params=mp, verbose=False)
+        why = vocabulary_mismatch(main.vocab, model.vocab)
+        if why is not None:
+            model.close()
+            raise VocabularyMismatch(f"the draft model {draft.path} does not share the model's vocabulary: {why}",
+                                     param="draft_model")
+        try:
+            ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
+        except BaseException:
+            model.close()
+            raise
+        runner = DraftModelRunner(model, ctx, n_slots=int(llama_cpp.llama_n_seq_max(ctx.ctx)), name=draft.label)
+        runner.keep = keep
+        return runner
 
     def _reserve_draft_rows(self, rows: int) -> int:
         """Grow llama.cpp's output buffer to hold ``rows`` drafted tokens' logits beside one row per sequence, now
@@ -588,6 +639,9 @@ class LlamaEngine(Prompting, TaskPrompts):
                 self._emb_tokens = self._emb_seqs = 0
             if emb is not None:
                 emb.close()
+            runner, self._draft_runner = self._draft_runner, None
+            if runner is not None:
+                runner.close()
             self._format = None
             ctx, model = self._ctx, self._model
             self._ctx = self._model = self._vocab = self._mem = None
@@ -863,7 +917,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         ]
         if self._drafts and params.speculative and self._draft_max >= DRAFT_MIN:
             for r in reqs:
-                r.drafter, r.policy = NgramDrafter(), DraftPolicy(draft_max=self._draft_max)
+                r.drafter = self._draft_runner or NgramDrafter()
+                r.policy = DraftPolicy(draft_max=self._draft_max)
         reqs[0].followers = reqs[1:]
         if not self._post(reqs[0]):
             raise NotReady("the model was unloaded")
@@ -1306,6 +1361,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             # the prompt tokens this step may evaluate; drafts only where cells are left after those.
             prompts = sum(len(r.tokens) - r.n_past for r in active if r.prompting)
             spare = min(spare, self._n_ctx - self._cells.used - len(active) - min(prompts, room))
+        jobs: list[tuple[_Request, DraftJob]] = []
         for r in active:
             r.batch_take, r.batch_logits_idx, r.draft = 0, -1, []
             if r.next_token is not None and room > 0:
@@ -1315,10 +1371,23 @@ class LlamaEngine(Prompting, TaskPrompts):
                 if spare > 0 and r.drafter is not None and not r.gone:
                     assert r.policy is not None and r.slot is not None
                     k = min(spare, room, r.policy.budget(r.n_out), r.max_new_tokens - r.n_out - 1)
-                    r.draft = r.drafter.draft(r.slot.tokens, r.next_token, k) if k >= DRAFT_MIN else []
-                    r.batch_take += len(r.draft)
-                    spare -= len(r.draft)
-                    room -= len(r.draft)
+                    if k < DRAFT_MIN:
+                        continue
+                    if isinstance(r.drafter, NgramDrafter):
+                        r.draft = r.drafter.draft(r.slot.tokens, r.next_token, k)
+                        k = len(r.draft)
+                    else:  # the draft model's: all of this step's at once, below (k held for it meanwhile)
+                        jobs.append((r, DraftJob(r.slot.id, [*r.slot.tokens, r.next_token], k, [])))
+                    r.batch_take += k
+                    spare -= k
+                    room -= k
+        if jobs:
+            assert self._draft_runner is not None
+            self._draft_runner.draft([j for _, j in jobs])
+            for r, j in jobs:
+                r.draft = j.draft
+                room += j.k - len(j.draft)
+                r.batch_take -= j.k - len(j.draft)
         for r in active:  # oldest first: admission order
             if room <= 0:
                 break
