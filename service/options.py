@@ -20,6 +20,8 @@ knob               what it sets                                    also accepted
 ``tensor_split``   layer proportions per card
 ``confirm``        confirm the plan with llama.cpp's dry run       ``confirm_loads`` (GGUF_CONFIRM_LOADS)
 ``batch_invariant`` outputs independent of the batch
+``draft_model``    a draft model for speculative decoding
+``draft_squeeze``  keep the draft where it costs context
 =================  ==============================================  =====================================
 
 ``merged(settings, model, request)`` is the one merge: each knob the request's if set, else the model's
@@ -70,6 +72,10 @@ class ModelOptions(BaseModel):
                                  "GGUF_CONFIRM, on).")
     batch_invariant: bool | None = Field(None, description="Outputs independent of the batch (default: "
                                          "GGUF_BATCH_INVARIANT): loaded without repacked weights.")
+    draft_model: str | None = Field(None, max_length=256, description="A draft model for speculative decoding, by "
+                                    "its name here (default: GGUF_DRAFT_MODEL); \"\" for none.")
+    draft_squeeze: bool | None = Field(None, description="Keep the draft model even where it costs the model "
+                                       "context (default: GGUF_DRAFT_SQUEEZE).")
 
     @field_validator("cache_type")
     @classmethod

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence
 
 from sizing.errors import ConfigError, DeviceError, SizingError
-from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, kv_cells, MemoryEstimate,
+from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, DraftModel, kv_cells, MemoryEstimate,
                            placement_key, resolve_flash_attn)
 from sizing.model import arch as archs, ModelSpec
 from sizing.plan import (available, context_config, ctx_cap, ctx_floor, decide_placement, Decision,
@@ -64,12 +64,24 @@ MAX_ROUNDS = 10
 """Solve-and-confirm rounds (each one batch of dry runs) before the plan falls back to measured contexts only."""
 
 
+DraftResolver = Callable[[str], DraftModel]
+"""A draft model's name to its probed file (the registry's: ``ModelManager``); ``BadRequest`` for a name it does not
+know or a file it cannot read."""
+
+
 def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None,
-                 repack: RepackChoice | None = None) -> PlanRequest:
+                 repack: RepackChoice | None = None, drafts: DraftResolver | None = None) -> PlanRequest:
     """The load options, merged over the settings (``service.options.merged``), as a ``PlanRequest``; ``repack``:
     this host's choice of llama.cpp's extra CPU buffer types (``service.engine.cpu``; None: decided where llama.cpp
-    loads it)."""
+    loads it); ``drafts`` finds the draft model the options name (without: a draft model named is an error)."""
     o = merged(settings, None, opts)
+    draft = None
+    # A draft model where drafts are made: speculation on and outputs not batch-invariant (the engine drafts nothing
+    # then, as for n-gram drafts).
+    if o.draft_model and settings.speculative != "off" and not o.batch_invariant:
+        if drafts is None:
+            raise BadRequest("a draft model cannot be planned here", param="draft_model")
+        draft = drafts(o.draft_model)
     if o.batch_invariant and repack is not None and repack.on:  # the engine loads without them (LlamaEngine)
         repack = replace(repack, on=False, reason="batch-invariant outputs (GGUF_BATCH_INVARIANT or the models file)")
     return PlanRequest(
@@ -96,6 +108,8 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         embedding_gpu=settings.embeddings == "on",
         # The drafts' logits rows (self-speculation; not in batch-invariant mode, where the engine drafts nothing).
         draft_rows=settings.draft_max if settings.speculative != "off" and not o.batch_invariant else 0,
+        draft=draft,
+        draft_squeeze=bool(o.draft_squeeze),
         cpu_repack=repack.on if repack is not None else None,
         cpu_repack_reason=repack.reason if repack is not None else "",
         cpu_features=repack.features if repack is not None else frozenset(),
@@ -253,6 +267,8 @@ class Planner:
         self.host_bandwidth_bytes_per_s = host_bandwidth_bytes_per_s
         self.live = not (settings.gpus_file or settings.gpus_json) if live is None else live
         """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
+        self.drafts: DraftResolver | None = None
+        """Finds the draft model a load names (``draft_model``); set by the model manager, which has the registry."""
 
     @functools.cached_property
     def repack(self) -> RepackChoice:
@@ -262,7 +278,7 @@ class Planner:
         return choice
 
     def request(self, opts: LoadOptions) -> PlanRequest:
-        return plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack)
+        return plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack, self.drafts)
 
     def inventory(self, opts: LoadOptions = LoadOptions()) -> tuple[list[Device], Device, bool]:
         """The cards and host as read now, and whether residents count on them (False for hypothetical cards,
@@ -375,7 +391,10 @@ class Planner:
 
     def plan_on(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest, *,
                 path: str | None = None) -> Plan:
-        """``make_plan`` on these devices, with llama.cpp's figures where they are needed and can be had."""
+        """``make_plan`` on these devices, with llama.cpp's figures where they are needed and can be had (for the draft
+        model too: its own calibration, made as for a model planned alone on these devices)."""
+        if req.draft is not None and path is not None:
+            req = self._draft_calibrated(req, gpus, host)
         if path is None or self.calibrator is None or not self.settings.calibrate:
             plan = make_plan(spec, gpus, host, req)
             if needs_calibration(spec, "CPU"):
@@ -395,6 +414,26 @@ class Planner:
         return self._calibrated(spec, path, ident, backend, gpus, host, req)
 
     # -- calibration
+
+    def _draft_calibrated(self, req: PlanRequest, gpus: Sequence[Device], host: Device) -> PlanRequest:
+        """``req`` with llama.cpp's figures for its draft model where the pure model does not prove it here (an
+        unmirrored graph, a GPU backend): the draft planned alone on these devices over the same contexts, which
+        calibrates it at the sample points the main plan's search interpolates between."""
+        draft = req.draft
+        assert draft is not None
+        if self.calibrator is None or not self.settings.calibrate or not draft.path:
+            return req
+        ident = FileIdentity.of(list(draft.spec.source.shards) or [draft.path])
+        try:
+            backend = self.calibrator.backend(ident, draft.path)
+        except DryRunError as exc:
+            log.warning("calibration of the draft model %s could not start: %s", draft.label, exc)
+            return req
+        if not needs_calibration(draft.spec, backend):
+            return req
+        alone = replace(req, draft=None, draft_rows=0, embedding_tokens=0)
+        cal = self._calibrated(draft.spec, draft.path, ident, backend, gpus, host, alone).calibration
+        return replace(req, draft=replace(draft, calibration=cal))
 
     def _calibrated(self, spec: ModelSpec, path: str, ident: FileIdentity, backend: str, gpus: Sequence[Device],
                     host: Device, req: PlanRequest) -> Plan:

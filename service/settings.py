@@ -149,6 +149,18 @@ class Settings(BaseSettings):
         "The plan holds this many logits rows for drafts in host memory (n_vocab x 4 bytes each: 1 MiB for "
         "gemma-3's vocabulary) beside one per slot; drafts also use idle slots' rows.",
     )
+    draft_model: str | None = Field(
+        None, description="A draft model for speculative decoding, by its name here (a file of the models directory, "
+        "a models-file entry, or the embedded model): its greedy guesses replace the n-gram drafts, verified the same "
+        "way. It must share the model's vocabulary (checked at load). The plan places it whole beside the model, on "
+        "the card of the model's output layer (or the host), with a context the size of the model's, and leaves it "
+        "out (DRAFT_DOES_NOT_FIT, with the figures) where it would cost the model context; set per model in the models "
+        "file, or per load.",
+    )
+    draft_squeeze: bool = Field(
+        False, description="Keep the draft model even where it leaves the model a smaller context, a less precise "
+        "cache or another placement than without it.",
+    )
     prompt_cache_mib: int = Field(
         8192, ge=0, description="Ceiling of the host memory that keeps idle conversations' KV beyond the slots (as "
         "llama-server's --cache-ram, 8192 MiB by default): a later turn is restored instead of evaluated. Each load's "

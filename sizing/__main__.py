@@ -37,6 +37,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .probe import probe_location
     from .plan.planner import PlanRequest, make_plan
     from .memory.repack import auto_reason, auto_repack
+    from .memory import DraftModel
     from .plan.report import plan_json, plan_table
 
     spec = probe_location(args.path)
@@ -56,6 +57,8 @@ def _plan(args: argparse.Namespace) -> int:
         embedding_tokens=args.embedding_tokens,
         embedding_gpu=args.embedding_gpu,
         draft_rows=args.draft_rows,
+        draft=DraftModel(probe_location(args.draft_model), path=args.draft_model) if args.draft_model else None,
+        draft_squeeze=args.draft_squeeze,
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
@@ -134,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--draft-rows", type=int, default=32,
                     help="logits rows for self-speculation's drafts (default 32, the service's GGUF_DRAFT_MAX with "
                     "GGUF_SPECULATIVE=ngram; 0: none)")
+    pl.add_argument("--draft-model", metavar="PATH_OR_URL", help="a draft model for speculative decoding, sized beside "
+                    "the model (whole on the card of its output layer, or the host; the same context)")
+    pl.add_argument("--draft-squeeze", action="store_true",
+                    help="keep the draft even where it costs the model context (else it is left out, with figures)")
     pl.add_argument("--no-offload", action="store_true", help="refuse instead of keeping layers in host memory")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=_plan)

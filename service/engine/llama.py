@@ -85,7 +85,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from sizing.memory.draft import draft_config, draft_placement
+from sizing.memory import draft_config, draft_placement
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 

@@ -46,6 +46,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence, Union
 
 from sizing.errors import ProbeError, UnsupportedModelError, without_credentials
+from sizing.memory import DraftModel
 from sizing.model import ModelSpec
 from sizing.plan import Device, Holding, Plan, plan_table
 from sizing.probe import host_memory, inventory, probe_path
@@ -54,7 +55,7 @@ from sizing.units import MIB
 from ..downloads import Downloads, remote_limits
 from ..engine.base import Engine, LoadReport
 from ..engine.calibrate import Calibrator
-from ..errors import BadRequest, Busy, NotReady, ServiceError, Upstream
+from ..errors import BadRequest, Busy, ModelNotFound, NotReady, ServiceError, Upstream
 from ..keepalive import parse_keep_alive
 from ..models import ModelEntry, Registry
 from ..options import LoadOptions, merged
@@ -121,6 +122,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
             self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
         self.planner = Planner(settings, lambda: self._devices(), Calibrator(timeout_s=settings.calibrate_timeout_s),
                                self.host_bandwidth_bytes_per_s, live=live)
+        self.planner.drafts = self._draft_model
         self.downloads = Downloads(settings, registry, self.planner, self._kept_estimates)
         self.default_keep_alive_s = parse_keep_alive(settings.keep_alive, param="GGUF_KEEP_ALIVE")
 
@@ -171,6 +173,18 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
             return probe_path(entry.path)
         except (ProbeError, UnsupportedModelError) as exc:
             raise BadRequest(f"model '{entry.name}' cannot be read: {exc}", param="model") from exc
+
+    def _draft_model(self, name: str) -> DraftModel:
+        """The draft model a load names: a model of the registry (its name or alias), probed."""
+        try:
+            entry = self.registry.resolve(name)
+        except ModelNotFound as exc:
+            raise BadRequest(f"draft model '{name}' is not a model here: {exc}", param="draft_model") from exc
+        try:
+            spec = probe_path(entry.path)
+        except (ProbeError, UnsupportedModelError) as exc:
+            raise BadRequest(f"draft model '{entry.name}' cannot be read: {exc}", param="draft_model") from exc
+        return DraftModel(spec, path=entry.path, name=entry.name)
 
     def options_for(self, entry: ModelEntry, opts: LoadOptions) -> LoadOptions:
         """A request's options over the model's own (models file) over the settings'."""

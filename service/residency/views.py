@@ -74,6 +74,15 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
             }
             for a in state.report.allocations
         ]
+        draft = est.draft if est is not None else None
+        if draft is not None:
+            drows = allocation_rows(draft.estimate)
+            out["draft"] = {
+                "name": draft.name, "path": draft.path, "device": draft.device,
+                "memory": [{"device": a.device, "allocated_mib": mib(a.total_bytes),
+                            "predicted_mib": mib(drows[a.device]) if a.device in drows else None}
+                           for a in state.report.draft_allocations],
+            }
     return out
 
 
@@ -112,11 +121,12 @@ def devices_json(manager: "ModelManager") -> list[dict[str, Any]]:
 def allocation_rows(est: Any) -> dict[str, int]:
     """The plan's bytes per row of llama.cpp's allocation log (what ``parse_allocations`` reports): each device's
     buffers without what the log does not show (the allowance, the CUDA pool bound, the embedding context),
-    the host's weights in the extra CPU buffer types (CPU_REPACK, AMX) as rows of their own."""
+    the host's weights in the extra CPU buffer types (CPU_REPACK, AMX) as rows of their own. A draft model's bytes
+    are not in them: its load logs lines of its own (``LoadReport.draft_allocations``, ``MemoryEstimate.draft``)."""
     out: dict[str, int] = {}
     for d in est.devices:
         out[d.device] = (d.total_bytes - d.allowance_bytes - d.pool_bytes - d.embedding_bytes
-                         - d.extra_weights_bytes)
+                         - d.extra_weights_bytes - d.draft_model_bytes)
         for buffer, n in d.extra_weights:
             out[buffer] = out.get(buffer, 0) + n
     return out

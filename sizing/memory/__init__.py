@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .compute import compute_mirrored
 from .context import ContextConfig, FlashAttn, pad
+from .draft import DraftMemory, DraftModel, draft_config, draft_placement
 from .estimate import DEFAULT_GPU_ALLOWANCE_BYTES, DeviceMemory, MemoryEstimate, estimate, resolve_flash_attn
 from .kv import kv_cells
 from .measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes, placement_key
@@ -16,6 +17,6 @@ from .placement import Placement
 from .repack import EXTRA_BUFFERS, auto_reason, auto_repack, extra_buffer_bytes
 
 __all__ = ["DEFAULT_GPU_ALLOWANCE_BYTES", "EXTRA_BUFFERS", "Calibrated", "Calibration", "ConfigKey", "ContextConfig",
-           "DeviceMemory", "FlashAttn", "MemoryEstimate", "Placement", "Sample", "auto_reason", "auto_repack",
+           "DeviceMemory", "DraftMemory", "DraftModel", "draft_config", "draft_placement", "FlashAttn", "MemoryEstimate", "Placement", "Sample", "auto_reason", "auto_repack",
            "compute_mirrored", "estimate", "extra_buffer_bytes", "kv_cells", "mib_to_bytes", "pad", "placement_key",
            "resolve_flash_attn"]

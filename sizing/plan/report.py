@@ -238,7 +238,9 @@ def plan_table(plan: Plan) -> str:
                 + "".join(f"+ {b} {mib(n)}  " for b, n in d.extra_weights)
                 + f"KV {mib(d.kv_bytes):>8}  "
                 + (f"state {mib(d.state_bytes):>7}  " if d.state_bytes else "")
-                + f"compute {mib(d.compute_bytes):>8}  allowance {mib(d.allowance_bytes + d.pool_bytes):>6}  "
+                + f"compute {mib(d.compute_bytes):>8}  "
+                + (f"draft model {mib(d.draft_model_bytes)}  " if d.draft_model_bytes else "")
+                + f"allowance {mib(d.allowance_bytes + d.pool_bytes):>6}  "
                 f"free {mib(free):>9}  "
                 + (f"missing {mib(d.total_bytes - free)}" if d.total_bytes > free else f"spare {mib(free - d.total_bytes)}")
             )
@@ -248,9 +250,9 @@ def plan_table(plan: Plan) -> str:
                      f"compute {mib(e.compute_bytes)}, output {mib(e.output_bytes)} MiB (logits and embeddings of "
                      f"every token), total {mib(e.total_bytes)} MiB")
     if plan.estimate is not None and plan.estimate.draft is not None:
-        d = plan.estimate.draft
-        j = d.to_json()
-        lines.append(f"draft model {d.name} on {d.device}: weights {j['weights_mib']}, KV {j['kv_mib']}, compute "
+        dm = plan.estimate.draft
+        j = dm.to_json()
+        lines.append(f"draft model {dm.name} on {dm.device}: weights {j['weights_mib']}, KV {j['kv_mib']}, compute "
                      f"{j['compute_mib']}, output {j['output_mib']} MiB (n_ctx {j['n_ctx']}), total {j['total_mib']} MiB")
     if plan.candidates:
         lines.append("partial-offload candidates (fastest first):")
