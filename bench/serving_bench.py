@@ -64,15 +64,15 @@ QUESTIONS = ("What did the keeper do at dusk?", "Who visited him?", "What happen
 
 
 @contextlib.contextmanager
-def service(model: str, **settings: str) -> Iterator[str]:
+def service(model: str, *, beside: tuple[str, ...] = (), **settings: str) -> Iterator[str]:
     """``python -m service`` on its defaults (but ``settings``, GGUF_* names), serving ``model`` from a models
-    directory of its own."""
+    directory of its own (with the files ``beside``, under their own names: a draft model)."""
     models = Path(tempfile.mkdtemp(prefix="serving-bench-"))
-    link = models / "bench.gguf"
-    try:
-        os.link(model, link)
-    except OSError:
-        shutil.copyfile(model, link)
+    for src, dst in ((model, models / "bench.gguf"), *((b, models / Path(b).name) for b in beside)):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
     env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning",

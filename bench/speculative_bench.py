@@ -1,6 +1,7 @@
 """Self-speculative decoding (issue 26): decode speed with drafts, without them, and llama-server's ngram-simple.
 
     python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--no-llama-server] [--draft-max N] [--model PATH]
+                                      [--draft-model PATH]
 
 One client at a time, greedy, ``ignore_eos`` (every answer the same length on every side). Three sides, one
 request each per workload and round, their order rotated: the service (its defaults: ``GGUF_SPECULATIVE=ngram``),
@@ -13,6 +14,9 @@ n-gram, up to 48 drafted tokens). Workloads:
 - ``plain``: free text on a topic, sampled (temperature 1, a fixed seed: the same text on both of the service's
   sides), which repeats little: what drafting costs where it does not help. Greedy, the embedded base model
   soon repeats its own sentences, which drafting then copies.
+
+With ``--draft-model`` the drafts come from that model on both servers instead (the service's
+``GGUF_DRAFT_MODEL``, llama-server's ``-md`` with its defaults: up to 16 tokens, p-min 0.75).
 
 Printed per workload: the median decode tokens/s of each side, the service's ratio with drafts to without
 (targets: at least 1.5x on ``copy`` and ``json``, at least 0.97x on ``plain``) and to llama-server (target: at
@@ -51,6 +55,7 @@ RECORDS = "\n".join(
     for i, (n, c, r) in enumerate([("Ada Lovelace", "London", "analyst"), ("Alan Turing", "Manchester", "engineer"),
                                    ("Grace Hopper", "Arlington", "admiral"), ("Edsger Dijkstra", "Austin", "professor"),
                                    ("Barbara Liskov", "Boston", "researcher"), ("Donald Knuth", "Stanford", "author")]))
+PEER = "llama-server"
 SAMPLED = {"plain"}
 """Workloads sampled with temperature 1 and a seed instead of greedy."""
 WORKLOADS: dict[str, str] = {
@@ -100,18 +105,25 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--draft-max", type=int, default=None, help="GGUF_DRAFT_MAX for the service (default its own)")
+    ap.add_argument("--draft-model", default=None, help="a draft model's file (bench/make_draft.py writes one)")
     args = ap.parse_args()
     from service.models import embedded_model_path
 
     model = args.model or embedded_model_path()
     with contextlib.ExitStack() as stack:
         sides: dict[str, Callable[[str, bool], tuple[float, int, int]]] = {}
-        url = stack.enter_context(service(model, **({"GGUF_DRAFT_MAX": str(args.draft_max)} if args.draft_max else {})))
+        settings = {"GGUF_DRAFT_MAX": str(args.draft_max)} if args.draft_max else {}
+        beside: tuple[str, ...] = ()
+        peer_args: tuple[str, ...] = ("--spec-type", "ngram-simple")
+        if args.draft_model:
+            beside, peer_args = (args.draft_model,), ("-md", args.draft_model)
+            settings["GGUF_DRAFT_MODEL"] = Path(args.draft_model).stem
+        url = stack.enter_context(service(model, beside=beside, **settings))
         sides["service"] = lambda p, s: _run(url, p, args.tokens, {}, s)
         sides["service, no drafts"] = lambda p, s: _run(url, p, args.tokens, {"speculative": False}, s)
         if not args.no_llama_server:
-            lurl = stack.enter_context(serve(find_or_build(), model, "--spec-type", "ngram-simple"))
-            sides["llama-server ngram-simple"] = lambda p, s: _run(lurl, p, args.tokens, {}, s)
+            lurl = stack.enter_context(serve(find_or_build(), model, *peer_args))
+            sides[PEER] = lambda p, s: _run(lurl, p, args.tokens, {}, s)
         names = list(sides)
         for w, prompt in WORKLOADS.items():  # warm-up: every side's first request of each workload
             for name in names:
@@ -134,10 +146,10 @@ def main() -> None:
             k = sum(y for _, y in drafts[(w, "service")])
             ratio = med["service"] / med["service, no drafts"] if med["service, no drafts"] else 0.0
             line = f"{w:6s} " + " | ".join(parts) + f" | with/without drafts {ratio:.2f}x"
-            if "llama-server ngram-simple" in med and med["llama-server ngram-simple"]:
-                line += f" | service/llama-server {med['service'] / med['llama-server ngram-simple']:.2f}x"
-                ld = sum(x for x, _ in drafts[(w, "llama-server ngram-simple")])
-                lk = sum(y for _, y in drafts[(w, "llama-server ngram-simple")])
+            if PEER in med and med[PEER]:
+                line += f" | service/llama-server {med['service'] / med[PEER]:.2f}x"
+                ld = sum(x for x, _ in drafts[(w, PEER)])
+                lk = sum(y for _, y in drafts[(w, PEER)])
                 line += f" | llama-server kept {lk}/{ld}"
             line += f" | service kept {k}/{d} drafted tokens"
             print(line)

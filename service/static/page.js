@@ -26,6 +26,7 @@
     { kind: "kv", name: "KV cache" },
     { kind: "compute", name: "compute buffer" },
     { kind: "allowance", name: "allowance" },
+    { kind: "draft", name: "draft model" },
     { kind: "free", name: "free" },
     { kind: "over", name: "over the memory" },
   ];
@@ -271,6 +272,8 @@
       ["n_gpu_layers", "n_gpu_layers", isNum(chosen.n_gpu_layers) ? String(chosen.n_gpu_layers) : null],
       ["kv_mib", "KV cache", isNum(est.kv_mib) ? fmtMiB(est.kv_mib) + " MiB" : null],
       ["total_mib", "Total", isNum(est.total_mib) ? fmtMiB(est.total_mib) + " MiB" : null],
+      ["draft", "Draft model", plan.draft ? plan.draft.name + " on " + plan.draft.device + ", " +
+        fmtMiB(plan.draft.total_mib) + " MiB" : (plan.draft_refusal || null)],
       ["n_ctx_train", "Trained context", isNum(model.n_ctx_train) ? fmtInt(model.n_ctx_train) : null],
     ];
     for (const [key, label, value] of items) {
@@ -379,6 +382,7 @@
         ["kv", sum([est.kv_mib, est.state_mib]), est.state_mib ? "KV + state" : "KV"],
         ["compute", sum([est.compute_mib, est.output_mib]), "compute"],
         ["allowance", sum([est.allowance_mib, est.gpu_pool_mib]), "allowance"],
+        ["draft", est.draft_model_mib, "draft model"],
       ];
       for (const [kind, mib, label] of parts) {
         if (isNum(mib) && mib > 0) { segs.push({ kind, mib, label }); need += mib; }

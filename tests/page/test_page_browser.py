@@ -431,3 +431,22 @@ def test_the_bars_draw_each_loaded_models_share_and_the_offload_candidates(
         assert float(row["decode_tokens_per_s"]) == pytest.approx(c["decode_tokens_per_s"], rel=0.25, abs=0.015)
     assert browser.find_element(By.ID, "candidates-section").is_displayed()
     screenshot(browser, shots / "09-residents-and-candidates.png")
+
+
+def test_a_draft_model_is_drawn_on_its_device_and_named_in_the_summary(browser: Any, service_factory: Any) -> None:
+    """GGUF_DRAFT_MODEL (the embedded model as its own draft): its bytes are a segment of the host's bar, and the
+    summary names it with its size; where it is left out, the summary says why."""
+    from selenium.webdriver.common.by import By
+
+    svc = service_factory(GGUF_DRAFT_MODEL=MODEL, GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="4096")
+    svc.wait_ready()
+    open_page(browser, svc.url)
+    plan = svc.client.post("/api/dry-run", json={"model": MODEL, "cache_type": browser.find_element(
+        By.ID, "cache-type").get_attribute("value")}).json()
+    draft = plan["draft"]
+    assert draft["name"] == MODEL and draft["device"] == "CPU"
+    assert field(browser, "draft") == f"{MODEL} on CPU, {fmt(draft['total_mib'])} MiB"
+    host = [d for d in plan["estimate"]["devices"] if d["device"] == "CPU"][0]
+    seg = settled(lambda: browser.find_element(
+        By.CSS_SELECTOR, '#bars figure.bar[data-device="CPU"] rect[data-kind="draft"]').get_attribute("data-mib"))
+    assert seg == fmt(host["draft_model_mib"])
