@@ -40,12 +40,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence
 
 from sizing.errors import ConfigError, DeviceError, SizingError
-from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, DraftModel, kv_cells, MemoryEstimate,
+from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, DraftModel, draft_config,
+                           draft_placement, kv_cells, MemoryEstimate,
                            placement_key, resolve_flash_attn)
 from sizing.model import arch as archs, ModelSpec
 from sizing.plan import (available, context_config, ctx_cap, ctx_floor, decide_placement, Decision,
-                         decision_request, Device, held_bytes, held_summary, Holding, lru, make_plan, Plan, plan_json,
-                         PlanRequest)
+                         decision_request, Device, DRAFT_REFUSAL, held_bytes, held_summary, Holding, lru, make_plan, Plan,
+                         plan_json, PlanRequest)
 from sizing.probe import host_memory, parse_declared
 from sizing.units import MIB, mib
 
@@ -157,6 +158,8 @@ class Confirmation:
     """llama.cpp's layer assignment for the dry run (``load_tensors: layer N assigned to device D``)."""
     weight_buffers: dict[str, list[str]] = field(default_factory=dict)
     """The weight buffers (CPU, CPU_REPACK, AMX, CUDA0...) the plan predicts and the ones the dry run creates."""
+    draft: dict[str, Any] | None = None
+    """The draft model's own dry run beside its lines of the plan (``Planner._confirm_draft``)."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status, "seconds": round(self.seconds, 3)}
@@ -173,6 +176,8 @@ class Confirmation:
         if self.replanned_from is not None:
             out["replanned_from"] = self.replanned_from
             out["n_ctx"] = self.plan.cfg.n_ctx
+        if self.draft is not None:
+            out["draft"] = self.draft
         return out
 
 
@@ -550,6 +555,9 @@ class Planner:
                         result.failure.message)
             return Confirmation(result.failure.kind, plan, seconds, result.failure.message)  # type: ignore[arg-type]
         conf = _figures(plan, result, seconds, layers, buffers)
+        if plan.draft is not None:
+            conf = self._confirm_draft(conf, path, timeout)
+            plan = conf.plan
         wb = conf.weight_buffers
         if wb and sorted(wb["predicted"]) != wb["llama_cpp"]:
             log.warning("llama.cpp's dry run of %s puts the weights in other buffers than predicted: %s", name, wb)
@@ -572,6 +580,42 @@ class Planner:
         log.info("re-planned %s with llama.cpp's figures: n_ctx %d -> %d (%s)", name, plan.cfg.n_ctx,
                  replanned.cfg.n_ctx, replanned.verdict)
         return replace(conf, status="replanned", plan=replanned, replanned_from=before)
+
+    def _confirm_draft(self, conf: Confirmation, path: str, timeout: float) -> Confirmation:
+        """llama.cpp's dry run of the plan's draft model, with the engine's parameters for it, beside its lines of the
+        plan. Where it needs more than predicted, the plan is the one without the draft (which needs less on every
+        device), saying why: a draft the plan cannot vouch for is not loaded."""
+        from .engine.dryrun import dry_run
+
+        plan = conf.plan
+        draft = plan.draft
+        assert draft is not None and plan.estimate is not None and plan.estimate.draft is not None
+        dplan = draft_plan(plan)
+        mp = model_params(dplan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
+                          use_extra_bufts=plan_params(plan)[0].use_extra_bufts)
+        t0 = time.perf_counter()
+        try:
+            if self.calibrator is not None:
+                result = self.calibrator.measure(draft.path, mp, [dplan.cfg])[0]
+            else:
+                result = dry_run(draft.path, dplan.cfg, model=mp, timeout_s=timeout)
+        except DryRunError as exc:
+            log.warning("dry-run confirmation of the draft model %s could not run: %s", draft.label, exc)
+            return replace(conf, draft={"status": "not_run", "error": str(exc)})
+        if result.failure is not None:
+            why = f"llama.cpp's dry run of it {result.failure.kind}: {result.failure.message}"
+        else:
+            figures = _figures(dplan, result, time.perf_counter() - t0, {}, set())
+            over = _exceeds(dplan, result)
+            if not over:
+                return replace(conf, draft=figures.to_json())
+            why = f"llama.cpp's dry run of it needs more than predicted on {', '.join(over)} ({_summary(figures)})"
+        text = f"{DRAFT_REFUSAL}: draft model {draft.label} not loaded: {why}"
+        log.warning("%s", text)
+        without = self.plan_on(plan.model, plan.gpus, plan.host, replace(plan.request, draft=None), path=path)
+        without = replace(without, draft_refusal=text, warnings=(*without.warnings, text))
+        return replace(conf, status="replanned", plan=without, draft={"status": "refused", "error": why},
+                       replanned_from={"n_ctx": plan.cfg.n_ctx, "verdict": plan.verdict, "draft": draft.label})
 
     def _replan_with(self, plan: Plan, path: str, result: DryRunResult) -> Plan:
         """The plan solved again with the confirmation's figures added to its calibration (and, with a
@@ -617,6 +661,17 @@ def _measured_compute(plan: Plan, result: DryRunResult, device: str) -> float | 
     if device != "CPU" and set(result.compute_mib) == {"CPU"}:
         return result.compute_mib["CPU"]
     return None
+
+
+def draft_plan(plan: Plan) -> Plan:
+    """The plan's draft model as a plan of its own (its spec, context, placement and estimate, on the plan's
+    devices): what its dry run is compared with."""
+    draft, est = plan.draft, plan.estimate
+    assert draft is not None and est is not None and est.draft is not None
+    dpl, _ = draft_placement(plan.placement, draft.spec.n_layer_all, plan.model.n_layer_all)
+    return replace(plan, model=draft.spec, cfg=draft_config(plan.cfg), placement=dpl, estimate=est.draft.estimate,
+                   request=replace(plan.request, draft=None), calibration=draft.calibration, candidates=(),
+                   draft_refusal=None)
 
 
 def _figures(plan: Plan, result: DryRunResult, seconds: float, layers: dict[int, str],

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from .auto_cache import choose_cache_type
 from .device import Device, DeviceKind
-from .planner import CacheTypeOption, Candidate, Plan, make_plan
+from .planner import DRAFT_REFUSAL, CacheTypeOption, Candidate, Plan, make_plan
 from .report import plan_json, plan_table, spec_json
 from .request import AUTO_CACHE_TYPE, AUTO_CACHE_TYPES, PlanRequest, context_config, ctx_cap, ctx_floor
 from .residency import (Decision, Holding, available, choose_eviction, decide_placement, decision_request, held_bytes,
                         held_summary, lru)
 
-__all__ = ["AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "CacheTypeOption", "Candidate", "Decision", "Device", "DeviceKind",
+__all__ = ["DRAFT_REFUSAL", "AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "CacheTypeOption", "Candidate", "Decision", "Device", "DeviceKind",
            "Holding", "Plan", "PlanRequest", "available", "choose_cache_type", "choose_eviction", "context_config",
            "ctx_cap", "ctx_floor", "decide_placement", "decision_request", "held_bytes", "held_summary", "lru",
            "make_plan", "plan_json", "plan_table", "spec_json"]

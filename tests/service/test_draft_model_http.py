@@ -80,3 +80,42 @@ def test_a_model_of_another_vocabulary_is_refused_at_load_and_the_server_serves_
         assert ok.status_code == 200
         # Without the draft it loads.
         assert c.post("/api/models/load", json={"model": TINY, "draft_model": ""}).status_code == 200
+
+
+def test_a_confirmed_load_dry_runs_the_draft_too(served: tuple[str, Any]) -> None:
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=300) as c:
+        r = c.post("/api/models/load", json={"model": EMBEDDED_NAME, "confirm": True})
+        assert r.status_code == 200, r.text
+        conf = r.json()["confirmation"]
+    assert conf["status"] == "confirmed", conf
+    draft = conf["draft"]
+    assert draft["status"] == "confirmed"
+    assert abs(draft["kv_mib"]["predicted"] - draft["kv_mib"]["llama_cpp"]) <= 0.02
+    cpu = draft["compute_mib"]["CPU"]
+    assert abs(cpu["predicted"] - cpu["llama_cpp"]) <= 0.02
+
+
+def test_a_draft_its_dry_run_finds_bigger_than_planned_is_left_out(embedded_model: str) -> None:
+    """The plan's figure for the draft's KV cut by a MiB: llama.cpp's dry run needs more, so the load's plan is the
+    one without the draft, saying why."""
+    from dataclasses import replace
+
+    from service.planning import Planner
+    from sizing.memory import DraftModel
+    from sizing.plan import PlanRequest, make_plan
+    from sizing.probe import host_memory, probe_path
+
+    spec = probe_path(embedded_model)
+    req = PlanRequest(n_ctx=2048, n_seq_max=2, kv_unified=True, cache_type="q8_0", cpu_repack=False,
+                      draft=DraftModel(spec, path=embedded_model, name="self"))
+    plan = make_plan(spec, [], host_memory(), req)
+    est = plan.estimate
+    assert est is not None and est.draft is not None
+    small = replace(est.draft.estimate, host=replace(est.draft.estimate.host, kv_bytes=est.draft.estimate.host.kv_bytes - (1 << 20)))
+    plan = replace(plan, estimate=replace(est, draft=replace(est.draft, estimate=small)))
+    planner = Planner(Settings(confirm=True, cpu_repack="off"), lambda: ([], host_memory()))
+    conf = planner.confirm(plan, embedded_model, "gemma")
+    assert conf.status == "replanned" and conf.plan.draft is None
+    assert conf.plan.draft_refusal is not None and "needs more than predicted on CPU" in conf.plan.draft_refusal
+    assert conf.to_json()["draft"]["status"] == "refused"
