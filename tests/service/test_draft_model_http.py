@@ -5,7 +5,6 @@ model whose vocabulary the draft does not share is refused at load with the diff
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
