@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="the draft GGUF to write")
     ap.add_argument("--first", type=int, default=DEFAULT_FIRST, help=f"keep the first K blocks ({DEFAULT_FIRST})")
     ap.add_argument("--last", type=int, default=DEFAULT_LAST, help=f"keep the last L blocks ({DEFAULT_LAST})")
+    ap.add_argument("--blocks", type=str, default=None,
+                    help="keep these blocks instead, comma-separated source indices in increasing order (e.g. 0,2,4,17)")
     ap.add_argument("--model", type=Path, default=None, help="source GGUF (default: the embedded model)")
     args = ap.parse_args(argv)
 
@@ -164,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     reader = gguf.GGUFReader(src, "r")
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     n_layer = int(reader.get_field(f"{arch}.block_count").contents())
-    blocks = kept_blocks(n_layer, args.first, args.last)
+    if args.blocks:
+        blocks = [int(x) for x in args.blocks.split(",")]
+        if blocks != sorted(set(blocks)) or blocks[0] < 0 or blocks[-1] >= n_layer:
+            raise SystemExit(f"--blocks must be increasing indices below {n_layer}")
+    else:
+        blocks = kept_blocks(n_layer, args.first, args.last)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     roles = build(reader, args.out, blocks)
