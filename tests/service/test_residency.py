@@ -603,3 +603,41 @@ def test_keep_alive_values_follow_ollamas_semantics() -> None:
     for bad in ("", "5 m", "m", "1d", "nan", float("nan"), True, None, "1" * 65):
         with pytest.raises(BadRequest):
             parse_keep_alive(bad)
+
+
+def test_a_draft_model_from_the_models_file_is_planned_on_the_card_of_the_output_layer(
+        multi: Callable[..., FakeService], tmp_path: Path, fixtures: dict[str, str]) -> None:
+    """``draft_model`` in a model's table (a model of the registry by name): the plan puts it whole on the card that
+    holds the model's output layer, its bytes in that card's total; a body's ``""`` plans without it, and a draft
+    that would cost the model context is left out with the figures (``draft_squeeze`` keeps it)."""
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(f'[models.chat]\nfile = "{fixtures[N("c8")]}"\ndraft_model = "{N("a4")}"\n')
+    svc = multi(models_file=str(models_file))
+    plan = svc.client.post("/api/dry-run", json={"model": "chat", "n_ctx": 2048}).json()
+    assert plan["verdict"] == "one_card" and plan["draft"]["name"] == N("a4"), plan.get("draft_refusal")
+    card = next(d for d in plan["estimate"]["devices"] if d["device"] != "CPU")
+    assert plan["draft"]["device"] == card["device"] and card["draft_model_mib"] > plan["draft"]["weights_mib"] / 2
+    alone = svc.client.post("/api/dry-run", json={"model": "chat", "n_ctx": 2048, "draft_model": ""}).json()
+    assert alone["draft"] is None
+    card_alone = next(d for d in alone["estimate"]["devices"] if d["device"] == card["device"])
+    assert card["total_mib"] == pytest.approx(card_alone["total_mib"] + card["draft_model_mib"], abs=0.02)
+    # On a card whose memory holds the draft beside the model at the ceiling's half but not at the ceiling, the
+    # draft would take context from the model: the plan leaves it out and says so, unless squeezed.
+    full = svc.client.post("/api/dry-run", json={"model": "chat"}).json()
+    at_full = next(d for d in full["estimate"]["devices"] if d["device"] != "CPU")
+    assert full["draft"] is not None and full["chosen"]["n_ctx"] == 4096
+    tight = [{"name": "tight", "free_mib": (card["total_mib"] + at_full["total_mib"]) / 2, "total_mib": 8192}]
+    f16 = {"model": "chat", "gpus": tight, "cache_type": "f16"}
+    left_out = svc.client.post("/api/dry-run", json=f16).json()
+    assert left_out["draft"] is None and left_out["chosen"]["n_ctx"] == 4096
+    refusal = left_out["draft_refusal"]
+    assert refusal.startswith("DRAFT_DOES_NOT_FIT") and N("a4") in refusal and "without it 4096 tokens" in refusal
+    squeezed = svc.client.post("/api/dry-run", json={**f16, "draft_squeeze": True}).json()
+    assert squeezed["draft"] is not None and 2048 <= squeezed["chosen"]["n_ctx"] < 4096
+    assert f"with it the plan is {squeezed['chosen']['n_ctx']} tokens of f16 cache" in refusal
+    # With auto the draft would cost the cache's precision instead (a quantized type reaches the ceiling beside it).
+    auto = svc.client.post("/api/dry-run", json={"model": "chat", "gpus": tight}).json()
+    assert auto["draft"] is None and auto["chosen"]["cache_type"] == "f16"
+    assert "without it 4096 tokens of f16 cache" in auto["draft_refusal"]
+    bad = svc.client.post("/api/dry-run", json={"model": "chat", "draft_model": "../etc/passwd"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft_model", bad.text
