@@ -16,7 +16,8 @@ n-gram, up to 48 drafted tokens). Workloads:
   soon repeats its own sentences, which drafting then copies.
 
 With ``--draft-model`` the drafts come from that model on both servers instead (the service's
-``GGUF_DRAFT_MODEL``, llama-server's ``-md`` with its defaults: up to 16 tokens, p-min 0.75).
+``GGUF_DRAFT_MODEL``, llama-server's ``-md`` with ``--spec-type draft-simple``, which it needs for a draft
+without MTP heads, and its defaults: up to 16 tokens, p-min 0.75).
 
 Printed per workload: the median decode tokens/s of each side, the service's ratio with drafts to without
 (targets: at least 1.5x on ``copy`` and ``json``, at least 0.97x on ``plain``) and to llama-server (target: at
@@ -116,7 +117,7 @@ def main() -> None:
         beside: tuple[str, ...] = ()
         peer_args: tuple[str, ...] = ("--spec-type", "ngram-simple")
         if args.draft_model:
-            beside, peer_args = (args.draft_model,), ("-md", args.draft_model)
+            beside, peer_args = (args.draft_model,), ("-md", args.draft_model, "--spec-type", "draft-simple")
             settings["GGUF_DRAFT_MODEL"] = Path(args.draft_model).stem
         url = stack.enter_context(service(model, beside=beside, **settings))
         sides["service"] = lambda p, s: _run(url, p, args.tokens, {}, s)

@@ -1386,6 +1386,8 @@ class LlamaEngine(Prompting, TaskPrompts):
             self._draft_runner.draft([j for _, j in jobs])
             for r, j in jobs:
                 r.draft = j.draft
+                if not j.draft:
+                    r.policy.declined(r.n_out)  # type: ignore[union-attr]
                 room += j.k - len(j.draft)
                 r.batch_take -= j.k - len(j.draft)
         for r in active:  # oldest first: admission order

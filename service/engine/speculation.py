@@ -109,6 +109,14 @@ class DraftPolicy:
         if accepted:
             self.misses = 0
             return
+        self._miss(n_out)
+
+    def declined(self, n_out: int) -> None:
+        """A draft model had no guess it was sure enough of: its decode was spent for nothing, a miss as a draft
+        rejected whole (the n-gram drafter's empty look-up costs nothing and is not counted)."""
+        self._miss(n_out)
+
+    def _miss(self, n_out: int) -> None:
         self.misses += 1
         if self.misses >= PAUSE_AFTER_MISSES:
             self.paused_until = n_out + self.pause

@@ -240,3 +240,12 @@ def test_a_step_asks_for_no_more_logits_rows_than_llama_cpp_reserved(engine: Lla
     _run(engine.complete(TEXT, replace(GREEDY, max_tokens=24), Cancel()))
     t.join(600)
     assert 1 < max(rows) <= engine.slots
+
+
+def test_a_draft_model_with_no_guess_counts_as_a_miss_and_pauses_too() -> None:
+    p = DraftPolicy(draft_max=8)
+    for i in range(PAUSE_AFTER_MISSES):
+        assert p.budget(i) > 0
+        p.declined(i)
+    assert p.budget(PAUSE_AFTER_MISSES) == 0 and p.budget(PAUSE_AFTER_MISSES - 1 + PAUSE_TOKENS) > 0
+    assert (p.drafted, p.accepted, p.length) == (0, 0, DRAFT_START)
