@@ -53,7 +53,7 @@ from sizing.units import MIB, mib
 from .engine.calibrate import Calibrator, FileIdentity, add_samples, points
 from .engine.cpu import RepackChoice, host_repack
 from .engine.dryrun import DryRunError, DryRunResult
-from .engine.params import ModelParams, model_params, plan_params
+from .engine.params import ModelParams, draft_params, model_params, plan_params
 from .engine.prompt_cache import plan_budget
 from .errors import BadRequest, InsufficientMemory
 from .options import LoadOptions, merged
@@ -556,7 +556,7 @@ class Planner:
             return Confirmation(result.failure.kind, plan, seconds, result.failure.message)  # type: ignore[arg-type]
         conf = _figures(plan, result, seconds, layers, buffers)
         if plan.draft is not None:
-            conf = self._confirm_draft(conf, path, timeout)
+            conf = self._confirm_draft(conf, path, timeout, mp.use_extra_bufts)
             plan = conf.plan
         wb = conf.weight_buffers
         if wb and sorted(wb["predicted"]) != wb["llama_cpp"]:
@@ -581,7 +581,7 @@ class Planner:
                  replanned.cfg.n_ctx, replanned.verdict)
         return replace(conf, status="replanned", plan=replanned, replanned_from=before)
 
-    def _confirm_draft(self, conf: Confirmation, path: str, timeout: float) -> Confirmation:
+    def _confirm_draft(self, conf: Confirmation, path: str, timeout: float, use_extra_bufts: bool) -> Confirmation:
         """llama.cpp's dry run of the plan's draft model, with the engine's parameters for it, beside its lines of the
         plan. Where it needs more than predicted, the plan is the one without the draft (which needs less on every
         device), saying why: a draft the plan cannot vouch for is not loaded."""
@@ -591,8 +591,7 @@ class Planner:
         draft = plan.draft
         assert draft is not None and plan.estimate is not None and plan.estimate.draft is not None
         dplan = draft_plan(plan)
-        mp = model_params(dplan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
-                          use_extra_bufts=plan_params(plan)[0].use_extra_bufts)
+        mp = draft_params(plan, use_extra_bufts=use_extra_bufts)[0]
         t0 = time.perf_counter()
         try:
             if self.calibrator is not None:

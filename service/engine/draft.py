@@ -72,7 +72,7 @@ def vocabulary_mismatch(main_vocab: Any, draft_vocab: Any) -> str | None:
 class DraftModelRunner:
     """The draft model's llama.cpp model and context, one sequence per slot of the main context."""
 
-    def __init__(self, model: Any, ctx: Any, *, n_slots: int, name: str) -> None:
+    def __init__(self, model: Any, ctx: Any, *, n_slots: int, name: str, keep: list[Any]) -> None:
         import llama_cpp
 
         self.model, self.ctx, self.name = model, ctx, name
@@ -82,8 +82,7 @@ class DraftModelRunner:
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
         self._held: list[list[int]] = [[] for _ in range(n_slots)]
         """What each sequence of the draft context holds, token by token."""
-        self.decodes = 0
-        self.keep: list[Any] = []
+        self.keep = keep
         """What llama.cpp's model parameters point into, kept as long as the model."""
 
     def close(self) -> None:
@@ -157,7 +156,10 @@ class DraftModelRunner:
                         j.logits_at = fill
                     fill += 1
                 self._held[j.seq].extend(j.tokens[at:at + take])
-                (rest.append((j, at + take)) if at + take <= last else done.append(j))
+                if at + take <= last:
+                    rest.append((j, at + take))
+                else:
+                    done.append(j)
             batch.n_tokens = fill
             self._decode(batch)
             going.extend(j for j in done if self._take(j))  # before the next batch overwrites the rows
@@ -179,7 +181,6 @@ class DraftModelRunner:
         import llama_cpp
 
         ret = int(llama_cpp.llama_decode(self.ctx.ctx, batch))
-        self.decodes += 1
         if ret != 0:
             raise _DecodeFailed(ret)
 

@@ -85,7 +85,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from sizing.memory import draft_config, draft_placement
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
@@ -96,8 +95,8 @@ from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations
-from .params import (apply_context_params, apply_model_params, context_params, embedding_context_params, model_params,
-                     plan_params, repack_of)
+from .params import (apply_context_params, apply_model_params, draft_params, embedding_context_params, plan_params,
+                     repack_of)
 from .prompting import Prompting
 from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
@@ -444,22 +443,16 @@ class LlamaEngine(Prompting, TaskPrompts):
             n_emb = len(lines)
             if plan.draft is not None and self._speculative:
                 runner = self._load_draft(plan, mparams.use_extra_bufts, model)
-        except ValueError as exc:
-            if emb is not None:
-                emb.close()
-            if ctx is not None:
-                ctx.close()
-            if model is not None:
-                model.close()
+        except BaseException as exc:
+            for held in (emb, ctx, model):
+                if held is not None:
+                    held.close()
+            if not isinstance(exc, ValueError):
+                raise
             text = "\n".join(lines[-20:]).lower()
             if "out of memory" in text or "failed to allocate" in text:
                 raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
             raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
-        except BaseException:
-            for held in (emb, ctx, model):
-                if held is not None:
-                    held.close()
-            raise
         finally:
             LogTap.stop()
         elapsed = time.perf_counter() - t0
@@ -547,7 +540,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
                           draft_output_bytes=self._draft_rows * self._n_vocab * 4,
-                          draft_allocations=draft_allocs if runner is not None else ())
+                          draft_allocations=draft_allocs)
 
     def _load_draft(self, plan: Plan, use_extra_bufts: bool, main: Any) -> DraftModelRunner:
         """The plan's draft model and its context (``sizing.memory.draft``: whole on the card of the main model's
@@ -558,13 +551,12 @@ class LlamaEngine(Prompting, TaskPrompts):
 
         draft = plan.draft
         assert draft is not None
-        dpl, _ = draft_placement(plan.placement, draft.spec.n_layer_all, plan.model.n_layer_all)
+        mparams, cparams = draft_params(plan, use_extra_bufts=use_extra_bufts)
         mp = llama_cpp.llama_model_default_params()
-        keep = apply_model_params(mp, model_params(
-            dpl, [g.index for g in plan.gpus], n_devices=len(plan.gpus), use_extra_bufts=use_extra_bufts))
+        keep = apply_model_params(mp, mparams)
         mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
         cp = llama_cpp.llama_context_default_params()
-        apply_context_params(cp, context_params(draft_config(plan.cfg)), n_threads=self._n_threads)
+        apply_context_params(cp, cparams, n_threads=self._n_threads)
         model = _internals.LlamaModel(path_model=draft.path, params=mp, verbose=False)
         why = vocabulary_mismatch(main.vocab, model.vocab)
         if why is not None:
@@ -576,9 +568,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         except BaseException:
             model.close()
             raise
-        runner = DraftModelRunner(model, ctx, n_slots=int(llama_cpp.llama_n_seq_max(ctx.ctx)), name=draft.label)
-        runner.keep = keep
-        return runner
+        return DraftModelRunner(model, ctx, n_slots=int(llama_cpp.llama_n_seq_max(ctx.ctx)), name=draft.label,
+                                keep=keep)
 
     def _reserve_draft_rows(self, rows: int) -> int:
         """Grow llama.cpp's output buffer to hold ``rows`` drafted tokens' logits beside one row per sequence, now

@@ -35,7 +35,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from sizing.memory import ContextConfig, Placement
+from sizing.memory import ContextConfig, Placement, draft_config, draft_placement
 from sizing.model import GGML_TYPE_IDS
 
 from ..errors import EngineFailure
@@ -154,6 +154,17 @@ def plan_params(plan: "Plan", *, use_extra_bufts: bool = True) -> tuple[ModelPar
     mp = model_params(plan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
                       use_extra_bufts=use_extra_bufts and repack_of(plan).on)
     return mp, context_params(plan.cfg)
+
+
+def draft_params(plan: "Plan", *, use_extra_bufts: bool) -> tuple[ModelParams, ContextParams]:
+    """Both parameter sets for the plan's draft model (``sizing.memory.draft``): whole on the card of the main
+    model's output layer or the host, at the main context's size and sequences; the extra CPU buffer types as the
+    main model's load has them (``use_extra_bufts``, ``plan_params``)."""
+    draft = plan.draft
+    assert draft is not None
+    dpl, _ = draft_placement(plan.placement, draft.spec.n_layer_all, plan.model.n_layer_all)
+    mp = model_params(dpl, [g.index for g in plan.gpus], n_devices=len(plan.gpus), use_extra_bufts=use_extra_bufts)
+    return mp, context_params(draft_config(plan.cfg))
 
 
 def repack_of(plan: "Plan") -> "RepackChoice":

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from service.engine.base import Cancel, Chunk, GenerationParams
+from service.engine.base import Cancel, Chunk
 from service.engine.draft import VocabularyMismatch
 from service.engine.llama import LlamaEngine
 from service.residency.views import allocation_rows
@@ -20,7 +20,7 @@ from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture
-from tests.engine.test_speculation import COPY, GREEDY
+from tests.engine.test_speculation import COPY, GREEDY, _both, _run
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +42,6 @@ def loaded(embedded_model: str) -> Iterator[tuple[LlamaEngine, Plan, object]]:
     report = eng.load(embedded_model, plan)
     yield eng, plan, report
     eng.unload()
-
-
-def _run(chunks: Iterator[Chunk]) -> tuple[str, Chunk]:
-    got = list(chunks)
-    return "".join(c.text for c in got), got[-1]
-
-
-def _both(engine: LlamaEngine, prompt: str, params: GenerationParams) -> tuple[tuple[str, Chunk], tuple[str, Chunk]]:
-    off = _run(engine.complete(prompt, replace(params, speculative=False), Cancel()))
-    on = _run(engine.complete(prompt, replace(params, speculative=True), Cancel()))
-    return off, on
 
 
 def test_greedy_answers_with_the_draft_model_are_the_answers_without(loaded: tuple[LlamaEngine, Plan, object]) -> None:
