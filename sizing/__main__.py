@@ -32,6 +32,24 @@ def _devices(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return inventory(declared_path=args.gpus), host_memory()
 
 
+def _projector(args: argparse.Namespace) -> object:
+    """The ``--mmproj`` file as the plan's projector, with mtmd's compute buffer measured on the CPU backend (a
+    child process) unless ``--no-measure``; on a card the bound stands in (``sizing.memory.projector``)."""
+    if not args.mmproj:
+        return None
+    from .memory import Projector, mib_to_bytes
+    from .probe.projector import probe_projector
+
+    spec = probe_projector(args.mmproj)
+    figures: dict[tuple[str, bool], int] = {}
+    if not args.no_measure:
+        from .probe.mtmd import measure_projector
+
+        for fa in (True, False):
+            figures[("CPU", fa)] = mib_to_bytes(measure_projector(args.mmproj, fa).compute_mib.get("CPU", 0.0))
+    return Projector(spec, offload=not args.no_mmproj_offload, figures=figures)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from .probe.devices import cpu_features
     from .probe import probe_location
@@ -59,6 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
         draft_rows=args.draft_rows,
         draft=DraftModel(probe_location(args.draft_model), path=args.draft_model) if args.draft_model else None,
         draft_squeeze=args.draft_squeeze,
+        projector=_projector(args),
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
@@ -141,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "the model (whole on the card of its output layer, or the host; the same context)")
     pl.add_argument("--draft-squeeze", action="store_true",
                     help="keep the draft even where it costs the model context (else it is left out, with figures)")
+    pl.add_argument("--mmproj", metavar="PATH", help="a vision projector (mmproj GGUF) loaded beside the model: its "
+                    "weights and compute buffer on the card of the output layer (or the host)")
+    pl.add_argument("--no-mmproj-offload", action="store_true", help="keep the projector in host memory")
+    pl.add_argument("--no-measure", action="store_true",
+                    help="do not run mtmd to measure the projector's compute buffer (its bound is used)")
     pl.add_argument("--no-offload", action="store_true", help="refuse instead of keeping layers in host memory")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=_plan)

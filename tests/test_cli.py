@@ -92,3 +92,18 @@ def test_the_memory_benches_import_and_offload_gpu_says_it_needs_a_gpu(bench: st
     if bench == "offload_gpu" and not nvml_devices():
         r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "needs one" in r.stderr
+
+
+def test_plan_with_a_projector_counts_mtmd_figures(embedded_model: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sizing.testing.projector_fixtures import TINY, write_projector
+
+    mmproj = write_projector(tmp_path / "mmproj-tiny.gguf", TINY, values="random")
+    base = run("plan", embedded_model, "--ctx", "4096", "--json")
+    r = run("plan", embedded_model, "--ctx", "4096", "--mmproj", str(mmproj), "--json")
+    assert r.returncode == 0 and base.returncode == 0, r.stderr
+    d, b = json.loads(r.stdout), json.loads(base.stdout)
+    p = d["projector"]
+    assert p["device"] == "CPU" and p["compute_source"] == "measured" and p["tokens_per_image"] == 16
+    assert p["weights_mib"] == 0.62 and p["compute_mib"] > 0 and b["projector"] is None
+    # The host's total grows by the projector's (0.01 MiB: each side rounded on its own).
+    assert abs(d["estimate"]["total_mib"] - b["estimate"]["total_mib"] - p["total_mib"]) <= 0.02

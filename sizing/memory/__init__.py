@@ -14,9 +14,10 @@ from .estimate import DEFAULT_GPU_ALLOWANCE_BYTES, DeviceMemory, MemoryEstimate,
 from .kv import kv_cells
 from .measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes, placement_key
 from .placement import Placement
+from .projector import Projector, ProjectorMemory, compute_bound_bytes, projector_memory
 from .repack import EXTRA_BUFFERS, auto_reason, auto_repack, extra_buffer_bytes
 
 __all__ = ["DEFAULT_GPU_ALLOWANCE_BYTES", "EXTRA_BUFFERS", "Calibrated", "Calibration", "ConfigKey", "ContextConfig",
-           "DeviceMemory", "DraftMemory", "DraftModel", "draft_config", "draft_placement", "FlashAttn", "MemoryEstimate", "Placement", "Sample", "auto_reason", "auto_repack",
-           "compute_mirrored", "estimate", "extra_buffer_bytes", "kv_cells", "mib_to_bytes", "pad", "placement_key",
-           "resolve_flash_attn"]
+           "DeviceMemory", "DraftMemory", "DraftModel", "draft_config", "draft_placement", "FlashAttn", "MemoryEstimate", "Placement", "Projector", "ProjectorMemory", "Sample", "auto_reason", "auto_repack",
+           "compute_bound_bytes", "compute_mirrored", "estimate", "extra_buffer_bytes", "kv_cells", "mib_to_bytes", "pad", "placement_key",
+           "projector_memory", "resolve_flash_attn"]

@@ -14,6 +14,7 @@ from . import gpu
 from .compute import compute_bytes, host_compute_bytes
 from .context import ContextConfig
 from .draft import DraftMemory, DraftModel, draft_config, draft_placement
+from .projector import Projector, ProjectorMemory, projector_memory
 from ..units import MIB, gpu_label, mib
 from ..errors import FlashAttentionRequiredError
 from ..model.ggml import cache_type
@@ -94,6 +95,8 @@ class DeviceMemory:
     draft_model_bytes: int = 0
     """The speculative-decoding draft model's share of this device (``MemoryEstimate.draft``: its weights, KV,
     compute and output buffers as its own estimate puts them here)."""
+    projector_bytes: int = 0
+    """The vision projector's weights and compute buffer, where it is on this device (``MemoryEstimate.projector``)."""
     extra_weights: tuple[tuple[str, int], ...] = ()
     """Host only: weights copied into llama.cpp's extra CPU buffer types (``AMX``, ``CPU_REPACK``: buffer, bytes),
     beside ``weights_bytes`` (the mapped file); ``sizing.memory.repack``."""
@@ -106,7 +109,7 @@ class DeviceMemory:
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes + self.output_bytes
                 + self.draft_bytes + self.allowance_bytes + self.pool_bytes + self.embedding_bytes
-                + self.extra_weights_bytes + self.draft_model_bytes)
+                + self.extra_weights_bytes + self.draft_model_bytes + self.projector_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -123,6 +126,7 @@ class DeviceMemory:
             "embedding_mib": mib(self.embedding_bytes),
             **({"extra_weights_mib": {b: mib(n) for b, n in self.extra_weights}} if self.extra_weights else {}),
             **({"draft_model_mib": mib(self.draft_model_bytes)} if self.draft_model_bytes else {}),
+            **({"projector_mib": mib(self.projector_bytes)} if self.projector_bytes else {}),
             "total_mib": mib(self.total_bytes),
         }
 
@@ -163,6 +167,8 @@ class MemoryEstimate:
     draft: DraftMemory | None = None
     """The speculative-decoding draft model beside this one (None: none); its bytes are in the devices'
     ``draft_model_bytes``."""
+    projector: ProjectorMemory | None = None
+    """The vision projector beside this model (None: none); its bytes are in its device's ``projector_bytes``."""
 
     @property
     def total_bytes(self) -> int:
@@ -244,6 +250,7 @@ def estimate(
     cpu_extra: frozenset[str] | None = None,
     draft: DraftModel | None = None,
     draft_figures: Figures | None = None,
+    projector: Projector | None = None,
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context.
 
@@ -257,9 +264,14 @@ def estimate(
     ``draft``: a speculative-decoding draft model loaded beside this one (``sizing.memory.draft``), estimated as a
     model of its own on its device at ``draft_config(cfg)`` (``draft_figures``: llama.cpp's for that), its bytes
     added to the devices it uses.
+
+    ``projector``: a vision projector loaded beside this model (``sizing.memory.projector``): its weights and
+    compute buffer on the card of the output layer (or the host), with the main context's flash attention.
     """
     main = _estimate(spec, cfg, placement, gpu_labels=gpu_labels, allowance_bytes=allowance_bytes, figures=figures,
                      measured_on=measured_on, cpu_extra=cpu_extra)
+    if projector is not None:
+        main = _with_projector(main, spec, placement, gpu_labels, projector)
     if draft is None:
         return main
     dpl, pos = draft_placement(placement, draft.spec.n_layer_all, spec.n_layer_all)
@@ -271,6 +283,18 @@ def estimate(
         gpus[pos] = replace(gpus[pos], draft_model_bytes=dest.gpus[0].total_bytes)
     return replace(main, host=replace(main.host, draft_model_bytes=dest.host.total_bytes), gpus=tuple(gpus),
                    draft=DraftMemory(draft.label, draft.path, dest))
+
+
+def _with_projector(main: MemoryEstimate, spec: ModelSpec, placement: Placement, gpu_labels: Sequence[str],
+                    projector: Projector) -> MemoryEstimate:
+    pos = placement.slots(spec.n_layer_all)[spec.n_layer_all] if projector.offload else None
+    labels = list(gpu_labels) or [gpu_label(g) for g in placement.gpus]
+    pm = projector_memory(projector, labels[pos] if pos is not None else "CPU", main.flash_attn)
+    if pos is None:
+        return replace(main, host=replace(main.host, projector_bytes=pm.total_bytes), projector=pm)
+    gpus = list(main.gpus)
+    gpus[pos] = replace(gpus[pos], projector_bytes=pm.total_bytes)
+    return replace(main, gpus=tuple(gpus), projector=pm)
 
 
 def _estimate(

@@ -167,6 +167,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
         },
         "draft": None if plan.estimate is None or plan.estimate.draft is None else plan.estimate.draft.to_json(),
         "draft_refusal": plan.draft_refusal,
+        "projector": None if plan.estimate is None or plan.estimate.projector is None
+        else plan.estimate.projector.to_json(),
         "candidates": [candidate_json(c, plan) for c in plan.candidates],
         "predicted_speed": None if plan.predicted_decode_tokens_per_s is None else {
             "decode_tokens_per_s": round(plan.predicted_decode_tokens_per_s, 2),
@@ -240,6 +242,7 @@ def plan_table(plan: Plan) -> str:
                 + (f"state {mib(d.state_bytes):>7}  " if d.state_bytes else "")
                 + f"compute {mib(d.compute_bytes):>8}  "
                 + (f"draft model {mib(d.draft_model_bytes)}  " if d.draft_model_bytes else "")
+                + (f"projector {mib(d.projector_bytes)}  " if d.projector_bytes else "")
                 + f"allowance {mib(d.allowance_bytes + d.pool_bytes):>6}  "
                 f"free {mib(free):>9}  "
                 + (f"missing {mib(d.total_bytes - free)}" if d.total_bytes > free else f"spare {mib(free - d.total_bytes)}")
@@ -254,6 +257,11 @@ def plan_table(plan: Plan) -> str:
         j = dm.to_json()
         lines.append(f"draft model {dm.name} on {dm.device}: weights {j['weights_mib']}, KV {j['kv_mib']}, compute "
                      f"{j['compute_mib']}, output {j['output_mib']} MiB (n_ctx {j['n_ctx']}), total {j['total_mib']} MiB")
+    if plan.estimate is not None and plan.estimate.projector is not None:
+        pm = plan.estimate.projector
+        lines.append(f"vision projector {pm.projector_type} ({pm.path}) on {pm.device}: weights {mib(pm.weights_bytes)}, "
+                     f"compute {mib(pm.compute_bytes)} MiB ({pm.compute_source}, flash attention "
+                     f"{'on' if pm.flash_attn else 'off'}); {pm.tokens_per_image or 'varying'} tokens an image")
     if plan.candidates:
         lines.append("partial-offload candidates (fastest first):")
         for cand in plan.candidates[:8]:

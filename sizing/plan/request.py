@@ -7,6 +7,7 @@ from typing import Literal
 
 from ..memory.context import ContextConfig, FlashAttn
 from ..memory.draft import DraftModel
+from ..memory.projector import Projector
 from ..memory.estimate import DEFAULT_GPU_ALLOWANCE_BYTES
 from ..memory.repack import auto_repack
 from ..model.spec import ModelSpec
@@ -60,6 +61,9 @@ class PlanRequest:
     draft_squeeze: bool = False
     """Keep the draft even where it holds the main context below the ceiling; off: the plan drops the draft then
     (``Plan.draft_refusal``) rather than give the main model less context."""
+    projector: Projector | None = None
+    """A vision projector (``mmproj``) loaded beside the model (``sizing.memory.projector``): its weights and compute
+    buffer counted on its device, so the largest context is searched with them."""
     cpu_repack: bool | None = None
     """llama.cpp's extra CPU buffer types (repacked weight layouts: ``use_extra_bufts``). None: this host's safe
     default, decided where llama.cpp is loaded (``service.engine.cpu``: off where its AMX kernel crashes); the

@@ -102,7 +102,7 @@ class Sizer:
             measured_on=self.calibration.backend if self.calibration is not None else "CPU",
             # Without GPUs the host's buffer types are llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
             cpu_extra=None if self.gpus else self.req.extra_buffers,
-            draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg),
+            draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg), projector=self.req.projector,
         )
 
     def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
