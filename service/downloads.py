@@ -16,12 +16,14 @@ from typing import Any, Callable, Literal, Sequence
 from sizing.errors import ProbeError, SizingError, UnsupportedModelError
 from sizing.memory import MemoryEstimate
 from sizing.plan import plan_json
+from sizing.probe import probe_projector
 from sizing.units import MIB
 
 from .errors import BadRequest, ModelNotFound, ServiceError, Upstream
 from .models import Registry
 from .options import LoadOptions
 from .planning import Planner
+from .projectors import is_projector_file
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,8 @@ class Downloads:
         self.downloads: dict[str, Download] = {}
 
     def pull(self, repo_id: str, filename: str, revision: str | None = None) -> Download:
-        """Start fetching a GGUF from Hugging Face into the models directory (a background thread).
+        """Start fetching a GGUF from Hugging Face into the models directory (a background thread): a model, or a
+        vision projector (``*mmproj*.gguf``), which the models beside it then load with (``service.projectors``).
 
         ``huggingface_hub`` honours HF_ENDPOINT, HF_TOKEN and, with HF_HUB_OFFLINE=1, answers from
         the files already there. Progress shows in the log and in ``GET /api/models``.
@@ -122,10 +125,17 @@ class Downloads:
                 os.makedirs(models_dir, exist_ok=True)
                 path = hf_hub_download(repo_id, filename, revision=revision, local_dir=models_dir,
                                        endpoint=os.environ.get("HF_ENDPOINT") or None, tqdm_class=_progress_class(dl))
-                self.registry.resolve(dl.name)  # the file is a GGUF the registry will serve
+                if is_projector_file(filename):  # a vision projector: the models beside it find it (mmproj auto)
+                    try:
+                        probe_projector(str(path))
+                    except (UnsupportedModelError, ProbeError) as exc:
+                        raise BadRequest(str(exc)) from exc
+                else:
+                    self.registry.resolve(dl.name)  # the file is a GGUF the registry will serve
                 dl.bytes_done = dl.bytes_total = os.path.getsize(str(path))
                 dl.state = "done"
-                log.info("downloaded %s/%s as model '%s'", repo_id, filename, dl.name)
+                log.info("downloaded %s/%s as %s '%s'", repo_id, filename,
+                         "the vision projector" if is_projector_file(filename) else "model", dl.name)
             except ServiceError as exc:
                 dl.state, dl.error = "failed", f"the downloaded file is not a servable GGUF: {exc.message}"
                 try:  # leave nothing behind that looks like a model
@@ -163,7 +173,9 @@ class Downloads:
         return found[0]
 
     def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
-        """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download.
+        """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download;
+        its vision projectors (``*mmproj*.gguf``) apart, with their sizes (a model pulled with one beside it takes
+        images: ``service.projectors``).
 
         Blocking (network): call from a thread. Headers only (``sizing.probe.remote.probe_hf``:
         range requests); a split model is probed and planned once, from its first shard.
@@ -185,8 +197,12 @@ class Downloads:
         except Exception as exc:  # huggingface_hub's transport errors (httpx2) are not ours: convert them here
             raise Upstream(f"the Hugging Face hub could not be reached for '{repo_id}': {type(exc).__name__}: {exc}") from exc
         groups: dict[str, list[tuple[str, int]]] = {}
+        projectors = []
         for sib in info.siblings or []:
             if not sib.rfilename.endswith(".gguf"):
+                continue
+            if is_projector_file(sib.rfilename.rsplit("/", 1)[-1]):  # a vision projector: not a model to plan
+                projectors.append({"file": sib.rfilename, "size_bytes": int(sib.size or 0)})
                 continue
             key = _re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", sib.rfilename)
             groups.setdefault(key, []).append((sib.rfilename, int(sib.size or 0)))
@@ -202,4 +218,5 @@ class Downloads:
             except (RemoteError, ProbeError, UnsupportedModelError, SizingError) as exc:
                 entry["error"] = str(exc)
             files.append(entry)
-        return {"repo_id": repo_id, "revision": revision, "files": files}
+        return {"repo_id": repo_id, "revision": revision, "files": files,
+                "projectors": sorted(projectors, key=lambda p: str(p["file"]))}

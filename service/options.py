@@ -22,6 +22,8 @@ knob               what it sets                                    also accepted
 ``batch_invariant`` outputs independent of the batch
 ``draft_model``    a draft model for speculative decoding
 ``draft_squeeze``  keep the draft where it costs context
+``mmproj``         a vision projector (path, auto or none)
+``mmproj_offload`` the projector on the model's card
 =================  ==============================================  =====================================
 
 ``merged(settings, model, request)`` is the one merge: each knob the request's if set, else the model's
@@ -76,6 +78,10 @@ class ModelOptions(BaseModel):
                                     "its name here (default: GGUF_DRAFT_MODEL); \"\" for none.")
     draft_squeeze: bool | None = Field(None, description="Keep the draft model even where it costs the model "
                                        "context (default: GGUF_DRAFT_SQUEEZE).")
+    mmproj: str | None = Field(None, max_length=4096, description="A vision projector (mmproj GGUF) for image "
+                               "input: a path, auto (one beside the model: default GGUF_MMPROJ), or \"\" for none.")
+    mmproj_offload: bool | None = Field(None, description="The projector on the model's card (default: "
+                                        "GGUF_MMPROJ_OFFLOAD); off: host memory.")
 
     @field_validator("cache_type")
     @classmethod

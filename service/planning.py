@@ -57,6 +57,7 @@ from .engine.params import ModelParams, draft_params, model_params, plan_params
 from .engine.prompt_cache import plan_budget
 from .errors import BadRequest, InsufficientMemory
 from .options import LoadOptions, merged
+from .projectors import ProjectorSource
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -274,6 +275,8 @@ class Planner:
         """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
         self.drafts: DraftResolver | None = None
         """Finds the draft model a load names (``draft_model``); set by the model manager, which has the registry."""
+        self.projectors = ProjectorSource(settings.models_dir, calibrate=settings.calibrate)
+        """Finds a model's vision projector (``mmproj``) and measures it."""
 
     @functools.cached_property
     def repack(self) -> RepackChoice:
@@ -282,8 +285,16 @@ class Planner:
         log.info("CPU weight repacking %s (%s)", "on" if choice.on else "off", choice.reason)
         return choice
 
-    def request(self, opts: LoadOptions) -> PlanRequest:
-        return plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack, self.drafts)
+    def request(self, opts: LoadOptions, spec: ModelSpec | None = None, path: str | None = None) -> PlanRequest:
+        """The plan request for ``opts``; with the model (``spec``, its file ``path``), its vision projector too
+        (``service.projectors``: the file ``mmproj`` names or one beside the model, mtmd's figures for it)."""
+        req = plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack, self.drafts)
+        if spec is None:
+            return req
+        o = merged(self.settings, None, opts)
+        offload = o.mmproj_offload if o.mmproj_offload is not None else self.settings.mmproj_offload
+        projector = self.projectors.projector(o.mmproj, path, spec, offload=offload)
+        return replace(req, projector=projector) if projector is not None else req
 
     def inventory(self, opts: LoadOptions = LoadOptions()) -> tuple[list[Device], Device, bool]:
         """The cards and host as read now, and whether residents count on them (False for hypothetical cards,
@@ -310,7 +321,7 @@ class Planner:
         """The plan for a probed model beside ``kept`` (``freed`` unloaded first); calibrated when ``path`` is a
         local file and the model is not proven."""
         gpus, host = self.devices(opts, kept, freed)
-        return self._plan_checked(spec, gpus, host, self.request(opts), path)
+        return self._plan_checked(spec, gpus, host, self.request(opts, spec, path), path)
 
     def _plan_checked(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest,
                       path: str | None) -> Plan:
@@ -331,7 +342,7 @@ class Planner:
         (pure: the planning on the memory left is passed in).
         """
         gpus0, host0, resident = self.inventory(opts)
-        req = self.request(opts)
+        req = self.request(opts, spec, path)
         if not resident:  # hypothetical cards: none of the residents is on them
             return Placed(self._plan_checked(spec, gpus0, host0, req, path))
         own = [h.estimate for h in residents if h.name == replacing]
@@ -374,7 +385,7 @@ class Planner:
         smallest: list[SetMember] = []
         refused: list[str] = []
         for name, spec, o, path in items:
-            req = self.request(o)
+            req = self.request(o, spec, path)
             g, h = on([m.plan.estimate for m in smallest if m.plan.estimate is not None])
             p = self._plan_checked(spec, g, h, decision_request(spec, req), path)
             if not p.fits or p.estimate is None:
@@ -387,7 +398,7 @@ class Planner:
         for i, (name, spec, o, path) in enumerate(items):
             later = [m.plan.estimate for m in smallest[i + 1:] if m.plan.estimate is not None]
             g, h = on([*(m.plan.estimate for m in largest if m.plan.estimate is not None), *later])
-            p = self._plan_checked(spec, g, h, self.request(o), path)
+            p = self._plan_checked(spec, g, h, self.request(o, spec, path), path)
             if not p.fits or p.estimate is None:
                 return SetPlan(True, tuple(smallest), tuple(on(())[0]), on(())[1], "smallest_contexts")
             largest.append(SetMember(name, p, held_bytes(p.estimate)))

@@ -161,6 +161,33 @@ class Settings(BaseSettings):
         False, description="Keep the draft model even where it leaves the model a smaller context, a less precise "
         "cache or another placement than without it.",
     )
+    mmproj: str | None = Field(
+        "auto", description="A vision projector (mmproj GGUF) loaded beside the model for image input: a path; auto: "
+        "the mmproj*.gguf beside the model whose text width matches it (the one sharing the longest name prefix where "
+        "several do); \"\" for none. The plan sizes its weights and its compute buffer for the largest image "
+        "(docs/memory.md); set per model in the models file, or per load.",
+    )
+    mmproj_offload: bool = Field(
+        True, description="The projector on the card of the model's output layer (llama-server's default); off: in "
+        "host memory (--no-mmproj-offload).",
+    )
+    image_max_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="Most bytes of one image as sent (after base64 decoding, or as "
+        "fetched from a URL); beyond it 413.",
+    )
+    image_max_pixels: int = Field(
+        16_777_216, ge=64, description="Most pixels (width x height) of one decoded image; beyond it 400 before it "
+        "is decoded (a decompression bomb never reaches memory).",
+    )
+    images_per_request: int = Field(
+        8, ge=0, le=256, description="Most images in one request, all its messages together; beyond it 400.",
+    )
+    image_url_hosts: str | None = Field(
+        None, description="Hosts an image_url may be fetched from (http or https), comma-separated names, addresses "
+        "or networks; unset: only data: URLs. The remote probe's rules apply: the URL checked before any request, "
+        "private and loopback addresses only where named here, no proxies, GGUF_IMAGE_MAX_BYTES and "
+        "GGUF_REMOTE_TIMEOUT_S per image.",
+    )
     prompt_cache_mib: int = Field(
         8192, ge=0, description="Ceiling of the host memory that keeps idle conversations' KV beyond the slots (as "
         "llama-server's --cache-ram, 8192 MiB by default): a later turn is restored instead of evaluated. Each load's "

@@ -5,7 +5,8 @@ A request becomes the chat request the OpenAI route takes (``to_chat``) and runs
 ``security.presented_key``), its choice read through ``service.chat.choices``, answered in Anthropic's shape:
 
 - ``system`` (a string or text blocks), ``messages`` of text blocks, ``tool_use`` blocks (an assistant's calls)
-  and ``tool_result`` blocks (their results, ``is_error`` included); image and document blocks: 400; ids and
+  and ``tool_result`` blocks (their results, ``is_error`` included); ``image`` blocks in user turns (base64, or a
+  URL of a host GGUF_IMAGE_URL_HOSTS names: ``service.api.images``); document blocks: 400; ids and
   names reach the prompt, so a ``tool_use`` ``id`` / ``tool_result`` ``tool_use_id`` beyond ``[A-Za-z0-9_.:-]``
   and a name beyond ``[A-Za-z0-9_.-]`` are 400 naming the field (Anthropic's own rule is ``^[a-zA-Z0-9_-]+$``);
 - ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``,
@@ -144,11 +145,15 @@ def _messages(system: Any, messages: list[AnthropicMessage]) -> list[dict[str, A
             out.append({"role": m.role, "content": m.content})
             continue
         texts: list[str] = []
+        images: list[tuple[int, str]] = []
+        """(how many texts came before it, the image's URL): where each image block stands among the texts."""
         calls: list[dict[str, Any]] = []
         for j, b in enumerate(m.content):
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+            elif kind == "image" and m.role == "user":
+                images.append((len(texts), _image_url(b.get("source"), f"{where}[{j}].source")))
             elif kind == "tool_use" and m.role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) \
                         or not isinstance(b.get("input", {}), dict):
@@ -176,16 +181,45 @@ def _messages(system: Any, messages: list[AnthropicMessage]) -> list[dict[str, A
                 continue  # earlier thinking is not shown to the model again (as Anthropic's API drops it)
             else:
                 raise BadRequest(f"{where}[{j}].type: {str(kind)[:40]!r} blocks are not supported"
-                                 + (" (images, documents)" if kind in ("image", "document") else ""),
+                                 + (" (documents)" if kind == "document" else
+                                    " in assistant turns" if kind == "image" else ""),
                                  param=f"{where}[{j}].type")
         if m.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+        elif images:  # the texts and images in their order, as OpenAI content parts (service.api.images)
+            parts: list[dict[str, Any]] = []
+            for k, text in enumerate(texts):
+                parts += [{"type": "image_url", "image_url": {"url": url}} for at, url in images if at == k]
+                parts.append({"type": "text", "text": text})
+            parts += [{"type": "image_url", "image_url": {"url": url}} for at, url in images if at == len(texts)]
+            out.append({"role": "user", "content": parts})
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+"""The media types of Anthropic's base64 image source."""
+
+
+def _image_url(source: Any, param: str) -> str:
+    """An image block's source as a URL: ``{"type": "base64", "media_type", "data"}`` as a data: URL, ``{"type":
+    "url", "url"}`` as it is (fetched only from the hosts GGUF_IMAGE_URL_HOSTS names); decoded at admission."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in IMAGE_MEDIA_TYPES:
+            raise BadRequest(f"{param}.media_type: one of {', '.join(IMAGE_MEDIA_TYPES)}", param=f"{param}.media_type")
+        if not isinstance(data, str) or not data:
+            raise BadRequest(f"{param}.data: the image, base64", param=f"{param}.data")
+        return f"data:{media};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str) and source["url"]:
+        return str(source["url"])
+    raise BadRequest(f"{param}: {{\"type\": \"base64\", \"media_type\", \"data\"}} or {{\"type\": \"url\", "
+                     "\"url\"}", param=param)
 
 
 def to_chat(body: MessagesRequest | CountTokensRequest, settings: Any) -> ChatRequest:

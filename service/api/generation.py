@@ -31,6 +31,7 @@ from ..keepalive import parse_keep_alive
 from ..residency import Lease, ModelManager
 from ..runner import chunks
 from .admission import prompt_tokens
+from .images import ImageLimits, decode_message_images
 from .errors import code_of
 from .metrics import Metrics
 from .security import presented_key
@@ -162,11 +163,21 @@ async def chat_prompt_tokens(request: Request, manager: ModelManager, chat: "Cha
     try:
         engine = lease.engine
         _, _, tools = chat_setup(chat, engine, manager.settings, params)
-        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+        messages = await chat_messages(chat, manager.settings)
         return len(await prompt_tokens(request.app.state.admission, lease.name, engine, param=param,
                                        messages=messages, tools=tools))
     finally:
         lease.release()
+
+
+async def chat_messages(chat: "ChatRequest", settings: Any) -> list[dict[str, Any]]:
+    """A chat's messages as the engine takes them: its images decoded (``service.api.images``, off the event
+    loop: Pillow and a fetch block)."""
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                      for p in m["content"]) for m in messages):
+        messages = await asyncio.to_thread(decode_message_images, messages, ImageLimits.of(settings))
+    return messages
 
 
 def cache_scope(request: Request, settings: Any, salt: str | None) -> str:
@@ -232,7 +243,7 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
         body.check_messages()
         params, choices, tools = chat_setup(body, engine, settings, params)
         prompt = None
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = await chat_messages(body, settings)
         prompt_param = "messages"
     run = params
     tokens: list[int] = []

@@ -90,6 +90,13 @@ class DryRunBody(PlanBody):
         return None
 
 
+def _check_body(body: PlanBody, manager: ModelManager, declared: list[DeclaredGpu] | None = None) -> None:
+    """400 for a body's options that name what this machine does not have or may not give (``_check_cards``), or
+    an ``mmproj`` outside the models directory (a client names files there, as models, never another path)."""
+    manager.planner.projectors.inside_models_dir(body.mmproj)
+    _check_cards(body, manager, declared)
+
+
 def _check_cards(body: PlanBody, manager: ModelManager, declared: list[DeclaredGpu] | None = None) -> None:
     """400 for a ``gpu`` index or a ``tensor_split`` beyond the cards there are (declared, or this machine's)."""
     if not isinstance(body.gpu, int) and body.tensor_split is None:
@@ -143,11 +150,11 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
     sources = [bool(body.model), bool(body.url), bool(body.repo_id or body.filename), body.models is not None]
     if sum(sources) != 1 or (body.repo_id is None) != (body.filename is None):
         raise BadRequest("give exactly one of: model, url, repo_id with filename, or models", param="model")
-    _check_cards(body, manager, body.gpus)
+    _check_body(body, manager, body.gpus)
     opts = body.load_options(body.gpus)
     if body.models is not None:
         for item in body.models:
-            _check_cards(item, manager, body.gpus)
+            _check_body(item, manager, body.gpus)
         items = [(item.model, item.load_options(body.gpus)) for item in body.models]
         return (await manager.plan_set(items, opts, beside_residents=body.beside_residents)).to_json()
     location = body.location()
@@ -166,7 +173,7 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
 @router.post("/models/load")
 async def load(body: PlanBody, manager: ManagerDep) -> dict[str, Any]:
     """Load a model beside the loaded ones (evicting idle ones if it must), or reload it with new options."""
-    _check_cards(body, manager)
+    _check_body(body, manager)
     keep_alive = parse_keep_alive(body.keep_alive) if body.keep_alive is not None else None
     state = await manager.load(body.model, body.load_options(), force=body.force, keep_alive_s=keep_alive)
     out = manager.describe(state)

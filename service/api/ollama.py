@@ -20,7 +20,8 @@ limits and auth), its choice read through ``service.chat.choices``, answered in 
   download (``service.downloads``; ``hf.co/OWNER/REPO:QUANT`` finds the file) with its progress as NDJSON.
 
 Errors are Ollama's ``{"error": "..."}`` (``errors.OLLAMA_PATHS``) with the management API's statuses; a failure
-during a stream is one ``{"error": ...}`` line. Not supported (400 naming the field): images, ``suffix``,
+during a stream is one ``{"error": ...}`` line. ``images`` (base64) go before their message's text (``service.api.
+images``). Not supported (400 naming the field): ``suffix``,
 ``context``, ``template``; ``logprobs`` are not returned.
 """
 
@@ -206,8 +207,8 @@ def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     n = 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.images:
-            raise BadRequest(f"{where}.images: images are not supported", param=f"{where}.images")
+        if m.images and m.role != "user":
+            raise BadRequest(f"{where}.images: images are the user's (a user message)", param=f"{where}.images")
         if m.role == "tool":
             match = next((c for c in open_calls if m.tool_call_id is not None and c[0] == m.tool_call_id), None) \
                 or next((c for c in open_calls if m.tool_name is not None and c[1] == m.tool_name), None) \
@@ -219,7 +220,7 @@ def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
             open_calls.remove(match)
             out.append({"role": "tool", "tool_call_id": match[0], "content": m.content or ""})
             continue
-        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        msg: dict[str, Any] = {"role": m.role, "content": _with_images(m.content or "", m.images, f"{where}.images")}
         if m.tool_calls:
             if m.role != "assistant":
                 raise BadRequest(f"{where}.tool_calls: on assistant messages only", param=f"{where}.tool_calls")
@@ -241,6 +242,19 @@ def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _with_images(text: str, images: list[str] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's text with its ``images`` (base64, any format: read from the bytes) before it, as OpenAI parts
+    (decoded at admission: ``service.api.images``), as Ollama places a message's images before its text."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = []
+    for k, data in enumerate(images):
+        if not isinstance(data, str) or not data:
+            raise BadRequest(f"{where}[{k}]: an image, base64", param=f"{where}[{k}]")
+        parts.append({"type": "image_url", "image_url": {"url": "data:image/*;base64," + data}})
+    return [*parts, {"type": "text", "text": text}]
+
+
 def _reasoning(manager: ModelManager) -> str:
     return "none" if manager.settings.reasoning_format == "none" else "separate"
 
@@ -256,15 +270,18 @@ def to_chat(body: ChatBody, manager: ModelManager) -> tuple[ChatRequest, int | N
 def to_generate(body: GenerateBody, manager: ModelManager) -> tuple[ChatRequest | CompletionRequest, int | None]:
     """The prompt as a user turn through the model's template, with ``system`` before it (Ollama's own rendering);
     ``raw``: the prompt as it is, a completion."""
-    for name in ("suffix", "images", "context", "template"):
+    for name in ("suffix", "context", "template"):
         if getattr(body, name):
             raise BadRequest(f"{name}: not supported on /api/generate", param=name)
     data, n_ctx = _sampling(body, manager)
     if body.raw:
+        if body.images:
+            raise BadRequest("images: a raw prompt has no place for them (the template places images)",
+                             param="images")
         data["prompt"] = body.prompt or ""
         return _validated(CompletionRequest, data), n_ctx
     messages = ([{"role": "system", "content": body.system}] if body.system else []) \
-        + [{"role": "user", "content": body.prompt or ""}]
+        + [{"role": "user", "content": _with_images(body.prompt or "", body.images, "images")}]
     data.update({"messages": messages, "reasoning_format": _reasoning(manager)})
     return _validated(ChatRequest, data), n_ctx
 
@@ -548,12 +565,22 @@ def _model_info(spec: Any, verbose: bool) -> dict[str, Any]:
     return out
 
 
+async def _sees(manager: ModelManager, entry: Any, spec: Any, st: Any) -> bool:
+    """Whether the model takes images: loaded, its plan's projector; else the projector its options would find
+    (``service.projectors``: ``mmproj``, a file beside the model)."""
+    if st is not None and st.plan is not None and st.plan.estimate is not None:
+        return st.plan.estimate.projector is not None
+    value = entry.config.options.mmproj if entry.config.options.mmproj is not None else manager.settings.mmproj
+    path = await asyncio.to_thread(manager.planner.projectors.resolve, value, entry.path or None, spec)
+    return path is not None and os.path.isfile(path)
+
+
 @router.post("/show")
 async def show(request: Request, body: ModelBody, manager: ManagerDep) -> dict[str, Any]:
     """One model's details, GGUF metadata, template and capabilities: ``completion``; ``tools`` (every model
     calls tools here: a template that does not render them gets them described in a system message,
     ``service.chat.format``); ``thinking`` where the template writes thinking tags; ``embedding`` when the
-    embedding context is on."""
+    embedding context is on; ``vision`` where the model has a projector (``mmproj``)."""
     name = body.named(manager)
     entry = await asyncio.to_thread(manager.registry.resolve, name)
     spec, _, stat = await _spec(request, manager, entry)
@@ -571,6 +598,8 @@ async def show(request: Request, body: ModelBody, manager: ManagerDep) -> dict[s
         else manager.settings.embeddings != "off"
     if embeds:
         caps.append("embedding")
+    if await _sees(manager, entry, spec, st):
+        caps.append("vision")
     params = "\n".join(f"{k} {v}" for k, v in DEFAULTS.items())
     # modelfile names the model, not its file: a path on the server is not the client's business.
     return {"modified_at": _iso(stat.st_mtime), "template": source,

@@ -10,7 +10,8 @@ Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, ``tool`` mess
 ``reasoning_content`` (``service.chat.reasoning``, ``GGUF_REASONING_FORMAT``); ``n`` choices share
 the prompt's evaluation; ``logit_bias`` is a sampler. What is not built is refused, never silently
 ignored: ``functions``/``function_call`` (deprecated by OpenAI), ``best_of``, ``suffix``, audio
-output and image/audio/file content parts get a 400 naming the field.
+output and audio/file content parts get a 400 naming the field. ``image_url`` parts of user messages are decoded
+at admission (``service.api.images``) for a model loaded with a vision projector.
 A grammar (``response_format``, or the tools') is compiled off the engine thread, with a time limit
 (``GGUF_GRAMMAR_TIMEOUT_S``), before the request is queued; a client that leaves stops waiting for it.
 

@@ -254,9 +254,18 @@ class ChatMessage(BaseModel):
             texts = []
             for j, part in enumerate(self.content):
                 kind = part.get("type")
+                if kind == "image_url" and self.role == "user":  # decoded at admission (``service.api.images``)
+                    value = part.get("image_url")
+                    url = value.get("url") if isinstance(value, dict) else value
+                    if not isinstance(url, str) or not url:
+                        raise BadRequest(f"{where}.content[{j}].image_url: {{\"url\": a data: or http(s) URL}}",
+                                         param=f"{where}.content[{j}].image_url")
+                    continue
                 if kind != "text":
-                    raise BadRequest(f"{where}.content[{j}].type: only text parts are supported, not {str(kind)[:40]!r}",
-                                     param=f"{where}.content[{j}].type")
+                    raise BadRequest(f"{where}.content[{j}].type: only text parts"
+                                     + (" and (in user messages) image_url parts" if kind != "image_url" else
+                                        " in a message of role " + self.role)
+                                     + f" are supported, not {str(kind)[:40]!r}", param=f"{where}.content[{j}].type")
                 if not isinstance(part.get("text"), str):
                     raise BadRequest(f"{where}.content[{j}].text: a text part needs a string",
                                      param=f"{where}.content[{j}].text")

@@ -7,7 +7,8 @@ A request becomes the chat request /v1/chat/completions takes (``to_chat``) and 
 
 - ``input``: a string, or items: ``message`` (roles user, assistant, system, developer; ``input_text`` and
   ``output_text`` parts), ``function_call`` and ``function_call_output`` (a call's result answers an earlier call of
-  its ``call_id``), ``reasoning`` (earlier thinking, not shown to the model again); images, files, audio,
+  its ``call_id``), ``reasoning`` (earlier thinking, not shown to the model again); ``input_image`` parts of user
+  messages (``service.api.images``); files, audio,
   ``item_reference`` and hosted tools' items are 400s naming the item. ``instructions`` is the system message.
 - ``tools``: function tools (``name``, ``description``, ``parameters``, ``strict``), constrained as chat tools are;
   ``tool_choice`` ``auto``, ``none``, ``required``, ``{"type": "function", "name"}`` or ``allowed_tools``; hosted
@@ -161,7 +162,9 @@ def _text_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
-            raise BadRequest(f"{where}[{k}].type: {kind} parts are not supported (text only)", param=f"{where}[{k}].type")
+            raise BadRequest(f"{where}[{k}].type: {kind} parts are not supported here"
+                             + (" (images go in user messages)" if kind == "input_image" else " (text only)"),
+                             param=f"{where}[{k}].type")
         if kind == "refusal" and isinstance(part.get("refusal"), str):
             out.append(part["refusal"])
             continue
@@ -170,6 +173,25 @@ def _text_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
                              "string}", param=f"{where}[{k}]")
         out.append(part["text"])
     return "".join(out)
+
+
+def _user_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user message's ``input_text`` and ``input_image`` parts as chat content parts (an image's ``image_url``:
+    a data: URL, or one of a host GGUF_IMAGE_URL_HOSTS names; decoded at admission, ``service.api.images``)."""
+    out: list[dict[str, Any]] = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise BadRequest(f"{where}[{k}].image_url: a data: or http(s) URL (file_id is not supported)",
+                                 param=f"{where}[{k}].image_url")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise BadRequest(f"{where}[{k}]: an input_text or input_image part", param=f"{where}[{k}]")
+    return out
 
 
 def _messages(items: str | list[dict[str, Any]], called: set[str]) -> tuple[list[dict[str, Any]], list[str],
@@ -200,8 +222,12 @@ def _messages(items: str | list[dict[str, Any]], called: set[str]) -> tuple[list
             if role not in ("user", "assistant", "system", "developer"):
                 raise BadRequest(f"{where}.role: user, assistant, system or developer", param=f"{where}.role")
             kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
-            text = _text_parts(item.get("content"), f"{where}.content", kinds)
-            out.append({"role": role, "content": text})
+            content = item.get("content")
+            if role == "user" and isinstance(content, list) and any(
+                    isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+                out.append({"role": role, "content": _user_parts(content, f"{where}.content")})
+            else:
+                out.append({"role": role, "content": _text_parts(content, f"{where}.content", kinds)})
             origin.append(where)
         elif kind == "function_call":
             name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "")

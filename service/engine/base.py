@@ -47,6 +47,9 @@ class LoadReport:
     draft_allocations: tuple[Allocation, ...] = ()
     """The draft model's buffers (its weights and its context's: ``service.engine.draft``), from its own log lines;
     empty without a draft model."""
+    projector_allocations: tuple[Allocation, ...] = ()
+    """The vision projector's buffers (its weights and the compute buffer its warmup reserved: mtmd's log lines,
+    ``service.engine.vision``); empty without one."""
     embedding_allocations: tuple[Allocation, ...] = ()
     """The embedding context's buffers (its output buffer at creation: it grows with the first full batch); its log
     lines are not in ``log_lines``, which are the generation context's (what the dry run confirms)."""
@@ -104,6 +107,28 @@ class GenerationParams:
     speculative: bool = True
     """Self-speculation where the engine has it on (``GGUF_SPECULATIVE``): drafts from the sequence's own tokens,
     kept where the model chooses them itself (the answer does not change); False: one token a step."""
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One decoded image of a request (``service.api.images``): RGB pixels, row by row, 3 bytes each, as mtmd's
+    bitmaps take them. A message part ``{"type": "image", "image": ImageInput}`` carries it to the engine, which
+    gives its tokens ids derived from ``digest`` (the same image, the same ids: prefix reuse across turns)."""
+
+    width: int
+    height: int
+    rgb: bytes = field(repr=False)
+    digest: str
+    """blake2b of the size and the pixels (hex): what identifies the image."""
+
+    @staticmethod
+    def of(width: int, height: int, rgb: bytes) -> "ImageInput":
+        if width <= 0 or height <= 0 or len(rgb) != width * height * 3:
+            raise ValueError(f"{width}x{height} RGB needs {max(width * height * 3, 0)} bytes, not {len(rgb)}")
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{width}x{height}:".encode())
+        h.update(rgb)
+        return ImageInput(width, height, rgb, h.hexdigest())
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport,
 from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
-from .loglines import LogTap, parse_allocations
+from .loglines import LogTap, parse_allocations, projector_allocations
 from .params import (apply_context_params, apply_model_params, draft_params, embedding_context_params, plan_params,
                      repack_of)
 from .prompting import Prompting
@@ -103,6 +103,7 @@ from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCa
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .draft import DraftJob, DraftModelRunner, VocabularyMismatch, vocabulary_mismatch
 from .speculation import DRAFT_MAX, DRAFT_MIN, DraftPolicy, NgramDrafter
+from .vision import ImageChunk, Images
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
 from .native import cuda_order
@@ -235,6 +236,9 @@ class _Request:
     """Tokens drafted into this step's batch after ``next_token``, each with its logits row."""
     unverified: bool = False
     """The sequence's KV holds drafted positions past ``slot.tokens`` (dropped when it ends: ``_release``)."""
+    images: dict[int, ImageChunk] = field(default_factory=dict)
+    """The prompt's images by the position each begins at (``service.engine.vision``): evaluated by mtmd, not
+    fed as tokens; held from the request's start until it ends."""
 
     @property
     def n_past(self) -> int:
@@ -312,6 +316,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._draft_rows = 0
         """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
         self._draft_runner: DraftModelRunner | None = None
+        self._vision: Images | None = None
+        """The projector (mtmd) where the plan has one: the model takes images."""
         """The plan's draft model (``service.engine.draft``): drafts come from it instead of the n-gram drafter."""
         self._drafts = False
         """This model is drafted for: speculation on and no recurrent state (one cannot take back a rejected
@@ -425,6 +431,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         t0 = time.perf_counter()
         model = ctx = emb = None
         runner: DraftModelRunner | None = None
+        images: Images | None = None
         emb_pieces = False
         eparams = embedding_context_params(plan.cfg)
         try:
@@ -443,7 +450,16 @@ class LlamaEngine(Prompting, TaskPrompts):
             n_emb = len(lines)
             if plan.draft is not None and self._speculative:
                 runner = self._load_draft(plan, mparams.use_extra_bufts, model)
+            n_draft = len(lines)
+            pm = plan.estimate.projector if plan.estimate is not None else None
+            if pm is not None:
+                images = Images.load(pm.path, model.model, use_gpu=pm.use_gpu, flash_attn=pm.flash_attn,
+                                     n_threads=cp.n_threads, n_ubatch=int(cp.n_ubatch))
         except BaseException as exc:
+            if images is not None:
+                images.close()
+            if runner is not None:
+                runner.close()
             for held in (emb, ctx, model):
                 if held is not None:
                     held.close()
@@ -494,6 +510,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             self._saved = SavedLogits(self._n_vocab)
             self._draft_rows = 0
             self._draft_runner = runner
+            self._vision = images
             self._drafts = self._speculative and not (llama_cpp.llama_model_is_recurrent(model.model)
                                                       or llama_cpp.llama_model_is_hybrid(model.model))
 
@@ -528,7 +545,8 @@ class LlamaEngine(Prompting, TaskPrompts):
                 _engines_loaded += 1
         allocs, offloaded = parse_allocations(lines[:n_main])
         emb_allocs, _ = parse_allocations(lines[n_main:n_emb])
-        draft_allocs, _ = parse_allocations(lines[n_emb:])
+        draft_allocs, _ = parse_allocations(lines[n_emb:n_draft])
+        projector_allocs = projector_allocations(lines[n_draft:], pm.device) if pm is not None else ()
         why = "batch-invariant mode" if self._batch_invariant else repack_of(plan).reason
         pc = self._pcache
         log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s "
@@ -540,7 +558,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
                           draft_output_bytes=self._draft_rows * self._n_vocab * 4,
-                          draft_allocations=draft_allocs)
+                          draft_allocations=draft_allocs, projector_allocations=projector_allocs)
 
     def _load_draft(self, plan: Plan, use_extra_bufts: bool, main: Any) -> DraftModelRunner:
         """The plan's draft model and its context (``sizing.memory.draft``: whole on the card of the main model's
@@ -633,6 +651,9 @@ class LlamaEngine(Prompting, TaskPrompts):
             runner, self._draft_runner = self._draft_runner, None
             if runner is not None:
                 runner.close()
+            vision, self._vision = self._vision, None
+            if vision is not None:
+                vision.close()
             self._format = None
             ctx, model = self._ctx, self._model
             self._ctx = self._model = self._vocab = self._mem = None
@@ -665,6 +686,9 @@ class LlamaEngine(Prompting, TaskPrompts):
                       "flash_attn": cparams.flash_attn_type, "n_ctx_seq": self._n_ctx_seq,
                       "swa_full": bool(cparams.swa_full), "n_swa": self._n_swa, "n_embd": int(self._model.n_embd()),
                       "llama_cpp": getattr(llama_cpp, "__version__", "")}
+            pm = plan.estimate.projector if plan.estimate is not None else None
+            if pm is not None:  # an image's KV is the projector's embeddings of it
+                fields["projector"] = model_fingerprint(pm.path)
             try:
                 pc.open_disk(Path(self._pc_dir), fields, self._pc_disk)
             except OSError as exc:
@@ -897,6 +921,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         grammar = compile_grammar(params)
         greedy = (params.temperature == 0.0 and grammar is None and params.frequency_penalty == 0.0
                   and params.presence_penalty == 0.0 and not params.logit_bias)
+        images = self._images_of(tokens)
         deliver = current_delivery()
         out: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         base_seed = params.seed if params.seed is not None else random.randint(0, 2**31 - 1)
@@ -908,8 +933,11 @@ class LlamaEngine(Prompting, TaskPrompts):
         ]
         if self._drafts and params.speculative and self._draft_max >= DRAFT_MIN:
             for r in reqs:
-                r.drafter = self._draft_runner or NgramDrafter()
+                # The draft model sees no image: a prompt with one drafts from its own tokens.
+                r.drafter = (self._draft_runner if not images else None) or NgramDrafter()
                 r.policy = DraftPolicy(draft_max=self._draft_max)
+        for r in reqs:
+            r.images = images
         reqs[0].followers = reqs[1:]
         if not self._post(reqs[0]):
             raise NotReady("the model was unloaded")
@@ -928,6 +956,17 @@ class LlamaEngine(Prompting, TaskPrompts):
         finally:
             for r in reqs:
                 r.abandoned = True
+
+    def _images_of(self, tokens: list[int]) -> dict[int, ImageChunk]:
+        """The images of a prompt (runs of negative ids, ``service.engine.vision``) by where each begins."""
+        if not tokens or min(tokens) >= 0:
+            return {}
+        if self._vision is None:
+            raise BadRequest("this model takes no images: it was loaded without a vision projector (mmproj)",
+                             param="messages")
+        if tokens[-1] < 0:  # the first token is sampled from the logits of a text token
+            raise BadRequest("a prompt may not end with an image", param="messages")
+        return dict(self._vision.find(tokens))
 
     def forget(self) -> None:
         """Drop every idle slot's cached prompt and the prompt cache beyond the slots, its files too (the next
@@ -1184,6 +1223,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                 n_keep = n_src
             if self._pcache.enabled and entry is None and 2 * n_keep < len(r.tokens):  # most of it evaluated
                 self._pcache.stats.misses += 1
+            n_keep = self._image_bound(r, n_keep)
         self._keep_slot(slot, n_keep)
         self._truncate(slot, n_keep)
         slot.scope = scope
@@ -1195,6 +1235,15 @@ class LlamaEngine(Prompting, TaskPrompts):
         if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
             r.first_logits = slot.logits
             self._on_logits(r, -1, None, active)
+
+    @staticmethod
+    def _image_bound(r: _Request, n_keep: int) -> int:
+        """``n_keep`` moved back to the start of the image it falls inside of (an image is evaluated whole: mtmd
+        decodes its embeddings in one call, non-causally for Gemma 3)."""
+        for start, image in r.images.items():
+            if start < n_keep < start + len(image.run):
+                return start
+        return n_keep
 
     def _reusable(self, slot: Slot, tokens: list[int], scope: str) -> int:
         if slot.scope != scope:  # another tenant's prefix: never shared (a timing side channel)
@@ -1381,11 +1430,15 @@ class LlamaEngine(Prompting, TaskPrompts):
                     r.policy.declined(r.n_out)  # type: ignore[union-attr]
                 room += j.k - len(j.draft)
                 r.batch_take -= j.k - len(j.draft)
-        for r in active:  # oldest first: admission order
+        for r in list(active):  # oldest first: admission order (a copy: a failed image ends its request)
             if room <= 0:
                 break
+            if r.prompting and r.images and not self._images_before(r, active):
+                continue
             if r.prompting:
-                left = len(r.tokens) - r.n_past
+                left = self._text_end(r) - r.n_past
+                if left <= 0:  # an image next, its request gone meanwhile: ended by the scheduler's next turn
+                    continue
                 r.batch_take = min(room, left)
                 if self._batch_invariant and 0 < left - r.batch_take < INVARIANT_MIN_ROWS:
                     r.batch_take = max(1, left - INVARIANT_MIN_ROWS)  # no short last chunk (see INVARIANT_MIN_ROWS)
@@ -1463,6 +1516,32 @@ class LlamaEngine(Prompting, TaskPrompts):
                 slot.n_canon += r.batch_take
             if r.batch_logits_idx >= 0:
                 self._on_logits(r, r.batch_logits_idx, ctx, active)
+
+    def _text_end(self, r: _Request) -> int:
+        """Where the prompt's text from ``n_past`` on ends: its next image, or its end."""
+        p0 = r.n_past
+        return min((start for start in r.images if start >= p0), default=len(r.tokens))
+
+    def _images_before(self, r: _Request, active: list[_Request]) -> bool:
+        """Evaluate the images the prompt has reached (mtmd: the tower, then their embeddings decoded into the
+        sequence, each in calls of its own before this step's batch); False where one failed (``r`` ended)."""
+        assert self._vision is not None
+        slot = r.slot
+        assert slot is not None
+        while r.prompting and (image := r.images.get(r.n_past)) is not None:
+            if r.gone:
+                return True  # ended by the step's usual path
+            p0 = r.n_past
+            ret = self._vision.evaluate(self._ctx.ctx, image, p0, slot.id, self._n_batch)
+            if ret != 0:
+                self._fail(r, EngineFailure(f"mtmd could not evaluate an image of the prompt (code {ret})"), active)
+                return False
+            n = len(image.run)
+            slot.tokens.extend(image.run)
+            slot.cells.extend(self._cells.new(n))
+            slot.logits, slot.logits_at = None, 0
+            self._evaluated += n
+        return True
 
     def _verify(self, r: _Request, ctx: Any, active: list[_Request]) -> None:
         """The rows of a drafted step: each samples as a step of its own would (the sampler chain, or the argmax),

@@ -124,6 +124,21 @@ def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[i
     return allocs, offloaded
 
 
+def projector_allocations(lines: list[str], device: str) -> tuple[Allocation, ...]:
+    """The vision projector's buffers from mtmd's load log (``sizing.probe.mtmd.parse_mtmd_log``: ``model size``
+    and each buffer type's ``compute buffer size``), its weights on ``device`` (the plan's: mtmd names none)."""
+    from sizing.probe import parse_mtmd_log
+
+    figures = parse_mtmd_log(lines)
+    if figures is None:
+        return ()
+    acc: dict[str, list[float]] = {device: [figures.weights_mib, 0.0]}
+    for buft, value in figures.compute_mib.items():
+        acc.setdefault(row_of(buft), [0.0, 0.0])[1] += value
+    return tuple(Allocation(device=dev, weights_bytes=int(w * MIB), compute_bytes=int(c * MIB))
+                 for dev, (w, c) in acc.items())
+
+
 class LogTap:
     """One process-wide llama.cpp log callback for the engine's process; lines go to logging and, while
     capturing (a load), to a list: warnings and errors at warning level, the rest at debug."""
@@ -150,6 +165,13 @@ class LogTap:
 
             cls._callback = _cb  # keep a reference: ctypes callbacks must outlive their use
             llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+            try:  # mtmd (the vision projector, ``service.engine.vision``) logs through its own setter
+                from llama_cpp import mtmd_cpp
+
+                mtmd_cpp.mtmd_log_set(_cb, ctypes.c_void_p(0))
+                mtmd_cpp.mtmd_helper_log_set(_cb, ctypes.c_void_p(0))
+            except (ImportError, OSError, AttributeError) as exc:  # a build without it: no projector loads
+                log.debug("mtmd's log not tapped: %s", exc)
             cls._installed = True
 
     @classmethod

@@ -22,7 +22,7 @@ import uuid
 from typing import Any, Iterable, Iterator
 
 from ..errors import BadRequest
-from .base import Cancel, Chunk, GenerationParams
+from .base import Cancel, Chunk, GenerationParams, ImageInput
 from ..chat.format import ChatFormat, detect, prepare
 from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate
@@ -33,6 +33,8 @@ class Prompting:
 
     _template: ChatTemplate | BuiltinChatTemplate | None = None
     _format: ChatFormat | None = None
+    _vision: Any = None
+    """The loaded projector (``service.engine.vision.Images``), None where the model takes no images."""
 
     def chat_format(self) -> ChatFormat:
         """The loaded template's tool-call format and thinking tags (``chat_format.detect``), read once."""
@@ -107,7 +109,9 @@ class Prompting:
         return [self._spelt_bytes(t) for t in tokens]
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return self._chat_prompt(messages, tools)[0]
+        """The rendered prompt, each image written as mtmd's marker (``<__media__>``, as llama-server shows it)."""
+        marked, _ = _mark_images(messages, lambda k: "<__media__>")
+        return self._chat_prompt(marked, tools)[0]
 
     def _spelt_bytes(self, token: int) -> bytes:
         """A token's bytes, a control token's spelling included (``llama_token_to_piece`` with ``special``, sized
@@ -150,22 +154,49 @@ class Prompting:
         return found
 
     def _chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The rendered prompt's tokens, no control token from the client's strings (see the module docstring)."""
+        """The rendered prompt's tokens, no control token from the client's strings (see the module docstring);
+        each image part's tokens where the template put its placeholder (``_Images``)."""
+        images = _Images(messages)
+        if images.found and self._vision is None:
+            raise BadRequest(f"{images.found[0][0]}: this model takes no images (it was loaded without a vision "
+                             "projector: mmproj)", param=images.found[0][0])
+        messages = images.messages
         texts = _texts(messages)
         strings = [*_strings(messages), *_strings(tools), *(s for v in _past_arguments(messages) for s in _strings(v))]
         found = self._control_spellings("\n".join([*strings, *(w for _, w in _junctions(texts))]))
         if not found:  # nothing the client sent spells a control token: one tokenization, as llama-server's
             prompt, add_bos = self._chat_prompt(messages, tools)
-            return self._tokenize(prompt, add_bos=add_bos)
+            if not images.found:
+                return self._tokenize(prompt, add_bos=add_bos)
+            return self._pieces_tokens([(prompt, False)], add_bos, images)
         spell = _Spellings(found)
         for param, where in _junctions([(param, spell.swap(t)) for param, t in texts]):
             if spell.pattern.search(where):
                 raise BadRequest(f"{param}: together with the text before it, spells one of the model's control "
                                  "tokens", param=param)
         prompt, add_bos = self._chat_prompt(messages, tools, spell)
+        return self._pieces_tokens(spell.split(prompt), add_bos, images)
+
+    def _pieces_tokens(self, pieces: Iterable[tuple[str, bool]], add_bos: bool, images: _Images) -> list[int]:
+        """The tokens of a prompt in pieces ((the template's text, False), (a client's spelling, True)), each image
+        placeholder in the template's text replaced by the image's tokens (the projector's: ``Images.tokens``)."""
         tokens: list[int] = []
-        for text, client in spell.split(prompt):
-            tokens += self._tokenize(text, add_bos=add_bos and not tokens, special=not client)
+        seen: set[int] = set()
+        for text, client in pieces:
+            for part, k in ([(text, None)] if client or not images.found else images.split(text)):
+                if k is None:
+                    if part:
+                        tokens += self._tokenize(part, add_bos=add_bos and not tokens, special=not client)
+                    continue
+                param, image = images.found[k]
+                if add_bos and not tokens:
+                    tokens += self._tokenize("", add_bos=True)
+                before, chunk, after = self._vision.tokens(image, param)
+                tokens += [*before, *chunk.run, *after]
+                seen.add(k)
+        if len(seen) != len(images.found):
+            missing = next(images.found[k][0] for k in range(len(images.found)) if k not in seen)
+            raise BadRequest(f"{missing}: the model's chat template does not show this image", param=missing)
         return tokens
 
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
@@ -238,6 +269,45 @@ def _junctions(texts: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
             if before:
                 yield param, before + text[:_EDGE]
             before = (before + text[-_EDGE:])[-_EDGE:]
+
+
+def _mark_images(messages: list[dict[str, Any]], mark: Any) -> tuple[list[dict[str, Any]], list[tuple[str, ImageInput]]]:
+    """The messages with each image part (``{"type": "image", "image": ImageInput}``, the API's decoding) a text
+    part ``mark(k)`` (the k-th image), and the images with their fields' names."""
+    found: list[tuple[str, ImageInput]] = []
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            parts = []
+            for j, p in enumerate(content):
+                if isinstance(p, dict) and p.get("type") == "image" and isinstance(p.get("image"), ImageInput):
+                    parts.append({"type": "text", "text": mark(len(found))})
+                    found.append((f"messages[{i}].content[{j}]", p["image"]))
+                else:
+                    parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, found
+
+
+class _Images:
+    """A chat's images, each swapped for a placeholder of letters and digits around a random nonce while the
+    template renders (as ``_Spellings``), found again in the rendered prompt by ``split``."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.nonce = "M" + uuid.uuid4().hex
+        self.messages, self.found = _mark_images(messages, lambda k: f"{self.nonce}I{k}I")
+        self._mark = re.compile(self.nonce + "I([0-9]+)I")
+
+    def split(self, text: str) -> Iterator[tuple[str, int | None]]:
+        """``text`` in pieces: (text, None) and ("", the image's index)."""
+        pos = 0
+        for m in self._mark.finditer(text):
+            yield text[pos:m.start()], None
+            yield "", int(m.group(1))
+            pos = m.end()
+        yield text[pos:], None
 
 
 class _Spellings:

@@ -75,7 +75,11 @@ class NgramDrafter:
                 continue
             at = index.get((n, *tokens[n_tok - n + 1:], last))
             if at is not None:
-                return tokens[at:at + k]
+                out = tokens[at:at + k]
+                for j, t in enumerate(out):
+                    if t < 0:  # an image's positions (``service.engine.vision``): no token a step can draft
+                        return out[:j]
+                return out
         return []
 
 

@@ -83,6 +83,15 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
                             "predicted_mib": mib(drows[a.device]) if a.device in drows else None}
                            for a in state.report.draft_allocations],
             }
+        pm = est.projector if est is not None else None
+        if pm is not None:
+            out["projector"] = {
+                **pm.to_json(),
+                "memory": [{"device": a.device, "allocated_mib": mib(a.total_bytes),
+                            "allocated": {"weights_mib": mib(a.weights_bytes), "compute_mib": mib(a.compute_bytes)},
+                            "predicted_mib": mib(pm.total_bytes) if a.device == pm.device else None}
+                           for a in state.report.projector_allocations],
+            }
     return out
 
 
@@ -122,11 +131,12 @@ def allocation_rows(est: Any) -> dict[str, int]:
     """The plan's bytes per row of llama.cpp's allocation log (what ``parse_allocations`` reports): each device's
     buffers without what the log does not show (the allowance, the CUDA pool bound, the embedding context),
     the host's weights in the extra CPU buffer types (CPU_REPACK, AMX) as rows of their own. A draft model's bytes
-    are not in them: its load logs lines of its own (``LoadReport.draft_allocations``, ``MemoryEstimate.draft``)."""
+    and a vision projector's are not in them: their loads log lines of their own (``LoadReport.draft_allocations``,
+    ``MemoryEstimate.draft``; ``LoadReport.projector_allocations``, ``MemoryEstimate.projector``)."""
     out: dict[str, int] = {}
     for d in est.devices:
         out[d.device] = (d.total_bytes - d.allowance_bytes - d.pool_bytes - d.embedding_bytes
-                         - d.extra_weights_bytes - d.draft_model_bytes)
+                         - d.extra_weights_bytes - d.draft_model_bytes - d.projector_bytes)
         for buffer, n in d.extra_weights:
             out[buffer] = out.get(buffer, 0) + n
     return out

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from . import arch
 from .ggml import CACHE_TYPES, GGML_TYPE_IDS, CacheType, cache_type
+from .projector import ProjectorSpec
 from .spec import LayerSpec, MlaSpec, ModelSource, ModelSpec, SsmSpec, StateSpec, TensorInfo
 
-__all__ = ["CACHE_TYPES", "GGML_TYPE_IDS", "CacheType", "LayerSpec", "MlaSpec", "ModelSource", "ModelSpec", "SsmSpec",
+__all__ = ["CACHE_TYPES", "GGML_TYPE_IDS", "CacheType", "LayerSpec", "MlaSpec", "ModelSource", "ModelSpec", "ProjectorSpec", "SsmSpec",
            "StateSpec", "TensorInfo", "arch", "cache_type"]

@@ -222,13 +222,13 @@ class _GuardedBackend(httpcore.SyncBackend):
             addresses = [str(info[4][0]) for info in infos]
             allowed = [a for a in addresses if self.limits.address_allowed(a)]
             if not allowed:
-                raise _Refused(host)
+                raise Refused(host)
             host = allowed[0]
         return super().connect_tcp(host, port, timeout=timeout, local_address=local_address,
                                    socket_options=socket_options)
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A probe's target resolves only to addresses its limits refuse."""
 
     def __init__(self, host: str) -> None:
@@ -330,7 +330,7 @@ class RangeSource:
                 data = self._read(resp, min(length, total - offset))
             finally:
                 resp.close()
-        except _Refused as exc:
+        except Refused as exc:
             # The client's mistake, not the upstream's: a ProbeError (400), not a RemoteError (502).
             raise ProbeError(f"{exc.host} is not a public address; refused (GGUF_REMOTE_ALLOW_HOSTS can allow it)",
                              source=self._url) from None

@@ -62,6 +62,10 @@ def hub(tmp_path: Path, embedded_model: str, monkeypatch: pytest.MonkeyPatch) ->
     (root / "acme" / "tiny").mkdir(parents=True)
     os.link(embedded_model, root / "acme" / "tiny" / "gemma-tiny.gguf")
     (root / "acme" / "tiny" / "broken.gguf").write_bytes(b"NOT A GGUF" * 100)
+    from sizing.testing.projector_fixtures import TINY, write_projector
+
+    write_projector(root / "acme" / "tiny" / "mmproj-gemma-tiny-f32.gguf", TINY)
+    (root / "acme" / "tiny" / "mmproj-broken.gguf").write_bytes(b"NOT A GGUF" * 100)
     handler = type("Hub", (_Hub,), {"root": root, "requests": []})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -122,3 +126,23 @@ def test_pull_failures_are_reported_not_served(fake_factory: Any, hub: tuple[str
     for bad in ({"repo_id": "acme/tiny", "filename": "../x.gguf"}, {"repo_id": "../x", "filename": "a.gguf"},
                 {"repo_id": "acme/tiny", "filename": "a.bin"}):
         assert svc.client.post("/api/models/pull", json=bad).status_code == 400
+
+
+@pytest.mark.slow
+def test_a_pulled_projector_goes_beside_the_model_not_among_the_models(fake_factory: Any,
+                                                                         hub: tuple[str, list[str]]) -> None:
+    svc = fake_factory()
+    svc.client.post("/api/models/pull", json={"repo_id": "acme/tiny", "filename": "gemma-tiny.gguf"})
+    assert _wait(svc.client, "gemma-tiny")["state"] == "done"
+    svc.client.post("/api/models/pull", json={"repo_id": "acme/tiny", "filename": "mmproj-gemma-tiny-f32.gguf"})
+    assert _wait(svc.client, "mmproj-gemma-tiny-f32")["state"] == "done"
+    svc.client.post("/api/models/pull", json={"repo_id": "acme/tiny", "filename": "mmproj-broken.gguf"})
+    assert _wait(svc.client, "mmproj-broken")["state"] == "failed"
+    assert not [m for m in svc.client.get("/v1/models").json()["data"] if "mmproj" in m["id"]]
+    r = svc.client.post("/api/dry-run", json={"model": "gemma-tiny"})
+    assert r.status_code == 200, r.text
+    assert r.json()["projector"]["path"].endswith("mmproj-gemma-tiny-f32.gguf")  # found beside it (auto)
+    r = svc.client.post("/api/dry-run", json={"model": "gemma-tiny", "mmproj": "/etc/passwd"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mmproj"
+    r = svc.client.post("/api/dry-run", json={"model": "gemma-tiny", "mmproj": ""})
+    assert r.status_code == 200 and r.json()["projector"] is None

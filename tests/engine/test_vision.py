@@ -1,0 +1,186 @@
+"""Images into the engine (issue 27): the embedded model with a small projector of its width (random weights: the
+answers mean nothing, the plumbing and the memory are real), loaded by llama.cpp's mtmd.
+
+What can break: the projector's buffers beside the plan, an image's tokens in the prompt and its count, the image
+evaluated into the sequence (a different image, a different answer), prefix reuse across turns that carry the
+same image and never across a different one (the answer after reuse is the answer evaluated cold), drafts that
+stop before an image's ids, and the refusals."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from service.engine.base import Cancel, Chunk, GenerationParams, ImageInput
+from service.engine.llama import LlamaEngine
+from service.engine.speculation import NgramDrafter
+from service.engine.vision import image_run
+from service.errors import BadRequest
+from sizing.memory import Projector
+from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.probe import probe_path
+from sizing.probe.devices import host_memory
+from sizing.probe.mtmd import measure_projector
+from sizing.probe.projector import probe_projector
+from sizing.memory import mib_to_bytes
+from sizing.testing.projector_fixtures import TINY, write_projector
+
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+GREEDY = GenerationParams(max_tokens=12, temperature=0.0)
+
+
+def _image(seed: int, w: int = 40, h: int = 24) -> ImageInput:
+    return ImageInput.of(w, h, bytes((seed * 37 + i * 11) % 256 for i in range(w * h * 3)))
+
+
+def _chat(image: ImageInput | None, text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if image is not None:
+        parts.append({"type": "image", "image": image})
+        parts.append({"type": "text", "text": "Answer briefly."})
+    return [{"role": "user", "content": parts}]
+
+
+def _run(eng: LlamaEngine, tokens: list[int], params: GenerationParams = GREEDY) -> tuple[str, Chunk]:
+    chunks = list(eng.generate(tokens, params, Cancel()))
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+@pytest.fixture(scope="module")
+def projector_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("vision") / "tiny-mmproj-f32.gguf"
+    write_projector(path, TINY, values="random")
+    return str(path)
+
+
+def _plan(model: str, projector: Projector | None, slots: int = 2) -> Plan:
+    return make_plan(probe_path(model), [], host_memory(),
+                     PlanRequest(n_ctx=2048, n_seq_max=slots, kv_unified=True, min_ctx=256, cpu_repack=False,
+                                 projector=projector))
+
+
+@pytest.fixture(scope="module")
+def loaded(embedded_model: str, projector_path: str) -> Iterator[tuple[LlamaEngine, Plan, Any]]:
+    figures = {("CPU", fa): mib_to_bytes(measure_projector(projector_path, fa).compute_mib["CPU"]) for fa in (True, False)}
+    plan = _plan(embedded_model, Projector(probe_projector(projector_path), figures=figures))
+    eng = LlamaEngine()
+    report = eng.load(embedded_model, plan)
+    yield eng, plan, report
+    eng.unload()
+
+
+def test_the_projector_allocates_what_the_plan_predicted(loaded: tuple[LlamaEngine, Plan, Any]) -> None:
+    _, plan, report = loaded
+    pm = plan.estimate.projector
+    assert pm is not None and pm.compute_source == "measured" and pm.device == "CPU"
+    (alloc,) = report.projector_allocations
+    assert alloc.device == "CPU"
+    # mtmd logs 0.01 MiB figures; the plan's weights are every tensor's bytes, its compute buffer mtmd's measured.
+    assert abs(alloc.weights_bytes - pm.weights_bytes) <= 0.01 * MIB
+    assert abs(alloc.compute_bytes - pm.compute_bytes) <= 0.01 * MIB
+    # The model's own buffers are the plan's without the projector's: nothing of it in the main context's rows.
+    assert all(a.device != "CPU" or a.weights_bytes < plan.estimate.host.weights_bytes + MIB for a in report.allocations)
+
+
+def test_an_image_takes_its_tokens_in_the_prompt_and_changes_the_answer(loaded: tuple[LlamaEngine, Plan, Any]) -> None:
+    eng, plan, _ = loaded
+    tokens = eng.chat_prompt_tokens(_chat(_image(1)))
+    n_image = plan.estimate.projector.tokens_per_image
+    assert n_image and sum(1 for t in tokens if t < 0) == n_image
+    assert eng.count_chat_tokens(_chat(_image(1))) == len(tokens)
+    text = eng.render_chat(_chat(_image(1)))
+    assert "<__media__>" in text and "Answer briefly." in text
+    # The same image, the same ids; another image, others; the text around them the model's own.
+    assert eng.chat_prompt_tokens(_chat(_image(1))) == tokens
+    other = eng.chat_prompt_tokens(_chat(_image(2)))
+    assert len(other) == len(tokens) and other != tokens
+    assert [t for t in other if t >= 0] == [t for t in tokens if t >= 0]
+    _, last = _run(eng, tokens, replace(GREEDY, cache_prompt=False))
+    assert last.prompt_tokens == len(tokens) and last.completion_tokens > 0
+    # The image reaches the model: the first token's distribution moves with it (random weights: the text may not).
+    first = [_first_logprobs(eng, t) for t in (tokens, other, eng.chat_prompt_tokens(_chat(None)))]
+    assert len(set(first)) == 3, first
+    assert _first_logprobs(eng, tokens) == first[0]
+
+
+def _first_logprobs(eng: LlamaEngine, tokens: list[int]) -> tuple[tuple[str, float], ...]:
+    params = replace(GREEDY, max_tokens=1, logprobs=5, cache_prompt=False)
+    lp = next(lp for c in eng.generate(tokens, params, Cancel()) for lp in c.logprobs)
+    return tuple((tok, round(v, 4)) for tok, v in lp.top)
+
+
+def test_prefix_reuse_keeps_an_image_only_where_it_is_the_same(loaded: tuple[LlamaEngine, Plan, Any]) -> None:
+    eng, _, _ = loaded
+    first = eng.chat_prompt_tokens(_chat(_image(3)))
+    start = next(i for i, t in enumerate(first) if t < 0)
+    cold, _ = _run(eng, first, replace(GREEDY, cache_prompt=False))
+    _run(eng, first)
+    again, last = _run(eng, first)
+    assert again == cold and last.cached_tokens > start  # the image's KV reused, the answer unchanged
+    turn = [*_chat(_image(3)), {"role": "assistant", "content": again}, {"role": "user", "content": "And then?"}]
+    t2 = eng.chat_prompt_tokens(turn)
+    warm2, last2 = _run(eng, t2)
+    cold2, _ = _run(eng, t2, replace(GREEDY, cache_prompt=False))
+    assert warm2 == cold2 and last2.cached_tokens > start + 1
+    swapped = eng.chat_prompt_tokens(_chat(_image(4)))
+    warm3, last3 = _run(eng, swapped)
+    cold3, _ = _run(eng, swapped, replace(GREEDY, cache_prompt=False))
+    assert last3.cached_tokens <= start and warm3 == cold3
+
+
+def test_two_images_and_several_sequences(loaded: tuple[LlamaEngine, Plan, Any]) -> None:
+    eng, _, _ = loaded
+    msgs = [{"role": "user", "content": [{"type": "image", "image": _image(5)}, {"type": "text", "text": "and"},
+                                         {"type": "image", "image": _image(6, 16, 16)},
+                                         {"type": "text", "text": "Compare them."}]}]
+    tokens = eng.chat_prompt_tokens(msgs)
+    assert len({t for t in tokens if t < 0}) == 2 * 16
+    alone, _ = _run(eng, tokens, replace(GREEDY, cache_prompt=False))
+    by: dict[int, str] = {}
+    for c in eng.generate(tokens, replace(GREEDY, n=2, cache_prompt=False), Cancel()):
+        by[c.index] = by.get(c.index, "") + c.text
+    assert by == {0: alone, 1: alone}  # greedy choices fork from the prompt's KV, images included
+
+
+def test_refusals(loaded: tuple[LlamaEngine, Plan, Any], embedded_model: str) -> None:
+    eng, _, _ = loaded
+    tokens = eng.chat_prompt_tokens(_chat(_image(7)))
+    with pytest.raises(BadRequest, match="end with an image"):
+        list(eng.generate(tokens[:next(i for i, t in enumerate(tokens) if t < 0) + 16], GREEDY, Cancel()))
+    forged = [t if t >= 0 else -5 for t in tokens]
+    with pytest.raises(BadRequest, match="no longer has"):
+        list(eng.generate(forged, GREEDY, Cancel()))
+    plain = LlamaEngine()
+    plain.load(embedded_model, _plan(embedded_model, None, slots=1))
+    try:
+        with pytest.raises(BadRequest, match="takes no images") as info:
+            plain.chat_prompt_tokens(_chat(_image(1)))
+        assert info.value.param == "messages[0].content[1]"
+        with pytest.raises(BadRequest, match="takes no images"):
+            list(plain.generate(tokens, GREEDY, Cancel()))
+    finally:
+        plain.unload()
+
+
+def test_ngram_drafts_stop_before_an_image() -> None:
+    run = image_run("00" * 16, 4)
+    tokens = [5, 6, 7, *run, 8, 5, 6]
+    assert NgramDrafter().draft(tokens, 7, 8) == []  # what followed "5 6 7" is an image: nothing to draft
+    assert NgramDrafter().draft([5, 6, 7, 9, *run, 5, 6], 7, 8) == [9]
+    assert len(set(run)) == 4 and all(t < 0 for t in run) and image_run("00" * 16, 4) == run
+
+
+def test_projector_files_are_not_models(tmp_path: Path) -> None:
+    from service.models import Registry
+    from service.settings import Settings
+    from sizing.testing.fixtures import TINY_LLAMA, write_fixture
+
+    write_projector(tmp_path / "mmproj-tiny.gguf", TINY)
+    write_fixture("model", tmp_path, shape=TINY_LLAMA)
+    names = [e.name for e in Registry(Settings(models_dir=str(tmp_path))).list()]
+    assert "model-bf16" in names and not any("mmproj" in n for n in names)
