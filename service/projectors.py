@@ -57,7 +57,7 @@ class ProjectorSource:
         self.calibrate = calibrate
         self._measure = measure or (lambda path, fa: measure_projector(path, fa))
         self._lock = threading.Lock()
-        self._figures: dict[tuple[str, int, int, bool], int | None] = {}
+        self._figures: dict[tuple[str, int, int, bool], tuple[int | None, int | None] | None] = {}
         self._specs: dict[tuple[str, int, int], ProjectorSpec | None] = {}
 
     def resolve(self, value: str | None, model_path: str | None, spec: ModelSpec) -> str | None:
@@ -95,7 +95,8 @@ class ProjectorSource:
         if pspec.n_embd_text and pspec.n_embd_text != spec.n_embd:
             raise BadRequest(f"mmproj: {path} hands the model embeddings {pspec.n_embd_text} wide; "
                              f"{spec.name} takes {spec.n_embd}", param="mmproj")
-        return Projector(pspec, offload=offload, figures=self._measured(pspec))
+        figures, cap = self._measured(pspec)
+        return Projector(pspec, offload=offload, figures=figures, image_max_tokens=cap)
 
     def _beside(self, model_path: str, spec: ModelSpec) -> str | None:
         folder = Path(model_path).parent
@@ -134,15 +135,17 @@ class ProjectorSource:
             self._specs[key] = spec
         return spec
 
-    def _measured(self, pspec: ProjectorSpec) -> dict[tuple[str, bool], int]:
-        """mtmd's compute buffer on the CPU backend, flash attention on and off (``{}`` without calibration)."""
+    def _measured(self, pspec: ProjectorSpec) -> tuple[dict[tuple[str, bool], int], int | None]:
+        """mtmd's compute buffer on the CPU backend, flash attention on and off (``{}`` without calibration), and the
+        cap on an image's tokens they hold for (``sizing.probe.mtmd.warmup_cap``)."""
         if not self.calibrate:
-            return {}
+            return {}, None
         try:
             st = os.stat(pspec.path)
         except OSError:
-            return {}
+            return {}, None
         out: dict[tuple[str, bool], int] = {}
+        cap = None
         for fa in (True, False):
             key = (pspec.path, st.st_size, st.st_mtime_ns, fa)
             with self._lock:
@@ -151,13 +154,14 @@ class ProjectorSource:
             if not known:
                 try:
                     figures = self._measure(pspec.path, fa)
-                    value = mib_to_bytes(figures.compute_mib.get("CPU", 0.0)) or None
+                    value = (mib_to_bytes(figures.compute_mib.get("CPU", 0.0)) or None, figures.image_max_tokens)
                 except Exception as exc:  # the bound stands in; the plan says which
                     log.warning("mtmd could not measure %s (flash attention %s): %s", pspec.path,
                                 "on" if fa else "off", exc)
                     value = None
                 with self._lock:
                     self._figures[key] = value
-            if value is not None:
-                out[("CPU", fa)] = value
-        return out
+            if value is not None and value[0] is not None:
+                out[("CPU", fa)] = value[0]
+                cap = value[1]
+        return out, cap

@@ -42,12 +42,15 @@ def _projector(args: argparse.Namespace) -> object:
 
     spec = probe_projector(args.mmproj)
     figures: dict[tuple[str, bool], int] = {}
+    cap = None
     if not args.no_measure:
         from .probe.mtmd import measure_projector
 
         for fa in (True, False):
-            figures[("CPU", fa)] = mib_to_bytes(measure_projector(args.mmproj, fa).compute_mib.get("CPU", 0.0))
-    return Projector(spec, offload=not args.no_mmproj_offload, figures=figures)
+            measured = measure_projector(args.mmproj, fa)
+            figures[("CPU", fa)] = mib_to_bytes(measured.compute_mib.get("CPU", 0.0))
+            cap = measured.image_max_tokens
+    return Projector(spec, offload=not args.no_mmproj_offload, figures=figures, image_max_tokens=cap)
 
 
 def _plan(args: argparse.Namespace) -> int:

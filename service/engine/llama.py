@@ -454,7 +454,8 @@ class LlamaEngine(Prompting, TaskPrompts):
             pm = plan.estimate.projector if plan.estimate is not None else None
             if pm is not None:
                 images = Images.load(pm.path, model.model, use_gpu=pm.use_gpu, flash_attn=pm.flash_attn,
-                                     n_threads=cp.n_threads, n_ubatch=int(cp.n_ubatch))
+                                     n_threads=cp.n_threads, n_ubatch=int(cp.n_ubatch),
+                                     image_max_tokens=pm.image_max_tokens)
         except BaseException as exc:
             if images is not None:
                 images.close()

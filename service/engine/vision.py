@@ -72,9 +72,12 @@ class Images:
         self.n_ubatch = n_ubatch
 
     @staticmethod
-    def load(path: str, model: Any, *, use_gpu: bool, flash_attn: bool, n_threads: int, n_ubatch: int) -> "Images":
+    def load(path: str, model: Any, *, use_gpu: bool, flash_attn: bool, n_threads: int, n_ubatch: int,
+             image_max_tokens: int | None = None) -> "Images":
         """mtmd's context for the projector at ``path`` against ``model`` (``llama_model *``), warmed up as
-        llama-server's (its compute buffer reserved now: what the plan counts); ``EngineFailure`` if it cannot."""
+        llama-server's (its compute buffer reserved now: what the plan counts), with the plan's cap on an image's
+        tokens (``image_max_tokens``: images resized within the warmup's, so none grows the buffer past the
+        plan); ``EngineFailure`` if it cannot."""
         from llama_cpp import mtmd_cpp as mtmd
 
         params = mtmd.mtmd_context_params_default()
@@ -83,6 +86,8 @@ class Images:
         params.print_timings = False
         params.warmup = True
         params.flash_attn_type = 1 if flash_attn else 0
+        if image_max_tokens is not None:
+            params.image_max_tokens = image_max_tokens
         ctx = mtmd.mtmd_init_from_file(path.encode(), model, params)
         if not ctx:
             raise EngineFailure(f"mtmd could not load the projector {path} (its log says why)")

@@ -10,7 +10,10 @@ The compute buffer follows the tower's graph through ggml's allocator and moves 
 magnitude (SigLIP at 896 px, 16 heads: 121.25 MiB with it, 1132.00 MiB without, measured on the CPU backend), so it
 is llama.cpp's figure, measured by mtmd's warmup on the backend the projector runs on (``figures``). Without one the
 plan carries a bound: the attention scores of every head (without flash attention) and eight activations of the
-widest layer for every patch, f32; above every measured figure (``tests/plan/test_projector_plan.py``).
+widest layer for every patch, f32; above every measured figure of a fixed-size projector
+(``tests/plan/test_projector_plan.py``). A dynamic-resolution projector's warmup image is not its ``image_size``
+(Qwen2.5-VL warms up at 1288 px), so its bound holds nothing: its figure is measured, with images capped to the
+warmup's (``image_max_tokens``).
 
 Where: the card of the model's output layer (as the draft model, ``sizing.memory.draft``), or host memory when the
 model has no card there or ``offload`` is off (llama-server's ``--no-mmproj-offload``).
@@ -36,6 +39,9 @@ class Projector:
     """On the model's card (False: host memory, whatever the model's placement)."""
     figures: Mapping[tuple[str, bool], int] = field(default_factory=dict, compare=False, repr=False)
     """(backend kind, flash attention) -> compute buffer bytes mtmd reserved (``CPU`` or ``CUDA``)."""
+    image_max_tokens: int | None = None
+    """The cap on an image's tokens the figures were measured with (``sizing.probe.mtmd.warmup_cap``: a dynamic-
+    resolution projector whose largest image is beyond its warmup's), which the engine loads with."""
 
     @property
     def path(self) -> str:
@@ -63,6 +69,8 @@ class ProjectorMemory:
     compute_source: Literal["measured", "bound"]
     tokens_per_image: int | None
     projector_type: str = ""
+    image_max_tokens: int | None = None
+    """mtmd's ``image_max_tokens`` the engine loads with (None: the projector's own limit)."""
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +84,8 @@ class ProjectorMemory:
         return {"path": self.path, "projector_type": self.projector_type, "device": self.device,
                 "flash_attn": self.flash_attn, "weights_mib": mib(self.weights_bytes),
                 "compute_mib": mib(self.compute_bytes), "compute_source": self.compute_source,
-                "tokens_per_image": self.tokens_per_image, "total_mib": mib(self.total_bytes)}
+                "tokens_per_image": self.tokens_per_image, "image_max_tokens": self.image_max_tokens,
+                "total_mib": mib(self.total_bytes)}
 
 
 def projector_memory(projector: Projector, device: str, flash_attn: bool) -> ProjectorMemory:
@@ -88,4 +97,4 @@ def projector_memory(projector: Projector, device: str, flash_attn: bool) -> Pro
         path=spec.path, device=device, flash_attn=flash_attn, weights_bytes=spec.weights_bytes,
         compute_bytes=measured if measured is not None else compute_bound_bytes(spec, flash_attn),
         compute_source="measured" if measured is not None else "bound", tokens_per_image=spec.tokens_per_image,
-        projector_type=spec.projector_type)
+        projector_type=spec.projector_type, image_max_tokens=projector.image_max_tokens)

@@ -47,6 +47,11 @@ class ProjectorSpec:
         return side * side
 
     @property
+    def token_pixels(self) -> int:
+        """The pixels one image token covers: a patch, merged ``n_merge`` x ``n_merge``."""
+        return (self.patch_size * max(self.n_merge, 1)) ** 2
+
+    @property
     def tokens_per_image(self) -> int | None:
         """Context tokens one image takes (without the begin/end-of-image text tokens mtmd wraps it in); None for
         a dynamic-resolution type, whose count depends on the image (mtmd's tokenizer gives it)."""

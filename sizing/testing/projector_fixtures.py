@@ -9,7 +9,8 @@ random numbers, so that different images give different embeddings (the answers 
 plumbing are real).
 
 Keys and tensor names mirror ``tools/mtmd/clip-impl.h`` and ``clip.cpp`` (llama.cpp vendored by llama-cpp-python
-0.3.36); shapes are those of the public ``config.json`` of each model's vision tower.
+0.3.36); shapes are those of the public ``config.json`` of each model's vision tower: Gemma 3's SigLIP (fixed
+896 px), Qwen2.5-VL's and Pixtral's (dynamic resolution).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class ProjectorShape:
     """``clip.vision.projector.scale_factor`` (gemma3's pooling; 0: not written, llama.cpp's default)."""
     eps: float = 1e-6
     weight_type: Literal["f16", "f32"] = "f16"
+    spatial_merge: int = 0
+    """``clip.vision.spatial_merge_size`` (Qwen2.5-VL's 2x2 merger, Mistral Small 3.1's patch merger; 0: none)."""
+    n_wa_pattern: int = 0
+    """``clip.vision.n_wa_pattern``: Qwen2.5-VL's full-attention layer every n (window attention between)."""
 
 
 PROJECTORS: dict[str, ProjectorShape] = {
@@ -51,15 +56,32 @@ PROJECTORS: dict[str, ProjectorShape] = {
     # google/gemma-3-27b-it: the same tower, text hidden_size 5376
     "gemma3-27b": ProjectorShape("gemma3", n_embd=1152, n_ff=4304, n_layer=27, n_head=16, image_size=896,
                                  patch_size=14, n_embd_text=5376),
+    # Qwen/Qwen2.5-VL-7B-Instruct vision_config: depth 32, hidden 1280, intermediate 3420, 16 heads, patch 14,
+    # spatial_merge_size 2, fullatt_block_indexes every 8th, out_hidden_size 3584 (image_size as the converter's 560)
+    "qwen2.5vl-7b": ProjectorShape("qwen2.5vl_merger", n_embd=1280, n_ff=3420, n_layer=32, n_head=16, image_size=560,
+                                   patch_size=14, n_embd_text=3584, spatial_merge=2, n_wa_pattern=8),
+    # mistral-community/pixtral-12b vision_config: 24 layers, hidden 1024, intermediate 4096, 16 heads, patch 16,
+    # image_size 1024; text hidden_size 5120
+    "pixtral-12b": ProjectorShape("pixtral", n_embd=1024, n_ff=4096, n_layer=24, n_head=16, image_size=1024,
+                                  patch_size=16, n_embd_text=5120, eps=1e-5),
 }
 
 TINY = ProjectorShape("gemma3", n_embd=64, n_ff=128, n_layer=2, n_head=2, image_size=224, patch_size=14,
                       n_embd_text=640, weight_type="f32")
 """For the embedded model: 16x16 patches pooled 4x4 into 16 tokens an image."""
 
+TINY_PIXTRAL = ProjectorShape("pixtral", n_embd=64, n_ff=128, n_layer=2, n_head=2, image_size=1024, patch_size=16,
+                              n_embd_text=640, eps=1e-5, weight_type="f32")
+"""A dynamic-resolution tower for the embedded model: one token per 16x16 patch, a ``[IMG_BREAK]`` after each row
+but the last; mtmd's own limit 512x512 pixels, its warmup 256x256 (so the plan caps images there)."""
+
 
 def _tensors(s: ProjectorShape) -> list[tuple[str, tuple[int, ...], bool]]:
-    """(name, numpy shape, is a matrix) for every tensor of a gemma3 projector (``load_tensors``)."""
+    """(name, numpy shape, is a matrix) for every tensor of the projector (``load_tensors``)."""
+    if s.projector_type == "qwen2.5vl_merger":
+        return _qwen25vl(s)
+    if s.projector_type == "pixtral":
+        return _pixtral(s)
     if s.projector_type != "gemma3":
         raise ValueError(f"no projector fixture for type {s.projector_type!r}")
     e, f, n_patch = s.n_embd, s.n_ff, (s.image_size // s.patch_size) ** 2
@@ -81,6 +103,48 @@ def _tensors(s: ProjectorShape) -> list[tuple[str, tuple[int, ...], bool]]:
     return out
 
 
+def _layers(s: ProjectorShape, *, bias: bool, norm_bias: bool) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Pre-norm blocks with a gated FFN (SwiGLU: Qwen2.5-VL's and Pixtral's), RMS norms where ``norm_bias`` is off."""
+    e, f = s.n_embd, s.n_ff
+    out: list[tuple[str, tuple[int, ...], bool]] = []
+    for il in range(s.n_layer):
+        p = f"v.blk.{il}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            out.append((f"{p}.{name}.weight", (e, e), True))
+            if bias:
+                out.append((f"{p}.{name}.bias", (e,), False))
+        for name in ("ln1", "ln2"):
+            out.append((f"{p}.{name}.weight", (e,), False))
+            if norm_bias:
+                out.append((f"{p}.{name}.bias", (e,), False))
+        for name, shp in (("ffn_gate", (f, e)), ("ffn_up", (f, e)), ("ffn_down", (e, f))):
+            out.append((f"{p}.{name}.weight", shp, True))
+            if bias:
+                out.append((f"{p}.{name}.bias", (shp[0],), False))
+    return out
+
+
+def _qwen25vl(s: ProjectorShape) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Qwen2.5-VL's tower: the 3D patch convolution as two 2D kernels, no position embedding (M-RoPE), RMS norms,
+    the merger's norm (``post_ln``) and its MLP over 2x2-merged patches (``mm.0``, ``mm.2``)."""
+    e, m = s.n_embd, s.n_embd * max(s.spatial_merge, 1) ** 2
+    return [("v.patch_embd.weight", (e, 3, s.patch_size, s.patch_size), True),
+            ("v.patch_embd.weight.1", (e, 3, s.patch_size, s.patch_size), True),
+            *_layers(s, bias=True, norm_bias=False),
+            ("v.post_ln.weight", (e,), False), ("mm.0.weight", (m, m), True), ("mm.0.bias", (m,), False),
+            ("mm.2.weight", (s.n_embd_text, m), True), ("mm.2.bias", (s.n_embd_text,), False)]
+
+
+def _pixtral(s: ProjectorShape) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Pixtral's tower: a patch convolution without bias, a pre-norm, 2D RoPE (no position embedding), RMS norms,
+    the two-layer projector (``mm.1``, ``mm.2``) and the ``[IMG_BREAK]`` embedding."""
+    e, t = s.n_embd, s.n_embd_text
+    return [("v.patch_embd.weight", (e, 3, s.patch_size, s.patch_size), True), ("v.pre_ln.weight", (e,), False),
+            *_layers(s, bias=False, norm_bias=False),
+            ("mm.1.weight", (t, e), True), ("mm.1.bias", (t,), False), ("mm.2.weight", (t, t), True),
+            ("mm.2.bias", (t,), False), ("v.token_embd.img_break", (t,), False)]
+
+
 def write_projector(path: str | os.PathLike[str], shape: ProjectorShape, *,
                     values: Literal["zeros", "random"] = "zeros", seed: int = 0) -> Path:
     """Write ``shape``'s mmproj GGUF at ``path``. ``zeros``: a header and a hole (sparse, any size);
@@ -90,7 +154,7 @@ def write_projector(path: str | os.PathLike[str], shape: ProjectorShape, *,
     w.add_name(f"fixture {shape.projector_type} projector")
     w.add_string("clip.projector_type", shape.projector_type)
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.use_gelu", True)
+    w.add_bool("clip.use_gelu", shape.projector_type not in ("qwen2.5vl_merger", "pixtral"))
     w.add_uint32("clip.vision.embedding_length", shape.n_embd)
     w.add_uint32("clip.vision.feed_forward_length", shape.n_ff)
     w.add_uint32("clip.vision.block_count", shape.n_layer)
@@ -103,12 +167,18 @@ def write_projector(path: str | os.PathLike[str], shape: ProjectorShape, *,
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     if shape.scale_factor:
         w.add_uint32("clip.vision.projector.scale_factor", shape.scale_factor)
+    if shape.spatial_merge:
+        w.add_uint32("clip.vision.spatial_merge_size", shape.spatial_merge)
+    if shape.n_wa_pattern:
+        w.add_uint32("clip.vision.n_wa_pattern", shape.n_wa_pattern)
+    if shape.projector_type in ("qwen2.5vl_merger", "pixtral"):
+        w.add_bool("clip.use_silu", True)
     rng = np.random.default_rng(seed)
     tensors = _tensors(shape)
     for name, shp, matrix in tensors:
         dtype = np.float16 if (matrix and shape.weight_type == "f16") else np.float32
         if values == "random":
-            arr = (np.ones(shp) if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight"))
+            arr = (np.ones(shp) if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight", "pre_ln.weight"))
                    else rng.normal(0.0, 0.05, shp)).astype(dtype)
             w.add_tensor(name, arr)
         else:

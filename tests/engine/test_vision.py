@@ -184,3 +184,39 @@ def test_projector_files_are_not_models(tmp_path: Path) -> None:
     write_fixture("model", tmp_path, shape=TINY_LLAMA)
     names = [e.name for e in Registry(Settings(models_dir=str(tmp_path))).list()]
     assert "model-bf16" in names and not any("mmproj" in n for n in names)
+
+
+@pytest.fixture(scope="module")
+def pixtral(embedded_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaEngine, Plan, Any]]:
+    from sizing.testing.projector_fixtures import TINY_PIXTRAL
+
+    path = str(write_projector(tmp_path_factory.mktemp("pixtral") / "mmproj-pixtral-tiny.gguf", TINY_PIXTRAL,
+                               values="random"))
+    measured = {fa: measure_projector(path, fa) for fa in (True, False)}
+    cap = measured[True].image_max_tokens
+    figures = {("CPU", fa): mib_to_bytes(m.compute_mib["CPU"]) for fa, m in measured.items()}
+    plan = _plan(embedded_model, Projector(probe_projector(path), figures=figures, image_max_tokens=cap), slots=1)
+    eng = LlamaEngine()
+    report = eng.load(embedded_model, plan)
+    yield eng, plan, report
+    eng.unload()
+
+
+def test_a_dynamic_resolution_projector_takes_each_image_at_its_size_within_the_plans_cap(
+        pixtral: tuple[LlamaEngine, Plan, Any]) -> None:
+    eng, plan, report = pixtral
+    pm = plan.estimate.projector
+    # mtmd's own limit (512 px) is beyond its warmup (256 px): the plan caps an image at the warmup's 256 tokens.
+    assert pm is not None and pm.tokens_per_image is None and pm.image_max_tokens == 256
+    (alloc,) = report.projector_allocations
+    assert abs(alloc.compute_bytes - pm.compute_bytes) <= 0.01 * MIB
+    assert abs(alloc.weights_bytes - pm.weights_bytes) <= 0.01 * MIB
+
+    def n_image(w: int, h: int) -> int:
+        return sum(1 for t in eng.chat_prompt_tokens(_chat(_image(9, w, h))) if t < 0)
+
+    small, wide, huge = n_image(64, 32), n_image(128, 64), n_image(1000, 1000)
+    assert small < wide  # the tokens follow the image's size (a row break after each row of patches)
+    assert huge <= 256 + 15  # resized within the cap: 16 x 16 patches and 15 row breaks at most
+    text, last = _run(eng, eng.chat_prompt_tokens(_chat(_image(9, 1000, 1000))))
+    assert last.completion_tokens > 0
