@@ -27,6 +27,7 @@
     { kind: "compute", name: "compute buffer" },
     { kind: "allowance", name: "allowance" },
     { kind: "draft", name: "draft model" },
+    { kind: "projector", name: "vision projector" },
     { kind: "free", name: "free" },
     { kind: "over", name: "over the memory" },
   ];
@@ -274,6 +275,11 @@
       ["total_mib", "Total", isNum(est.total_mib) ? fmtMiB(est.total_mib) + " MiB" : null],
       ["draft", "Draft model", plan.draft ? plan.draft.name + " on " + plan.draft.device + ", " +
         fmtMiB(plan.draft.total_mib) + " MiB" : (plan.draft_refusal || null)],
+      ["projector", "Vision projector", plan.projector ? plan.projector.projector_type + " on " +
+        plan.projector.device + ", " + fmtMiB(plan.projector.total_mib) + " MiB" +
+        (isNum(plan.projector.tokens_per_image) ? ", " + fmtInt(plan.projector.tokens_per_image) + " tokens an image"
+          : isNum(plan.projector.image_max_tokens) ? ", at most " + fmtInt(plan.projector.image_max_tokens) +
+            " tokens an image" : "") : null],
       ["n_ctx_train", "Trained context", isNum(model.n_ctx_train) ? fmtInt(model.n_ctx_train) : null],
     ];
     for (const [key, label, value] of items) {
@@ -383,6 +389,7 @@
         ["compute", sum([est.compute_mib, est.output_mib]), "compute"],
         ["allowance", sum([est.allowance_mib, est.gpu_pool_mib]), "allowance"],
         ["draft", est.draft_model_mib, "draft model"],
+        ["projector", est.projector_mib, "vision projector"],
       ];
       for (const [kind, mib, label] of parts) {
         if (isNum(mib) && mib > 0) { segs.push({ kind, mib, label }); need += mib; }

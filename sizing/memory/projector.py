@@ -12,8 +12,9 @@ is llama.cpp's figure, measured by mtmd's warmup on the backend the projector ru
 plan carries a bound: the attention scores of every head (without flash attention) and eight activations of the
 widest layer for every patch, f32; above every measured figure of a fixed-size projector
 (``tests/plan/test_projector_plan.py``). A dynamic-resolution projector's warmup image is not its ``image_size``
-(Qwen2.5-VL warms up at 1288 px), so its bound holds nothing: its figure is measured, with images capped to the
-warmup's (``image_max_tokens``).
+(Qwen2.5-VL warms up at 1288 px): its bound is for the largest image such types take by default
+(``DYNAMIC_MAX_TOKENS``), several times what is measured; its figure is measured where it can be, with images
+capped to the warmup's (``image_max_tokens``).
 
 Where: the card of the model's output layer (as the draft model, ``sizing.memory.draft``), or host memory when the
 model has no card there or ``offload`` is off (llama-server's ``--no-mmproj-offload``).
@@ -48,9 +49,16 @@ class Projector:
         return self.spec.path
 
 
+DYNAMIC_MAX_TOKENS = 4096
+"""The tokens of the largest image a dynamic-resolution type takes by default, the largest of those measured here
+(Qwen2.5-VL's ``image_max_pixels`` 3,211,264 over 28 x 28 pixels a token; Pixtral's is 1,024)."""
+
+
 def compute_bound_bytes(spec: ProjectorSpec, flash_attn: bool) -> int:
-    """An upper bound on the tower's compute buffer for its largest image, where none is measured."""
-    n = max(spec.n_patches, 1)
+    """An upper bound on the tower's compute buffer for its largest image, where none is measured: the
+    ``image_size`` square for a fixed-size type; ``DYNAMIC_MAX_TOKENS`` tokens' patches for the others (whose
+    warmup is not their ``image_size``: Qwen2.5-VL's 560 against a 1288 px warmup)."""
+    n = max(spec.n_patches if spec.fixed_size else max(spec.n_patches, DYNAMIC_MAX_TOKENS * spec.n_merge ** 2), 1)
     widest = max(spec.n_ff, 3 * spec.n_embd, spec.n_embd_text)
     scores = 0 if flash_attn else n * n * max(spec.n_head, 1) * 4
     return scores + 8 * n * widest * 4

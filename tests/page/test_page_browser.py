@@ -450,3 +450,26 @@ def test_a_draft_model_is_drawn_on_its_device_and_named_in_the_summary(browser: 
     seg = settled(lambda: browser.find_element(
         By.CSS_SELECTOR, '#bars figure.bar[data-device="CPU"] rect[data-kind="draft"]').get_attribute("data-mib"))
     assert seg == fmt(host["draft_model_mib"])
+
+
+def test_a_vision_projector_is_drawn_on_its_device_and_named_in_the_summary(browser: Any, service_factory: Any,
+                                                                             tmp_path: Any) -> None:
+    """GGUF_MMPROJ (a tiny projector of the embedded model's width): its bytes are a segment of the host's bar and
+    the summary names its type, device, size and tokens an image."""
+    from selenium.webdriver.common.by import By
+
+    from sizing.testing.projector_fixtures import TINY, write_projector
+
+    path = write_projector(tmp_path / "mmproj-tiny.gguf", TINY)
+    svc = service_factory(GGUF_MMPROJ=str(path), GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="4096")
+    svc.wait_ready()
+    open_page(browser, svc.url)
+    plan = svc.client.post("/api/dry-run", json={"model": MODEL, "cache_type": browser.find_element(
+        By.ID, "cache-type").get_attribute("value")}).json()
+    pj = plan["projector"]
+    assert pj["projector_type"] == "gemma3" and pj["device"] == "CPU"
+    assert field(browser, "projector") == f"gemma3 on CPU, {fmt(pj['total_mib'])} MiB, 16 tokens an image"
+    host = [d for d in plan["estimate"]["devices"] if d["device"] == "CPU"][0]
+    seg = settled(lambda: browser.find_element(
+        By.CSS_SELECTOR, '#bars figure.bar[data-device="CPU"] rect[data-kind="projector"]').get_attribute("data-mib"))
+    assert seg == fmt(host["projector_mib"])

@@ -66,6 +66,7 @@ def test_probe_and_bound_against_mtmd(measured: dict[str, tuple[Path, dict[bool,
             # (capped where the projector's own largest image is larger: Pixtral's 512 px against a 256 px warmup).
             assert spec.tokens_per_image is None
             assert 0 < f.max_pixels <= f.warmup_pixels, f
+            assert compute_bound_bytes(spec, fa) >= mib_to_bytes(f.compute_mib["CPU"])
             if f.image_max_tokens is not None:
                 assert f.image_max_tokens == f.warmup_pixels // spec.token_pixels
     if name in ("gemma3-4b", "gemma3-27b", "qwen2.5vl-7b"):  # thousands of patches (Pixtral's warmup: 256)
