@@ -29,6 +29,28 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 
+PROJECTOR_PREFERENCE = ("f16", "bf16", "f32", "q8_0")
+"""Which of a repo's projectors a pull takes, by the type in its name: mmproj files are small beside their model and
+their precision shows in the answers, so the most precise half-width one first (llama.cpp's converter's default)."""
+
+
+def pick_projector(names: Sequence[str]) -> str | None:
+    """The projector a pull of a model of this repo takes with it: the one ``*mmproj*.gguf``, or of several the
+    first by ``PROJECTOR_PREFERENCE`` (then by name); None without one."""
+    found = sorted(n for n in names if is_projector_file(n))
+    if len(found) <= 1:
+        return found[0] if found else None
+
+    def rank(name: str) -> tuple[int, str]:
+        low = name.lower()
+        for i, kind in enumerate(PROJECTOR_PREFERENCE):
+            if f"-{kind}." in low or f"_{kind}." in low or f"-{kind}-" in low:
+                return i, name
+        return len(PROJECTOR_PREFERENCE), name
+
+    return min(found, key=rank)
+
+
 def remote_limits(settings: Settings) -> Any:
     """What a remote probe for a client may do (``sizing.probe.remote.ProbeLimits``): public addresses only,
     unless ``remote_allow_hosts`` names them; one deadline and byte budget."""
@@ -149,10 +171,22 @@ class Downloads:
         threading.Thread(target=fetch, name=f"download-{filename}", daemon=True).start()
         return dl
 
-    def find_quant(self, repo_id: str, quant: str, revision: str | None = None) -> str:
-        """The one GGUF at the top of the repo whose name holds ``quant`` (``Q4_K_M``, any case): Ollama's
-        ``hf.co/OWNER/REPO:QUANT`` names a file so. Blocking (network): call from a thread. None matches: 404;
-        several (or a split model's shards): 400 naming them."""
+    def find_quant(self, repo_id: str, quant: str, revision: str | None = None) -> tuple[str, str | None]:
+        """The one GGUF model at the top of the repo whose name holds ``quant`` (``Q4_K_M``, any case): Ollama's
+        ``hf.co/OWNER/REPO:QUANT`` names a file so; and the repo's vision projector, if it has one
+        (``pick_projector``), which Ollama pulls with a vision model. Blocking (network): call from a thread. None
+        matches: 404; several (or a split model's shards): 400 naming them."""
+        names = self._repo_files(repo_id, revision)
+        found = [n for n in names if "/" not in n and n.endswith(".gguf") and quant.lower() in n.lower()
+                 and not is_projector_file(n)]
+        if not found:
+            raise ModelNotFound(f"no GGUF file of '{repo_id}' is named with {quant!r}", param="model")
+        if len(found) > 1:
+            raise BadRequest(f"several GGUF files of '{repo_id}' are named with {quant!r} ({', '.join(found[:8])}); "
+                             "name the file: hf.co/OWNER/REPO/FILE.gguf", param="model")
+        return found[0], pick_projector([n for n in names if "/" not in n])
+
+    def _repo_files(self, repo_id: str, revision: str | None) -> list[str]:
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
 
@@ -164,13 +198,7 @@ class Downloads:
             raise Upstream(f"the Hugging Face hub did not answer for '{repo_id}': {exc}") from exc
         except Exception as exc:  # the hub client's transport errors are not ours: converted here
             raise Upstream(f"the Hugging Face hub could not be reached for '{repo_id}': {type(exc).__name__}") from exc
-        found = [n for n in names if "/" not in n and n.endswith(".gguf") and quant.lower() in n.lower()]
-        if not found:
-            raise ModelNotFound(f"no GGUF file of '{repo_id}' is named with {quant!r}", param="model")
-        if len(found) > 1:
-            raise BadRequest(f"several GGUF files of '{repo_id}' are named with {quant!r} ({', '.join(found[:8])}); "
-                             "name the file: hf.co/OWNER/REPO/FILE.gguf", param="model")
-        return found[0]
+        return list(names)
 
     def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
         """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download;

@@ -737,33 +737,44 @@ async def pull(body: PullBody, downloads: DownloadsDep) -> Any:
             raise bad
     except ValidationError:
         raise bad from None
+    projector = None
     if filename is None:
         assert quant is not None
-        filename = await asyncio.to_thread(downloads.find_quant, repo_id, quant, revision)
+        filename, projector = await asyncio.to_thread(downloads.find_quant, repo_id, quant, revision)
     try:
         checked = HfPull.model_validate({"repo_id": repo_id, "filename": filename, "revision": revision})
     except ValidationError:
         raise bad from None
-    dl = downloads.pull(checked.repo_id, checked.filename, checked.revision)
-    digest = "sha256:" + hashlib.sha256(f"{repo_id}/{filename}@{revision}".encode()).hexdigest()
+    files = [checked.filename, *([projector] if projector else [])]
+    first = downloads.pull(checked.repo_id, checked.filename, checked.revision)
+
+    async def each() -> AsyncIterator[tuple[str, Any]]:
+        """Each file's download as it runs: the model, then its projector (Ollama pulls a vision model's with it)."""
+        for name in files:
+            dl = first if name == checked.filename else downloads.pull(checked.repo_id, name, checked.revision)
+            while dl.state == "downloading":
+                yield name, dl
+                await asyncio.sleep(0.25)
+            yield name, dl
+            if dl.state == "failed":
+                return
+
+    def digest(name: str) -> str:
+        return "sha256:" + hashlib.sha256(f"{repo_id}/{name}@{revision}".encode()).hexdigest()
 
     async def progress() -> AsyncIterator[bytes]:
         yield _line({"status": "pulling manifest"})
-        while dl.state == "downloading":
-            yield _line({"status": f"pulling {filename}", "digest": digest, "total": dl.bytes_total or 0,
+        async for name, dl in each():
+            if dl.state == "failed":
+                yield _line({"error": dl.error or "the download failed"})
+                return
+            yield _line({"status": f"pulling {name}", "digest": digest(name), "total": dl.bytes_total or 0,
                          "completed": dl.bytes_done})
-            await asyncio.sleep(0.25)
-        if dl.state == "failed":
-            yield _line({"error": dl.error or "the download failed"})
-            return
-        yield _line({"status": f"pulling {filename}", "digest": digest, "total": dl.bytes_total or 0,
-                     "completed": dl.bytes_done})
         yield _line({"status": "success"})
 
     if body.stream:
         return StreamingResponse(progress(), media_type=NDJSON)
-    while dl.state == "downloading":
-        await asyncio.sleep(0.25)
-    if dl.state == "failed":
-        return JSONResponse({"error": dl.error or "the download failed"}, status_code=502)
+    async for _, dl in each():
+        if dl.state == "failed":
+            return JSONResponse({"error": dl.error or "the download failed"}, status_code=502)
     return {"status": "success"}

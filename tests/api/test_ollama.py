@@ -61,6 +61,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) -> Iterat
     (root / "acme" / "tiny").mkdir(parents=True)
     os.link(embedded_model, root / "acme" / "tiny" / "pulled-tiny.gguf")
     os.link(embedded_model, root / "acme" / "tiny" / "tiny-Q4_K_M.gguf")
+    from sizing.testing.projector_fixtures import TINY, write_projector
+
+    for kind in ("f32", "f16"):  # a vision model's repo: its projectors beside it (the f16 one is pulled)
+        write_projector(root / "acme" / "tiny" / f"mmproj-tiny-{kind}.gguf", TINY)
     handler = type("Hub", (_TreeHub,), {"root": root, "requests": []})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -292,9 +296,14 @@ def test_pull(client: ollama.Client, models_dir: Path) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.pull("llama3:8b")
     assert e.value.status_code == 400
-    # Ollama's hf.co/OWNER/REPO:QUANT: the repo's one file named with the quantization, any case.
+    assert not list(models_dir.glob("*mmproj*"))  # a file named: that file alone
+    # Ollama's hf.co/OWNER/REPO:QUANT: the repo's one model file named with the quantization, any case, and its
+    # vision projector with it (the f16 one of two), beside it where the model finds it.
     done = client.pull("hf.co/acme/tiny:q4_k_m", stream=False)
     assert done.status == "success" and (models_dir / "tiny-Q4_K_M.gguf").exists()
+    assert sorted(p.name for p in models_dir.glob("*mmproj*")) == ["mmproj-tiny-f16.gguf"]
+    assert "vision" in (client.show("tiny-Q4_K_M").capabilities or [])
+    assert not [m for m in client.list().models if "mmproj" in (m.model or "")]
     with pytest.raises(ollama.ResponseError) as e:
         client.pull("hf.co/acme/tiny:Q8_0")
     assert e.value.status_code == 404 and "Q8_0" in e.value.error

@@ -104,3 +104,14 @@ def test_the_planner_counts_the_projector_its_options_find(folder: Path) -> None
     assert with_it.estimate.host.total_bytes - without.estimate.host.total_bytes == pm.total_bytes  # type: ignore[union-attr]
     host = planner.plan(spec, LoadOptions(n_ctx=512, mmproj_offload=False), path=model)
     assert host.estimate.projector.device == "CPU"  # type: ignore[union-attr]
+
+
+def test_a_pull_takes_the_repos_most_precise_half_width_projector() -> None:
+    from service.downloads import pick_projector
+
+    assert pick_projector(["model-Q4_K_M.gguf", "README.md"]) is None
+    assert pick_projector(["model-Q4_K_M.gguf", "mmproj-model.gguf"]) == "mmproj-model.gguf"
+    assert pick_projector(["mmproj-model-f32.gguf", "mmproj-model-bf16.gguf", "mmproj-model-f16.gguf",
+                           "model-Q4_K_M.gguf"]) == "mmproj-model-f16.gguf"
+    assert pick_projector(["mmproj-F32.gguf", "mmproj-BF16.gguf"]) == "mmproj-BF16.gguf"
+    assert pick_projector(["model-mmproj-q8_0.gguf", "model-mmproj-x.gguf"]) == "model-mmproj-q8_0.gguf"
