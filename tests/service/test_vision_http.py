@@ -201,3 +201,24 @@ def test_images_through_ollamas_api_and_the_responses_api(served: tuple[str, Any
     text_only = oa.responses.create(model=EMBEDDED_NAME, max_output_tokens=8, input="Colour?")
     assert resp.usage is not None and text_only.usage is not None
     assert resp.usage.input_tokens >= text_only.usage.input_tokens + 16
+
+
+def test_an_images_tokens_count_against_the_context_before_admission(served: tuple[str, Any]) -> None:
+    url, _ = served
+    n_ctx = {x["name"]: x for x in httpx.get(url + "/api/models", timeout=60).json()["models"]}[EMBEDDED_NAME]["n_ctx"]
+    text = [{"type": "text", "text": "Describe the picture."}]
+    image = [{"type": "image_url", "image_url": {"url": _data_url(_png())}}]
+
+    def ask(content: list[dict[str, Any]], max_tokens: int) -> httpx.Response:
+        return httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": EMBEDDED_NAME, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": content}]})
+
+    plain = ask(text, 1).json()["usage"]["prompt_tokens"]
+    room = n_ctx - plain - 10  # fits without the image; its 18 tokens do not
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+            "model": EMBEDDED_NAME, "max_tokens": room, "stream": True,
+            "messages": [{"role": "user", "content": text}]}) as admitted:
+        assert admitted.status_code == 200  # admitted (the stream is left at once: cancelled)
+    r = ask([*text, *image], room)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
