@@ -244,6 +244,10 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
         params, choices, tools = chat_setup(body, engine, settings, params)
         prompt = None
         messages = await chat_messages(body, settings)
+        images = tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
+                       for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
+        if images:  # carried to the engine with the prompt's tokens (it prepares any it dropped meanwhile)
+            params = replace(params, images=images)
         prompt_param = "messages"
     run = params
     tokens: list[int] = []

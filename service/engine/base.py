@@ -107,6 +107,9 @@ class GenerationParams:
     speculative: bool = True
     """Self-speculation where the engine has it on (``GGUF_SPECULATIVE``): drafts from the sequence's own tokens,
     kept where the model chooses them itself (the answer does not change); False: one token a step."""
+    images: tuple["ImageInput", ...] = field(default=(), compare=False, repr=False)
+    """The images whose tokens the prompt holds (a chat's image parts, ``service.engine.vision``): the engine
+    prepares again any it no longer holds since the prompt was tokenized."""
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,8 @@ from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
-from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob,
-                   current_delivery)
+from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, ImageInput, LoadReport, RerankResult,
+                   TokenLogprob, current_delivery)
 from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
@@ -922,7 +922,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         grammar = compile_grammar(params)
         greedy = (params.temperature == 0.0 and grammar is None and params.frequency_penalty == 0.0
                   and params.presence_penalty == 0.0 and not params.logit_bias)
-        images = self._images_of(tokens)
+        images = self._images_of(tokens, params.images)
         deliver = current_delivery()
         out: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         base_seed = params.seed if params.seed is not None else random.randint(0, 2**31 - 1)
@@ -958,8 +958,9 @@ class LlamaEngine(Prompting, TaskPrompts):
             for r in reqs:
                 r.abandoned = True
 
-    def _images_of(self, tokens: list[int]) -> dict[int, ImageChunk]:
-        """The images of a prompt (runs of negative ids, ``service.engine.vision``) by where each begins."""
+    def _images_of(self, tokens: list[int], given: tuple[ImageInput, ...] = ()) -> dict[int, ImageChunk]:
+        """The images of a prompt (runs of negative ids, ``service.engine.vision``) by where each begins; ``given``:
+        the request's images, prepared again where their chunks were dropped."""
         if not tokens or min(tokens) >= 0:
             return {}
         if self._vision is None:
@@ -967,7 +968,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                              param="messages")
         if tokens[-1] < 0:  # the first token is sampled from the logits of a text token
             raise BadRequest("a prompt may not end with an image", param="messages")
-        return dict(self._vision.find(tokens))
+        return dict(self._vision.find(tokens, given))
 
     def forget(self) -> None:
         """Drop every idle slot's cached prompt and the prompt cache beyond the slots, its files too (the next

@@ -31,8 +31,10 @@ from .base import ImageInput
 
 log = logging.getLogger(__name__)
 
-KEEP = 32
-"""Image chunks kept after their tokenization (each holds its preprocessed pixels: 9.2 MiB at Gemma 3's 896 px)."""
+KEEP = 8
+"""Image chunks kept after their tokenization (each holds its preprocessed pixels: 9.2 MiB at Gemma 3's 896 px,
+host memory the plan does not count: a few). A request carries its images (``GenerationParams.images``), so one
+whose chunk was dropped meanwhile is prepared again, not refused."""
 
 
 def image_run(digest: str, n: int) -> list[int]:
@@ -155,21 +157,25 @@ class Images:
                 self._chunks.popitem(last=False)
         return before, image_chunk, after
 
-    def find(self, tokens: list[int]) -> list[tuple[int, ImageChunk]]:
-        """The images of a prompt, by where each begins; ``BadRequest`` for ids that are no image held here."""
+    def find(self, tokens: list[int], images: tuple[ImageInput, ...] = ()) -> list[tuple[int, ImageChunk]]:
+        """The images of a prompt, by where each begins, each prepared again from ``images`` if its chunk was
+        dropped since; ``BadRequest`` for ids of no image held here or given."""
+        given = {image_run(im.digest, 1)[0]: im for im in images}
         out: list[tuple[int, ImageChunk]] = []
         i, n = 0, len(tokens)
-        with self._lock:
-            while i < n:
-                if tokens[i] >= 0:
-                    i += 1
-                    continue
+        while i < n:
+            if tokens[i] >= 0:
+                i += 1
+                continue
+            with self._lock:
                 c = self._chunks.get(tokens[i])
-                if c is None or tuple(tokens[i:i + len(c.run)]) != c.run:
-                    raise BadRequest("the prompt holds an image this model no longer has (sent again, it is "
-                                     "prepared again)", param="messages")
-                out.append((i, c))
-                i += len(c.run)
+            if c is None and tokens[i] in given:
+                _, c, _ = self.tokens(given[tokens[i]], "messages")
+            if c is None or tuple(tokens[i:i + len(c.run)]) != c.run:
+                raise BadRequest("the prompt holds an image this model does not have (send the image with the "
+                                 "request)", param="messages")
+            out.append((i, c))
+            i += len(c.run)
         return out
 
     def evaluate(self, lctx: Any, image: ImageChunk, n_past: int, seq_id: int, n_batch: int) -> int:

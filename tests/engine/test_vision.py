@@ -153,7 +153,7 @@ def test_refusals(loaded: tuple[LlamaEngine, Plan, Any], embedded_model: str) ->
     with pytest.raises(BadRequest, match="end with an image"):
         list(eng.generate(tokens[:next(i for i, t in enumerate(tokens) if t < 0) + 16], GREEDY, Cancel()))
     forged = [t if t >= 0 else -5 for t in tokens]
-    with pytest.raises(BadRequest, match="no longer has"):
+    with pytest.raises(BadRequest, match="does not have"):
         list(eng.generate(forged, GREEDY, Cancel()))
     plain = LlamaEngine()
     plain.load(embedded_model, _plan(embedded_model, None, slots=1))
@@ -220,3 +220,20 @@ def test_a_dynamic_resolution_projector_takes_each_image_at_its_size_within_the_
     assert huge <= 256 + 15  # resized within the cap: 16 x 16 patches and 15 row breaks at most
     text, last = _run(eng, eng.chat_prompt_tokens(_chat(_image(9, 1000, 1000))))
     assert last.completion_tokens > 0
+
+
+def test_a_request_whose_image_was_dropped_meanwhile_has_it_prepared_again(loaded: tuple[LlamaEngine, Plan, Any]) -> None:
+    """Many images tokenized between a prompt's tokenization and its generation (a queue of requests with images)
+    drop its chunk from the few kept: the request carries its image, which is prepared again."""
+    from service.engine.vision import KEEP
+
+    eng, _, _ = loaded
+    image = _image(20)
+    tokens = eng.chat_prompt_tokens(_chat(image))
+    cold, _ = _run(eng, tokens, replace(GREEDY, cache_prompt=False))
+    for k in range(KEEP + 1):
+        eng.chat_prompt_tokens(_chat(_image(100 + k)))
+    with pytest.raises(BadRequest, match="does not have"):
+        list(eng.generate(tokens, replace(GREEDY, cache_prompt=False), Cancel()))
+    again, last = _run(eng, tokens, replace(GREEDY, cache_prompt=False, images=(image,)))
+    assert again == cold and last.prompt_tokens == len(tokens)
