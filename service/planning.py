@@ -275,7 +275,8 @@ class Planner:
         """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
         self.drafts: DraftResolver | None = None
         """Finds the draft model a load names (``draft_model``); set by the model manager, which has the registry."""
-        self.projectors = ProjectorSource(settings.models_dir, calibrate=settings.calibrate)
+        self.projectors = ProjectorSource(settings.models_dir, calibrate=settings.calibrate,
+                                          has_gpus=lambda: self.live and bool(self._devices()[0]))
         """Finds a model's vision projector (``mmproj``) and measures it."""
 
     @functools.cached_property

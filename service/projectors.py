@@ -9,8 +9,9 @@ of another width is a 400 naming ``mmproj``; ``auto`` skips what it cannot use, 
 
 Its compute buffer is mtmd's own figure where it can be had (``sizing.probe.mtmd``: a child process loads the
 projector as the engine will, warmup included, once per file and flash-attention setting, kept while the file is
-unchanged), else the plan's bound (``sizing.memory.projector``). Measured on the CPU backend: on a card the bound
-stands in until a GPU build measures it there.
+unchanged), else the plan's bound (``sizing.memory.projector``). Measured on the CPU backend, and where this
+machine has cards on the GPU backend too (``use_gpu``: mtmd's buffers on the first card, ``CUDA0``), which is the
+figure a projector on a card is planned with; a CPU build answers with CPU buffers only, and the bound stands in.
 """
 
 from __future__ import annotations
@@ -45,19 +46,21 @@ def _common_prefix(a: str, b: str) -> int:
     return len(os.path.commonprefix([a.lower(), b.lower()]))
 
 
-Measure = Callable[[str, bool], ProjectorFigures]
+Measure = Callable[[str, bool, bool], ProjectorFigures]
+"""(path, flash attention, use_gpu) -> mtmd's figures."""
 
 
 class ProjectorSource:
     """Finds a load's projector and measures it (one per service: its figures are cached by file)."""
 
-    def __init__(self, models_dir: str | None, *, calibrate: bool = True,
-                 measure: Measure | None = None) -> None:
+    def __init__(self, models_dir: str | None, *, calibrate: bool = True, measure: Measure | None = None,
+                 has_gpus: Callable[[], bool] = lambda: False) -> None:
         self.models_dir = models_dir
         self.calibrate = calibrate
-        self._measure = measure or (lambda path, fa: measure_projector(path, fa))
+        self._measure = measure or (lambda path, fa, gpu: measure_projector(path, fa, use_gpu=gpu))
+        self._has_gpus = has_gpus
         self._lock = threading.Lock()
-        self._figures: dict[tuple[str, int, int, bool], tuple[int | None, int | None] | None] = {}
+        self._figures: dict[tuple[str, int, int, bool, str], tuple[int | None, int | None] | None] = {}
         self._specs: dict[tuple[str, int, int], ProjectorSpec | None] = {}
 
     def resolve(self, value: str | None, model_path: str | None, spec: ModelSpec) -> str | None:
@@ -146,22 +149,29 @@ class ProjectorSource:
             return {}, None
         out: dict[tuple[str, bool], int] = {}
         cap = None
-        for fa in (True, False):
-            key = (pspec.path, st.st_size, st.st_mtime_ns, fa)
-            with self._lock:
-                known = key in self._figures
-                value = self._figures.get(key)
-            if not known:
-                try:
-                    figures = self._measure(pspec.path, fa)
-                    value = (mib_to_bytes(figures.compute_mib.get("CPU", 0.0)) or None, figures.image_max_tokens)
-                except Exception as exc:  # the bound stands in; the plan says which
-                    log.warning("mtmd could not measure %s (flash attention %s): %s", pspec.path,
-                                "on" if fa else "off", exc)
-                    value = None
+        try:
+            kinds = ("CPU", "CUDA") if self._has_gpus() else ("CPU",)
+        except Exception:  # the inventory unreadable: the plan says so elsewhere; the CPU figure still holds
+            kinds = ("CPU",)
+        for kind in kinds:
+            for fa in (True, False):
+                key = (pspec.path, st.st_size, st.st_mtime_ns, fa, kind)
                 with self._lock:
-                    self._figures[key] = value
-            if value is not None and value[0] is not None:
-                out[("CPU", fa)] = value[0]
-                cap = value[1]
+                    known = key in self._figures
+                    value = self._figures.get(key)
+                if not known:
+                    try:
+                        figures = self._measure(pspec.path, fa, kind != "CPU")
+                        # A card's buffer is the one of its kind (CUDA0); a CPU build answers with CPU buffers only.
+                        mib = sum(v for b, v in figures.compute_mib.items() if b.rstrip("0123456789") == kind)
+                        value = (mib_to_bytes(mib) or None, figures.image_max_tokens)
+                    except Exception as exc:  # the bound stands in; the plan says which
+                        log.warning("mtmd could not measure %s (%s, flash attention %s): %s", pspec.path, kind,
+                                    "on" if fa else "off", exc)
+                        value = None
+                    with self._lock:
+                        self._figures[key] = value
+                if value is not None and value[0] is not None:
+                    out[(kind, fa)] = value[0]
+                    cap = value[1] if kind == "CPU" else cap
         return out, cap

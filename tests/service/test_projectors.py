@@ -55,7 +55,8 @@ def test_a_named_projector_is_probed_checked_and_measured_once(folder: Path) -> 
     (folder / "mmproj-bad.gguf").write_bytes(b"GGUF" + b"\0" * 60)
     calls: list[tuple[str, bool]] = []
 
-    def measure(path: str, fa: bool) -> ProjectorFigures:
+    def measure(path: str, fa: bool, gpu: bool) -> ProjectorFigures:
+        assert not gpu
         calls.append((path, fa))
         return ProjectorFigures(0.5, {"CPU": 2.0 if fa else 3.0}, fa)
 
@@ -74,7 +75,7 @@ def test_a_named_projector_is_probed_checked_and_measured_once(folder: Path) -> 
     assert again is not None and dict(again.figures) == dict(p.figures)
     assert sorted(calls) == [(str(folder / "mmproj-fits.gguf"), False), (str(folder / "mmproj-fits.gguf"), True)]
 
-    def broken(path: str, fa: bool) -> ProjectorFigures:
+    def broken(path: str, fa: bool, gpu: bool) -> ProjectorFigures:
         raise RuntimeError("mtmd could not load it")
 
     bound = ProjectorSource(str(folder), measure=broken).projector("mmproj-fits.gguf", None, spec)
@@ -115,3 +116,27 @@ def test_a_pull_takes_the_repos_most_precise_half_width_projector() -> None:
                            "model-Q4_K_M.gguf"]) == "mmproj-model-f16.gguf"
     assert pick_projector(["mmproj-F32.gguf", "mmproj-BF16.gguf"]) == "mmproj-BF16.gguf"
     assert pick_projector(["model-mmproj-q8_0.gguf", "model-mmproj-x.gguf"]) == "model-mmproj-q8_0.gguf"
+
+
+def test_with_cards_the_projector_is_measured_on_the_gpu_backend_too(folder: Path) -> None:
+    """Where the machine has cards, mtmd is asked with use_gpu: a card's buffer (CUDA0) is the figure a projector
+    on a card is planned with; a CPU build's answer (CPU buffers only) gives none, and the bound stands in."""
+    from sizing.memory import projector_memory
+
+    spec = probe_path(str(folder / "chat-bf16.gguf"))
+    write_projector(folder / "mmproj-fits.gguf", _fits(spec.n_embd))  # type: ignore[arg-type]
+
+    def cuda(path: str, fa: bool, gpu: bool) -> ProjectorFigures:
+        return ProjectorFigures(0.5, {"CUDA0": 7.0, "CPU": 0.25} if gpu else {"CPU": 2.0}, fa)
+
+    p = ProjectorSource(str(folder), measure=cuda, has_gpus=lambda: True).projector("mmproj-fits.gguf", None, spec)
+    assert p is not None and p.figures[("CUDA", True)] == int((7.0 + 0.005) * (1 << 20)) + 1
+    card = projector_memory(p, "CUDA0", True)
+    assert card.compute_source == "measured" and card.compute_bytes == p.figures[("CUDA", True)]
+
+    def cpu_build(path: str, fa: bool, gpu: bool) -> ProjectorFigures:
+        return ProjectorFigures(0.5, {"CPU": 2.0}, fa)
+
+    q = ProjectorSource(str(folder), measure=cpu_build, has_gpus=lambda: True).projector("mmproj-fits.gguf", None, spec)
+    assert q is not None and ("CUDA", True) not in q.figures
+    assert projector_memory(q, "CUDA0", True).compute_source == "bound"
