@@ -237,8 +237,11 @@ class _Request:
     unverified: bool = False
     """The sequence's KV holds drafted positions past ``slot.tokens`` (dropped when it ends: ``_release``)."""
     images: dict[int, ImageChunk] = field(default_factory=dict)
-    """The prompt's images by the position each begins at (``service.engine.vision``): evaluated by mtmd, not
+    """The prompt's images by the index each begins at (``service.engine.vision``): evaluated by mtmd, not
     fed as tokens; held from the request's start until it ends."""
+    shifts: list[tuple[int, int]] = field(default_factory=list)
+    """(index an image ends at, positions the images up to it take fewer than their tokens): M-RoPE images
+    (``ImageChunk.n_pos``); empty where a token's position is its index (``LlamaEngine._pos``)."""
 
     @property
     def n_past(self) -> int:
@@ -937,8 +940,15 @@ class LlamaEngine(Prompting, TaskPrompts):
                 # The draft model sees no image: a prompt with one drafts from its own tokens.
                 r.drafter = (self._draft_runner if not images else None) or NgramDrafter()
                 r.policy = DraftPolicy(draft_max=self._draft_max)
+        shifts: list[tuple[int, int]] = []
+        total = 0
+        for start in sorted(images):
+            image = images[start]
+            if image.n_pos != len(image.run):
+                total += len(image.run) - image.n_pos
+                shifts.append((start + len(image.run), total))
         for r in reqs:
-            r.images = images
+            r.images, r.shifts = images, shifts
         reqs[0].followers = reqs[1:]
         if not self._post(reqs[0]):
             raise NotReady("the model was unloaded")
@@ -1217,7 +1227,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                 self._pcache.stats.restored_tokens += n_entry
             elif src is not None:
                 self._vacate(slot)
-                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, n_src)
+                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, self._pos(r, n_src))
                 slot.tokens = src.tokens[:n_src]
                 slot.cells = self._cells.share(src.cells[:n_src])
                 slot.n_canon = min(src.n_canon, n_src)
@@ -1227,7 +1237,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                 self._pcache.stats.misses += 1
             n_keep = self._image_bound(r, n_keep)
         self._keep_slot(slot, n_keep)
-        self._truncate(slot, n_keep)
+        self._truncate(slot, n_keep, self._pos(r, n_keep))
         slot.scope = scope
         slot.req, r.slot = slot, slot
         r.n_cached = n_keep
@@ -1237,6 +1247,17 @@ class LlamaEngine(Prompting, TaskPrompts):
         if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
             r.first_logits = slot.logits
             self._on_logits(r, -1, None, active)
+
+    @staticmethod
+    def _pos(r: _Request, index: int) -> int:
+        """The position of the token at ``index`` of ``r``'s sequence: its index, less what the M-RoPE images before
+        it take fewer positions than tokens (``_Request.shifts``). Called at image boundaries and for text."""
+        shift = 0
+        for end, total in r.shifts:
+            if end > index:
+                break
+            shift = total
+        return index - shift
 
     @staticmethod
     def _image_bound(r: _Request, n_keep: int) -> int:
@@ -1319,12 +1340,13 @@ class LlamaEngine(Prompting, TaskPrompts):
         pc.stats.hits += 1
         return True
 
-    def _truncate(self, slot: Slot, n_keep: int) -> None:
-        """Drop the slot's cells from position ``n_keep`` on (``llama_memory_seq_rm`` of the tail)."""
+    def _truncate(self, slot: Slot, n_keep: int, pos: int | None = None) -> None:
+        """Drop the slot's tokens from index ``n_keep`` on, their cells from position ``pos`` (default ``n_keep``:
+        they differ past M-RoPE images) on (``llama_memory_seq_rm`` of the tail)."""
         import llama_cpp
 
         if n_keep < len(slot.tokens) or n_keep == 0:
-            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, n_keep, -1)
+            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, n_keep if pos is None else pos, -1)
             self._cells.drop(slot.cells[n_keep:])
             del slot.tokens[n_keep:]
             del slot.cells[n_keep:]
@@ -1342,7 +1364,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         slot = r.slot
         if slot is not None:
             if r.unverified:  # drafted positions past the tokens kept (``_verify``): not this sequence's
-                llama_cpp.llama_memory_seq_rm(self._mem, slot.id, len(slot.tokens), -1)
+                llama_cpp.llama_memory_seq_rm(self._mem, slot.id, self._pos(r, len(slot.tokens)), -1)
                 r.unverified = False
             if not (keep and self._cache_prompt):
                 self._clear_slot(slot)
@@ -1460,20 +1482,21 @@ class LlamaEngine(Prompting, TaskPrompts):
         for r in members:
             seq = r.slot.id  # type: ignore[union-attr]
             p0 = r.n_past
+            shift = p0 - self._pos(r, p0) if r.shifts else 0  # positions past M-RoPE images (``_pos``)
             if r.next_token is not None:
                 r.batch_logits_idx = n
-                b_token[n], b_pos[n], b_nseq[n], b_logits[n] = r.next_token, p0, 1, 1
+                b_token[n], b_pos[n], b_nseq[n], b_logits[n] = r.next_token, p0 - shift, 1, 1
                 b_seq[n][0] = seq
                 n += 1
                 for i, t in enumerate(r.draft, 1):
-                    b_token[n], b_pos[n], b_nseq[n], b_logits[n] = t, p0 + i, 1, 1
+                    b_token[n], b_pos[n], b_nseq[n], b_logits[n] = t, p0 + i - shift, 1, 1
                     b_seq[n][0] = seq
                     n += 1
                 continue
             last = len(r.tokens) - 1
             toks = r.tokens
-            for i in range(p0, p0 + r.batch_take):
-                b_token[n], b_pos[n], b_nseq[n], b_logits[n] = toks[i], i, 1, 0
+            for i in range(p0, p0 + r.batch_take):  # text only: a chunk stops at an image (``_text_end``)
+                b_token[n], b_pos[n], b_nseq[n], b_logits[n] = toks[i], i - shift, 1, 0
                 b_seq[n][0] = seq
                 if i == last:
                     b_logits[n] = 1
@@ -1533,8 +1556,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         while r.prompting and (image := r.images.get(r.n_past)) is not None:
             if r.gone:
                 return True  # ended by the step's usual path
-            p0 = r.n_past
-            ret = self._vision.evaluate(self._ctx.ctx, image, p0, slot.id, self._n_batch)
+            ret = self._vision.evaluate(self._ctx.ctx, image, self._pos(r, r.n_past), slot.id, self._n_batch)
             if ret != 0:
                 self._fail(r, EngineFailure(f"mtmd could not evaluate an image of the prompt (code {ret})"), active)
                 return False
@@ -1572,7 +1594,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             r.next_token = None
         r.policy.record(r.n_out, len(draft), kept)
         if r.unverified:
-            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, len(slot.tokens), -1)
+            llama_cpp.llama_memory_seq_rm(self._mem, slot.id, self._pos(r, len(slot.tokens)), -1)
             r.unverified = False
 
     def _on_logits(self, r: _Request, idx: int, ctx: Any, active: list[_Request]) -> None:
@@ -1649,7 +1671,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             assert slot is not None
             self._clear_slot(slot)
             if self._unified:
-                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, len(src.tokens))
+                llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, 0, self._pos(r, len(src.tokens)))
                 slot.cells = self._cells.share(src.cells)
             else:
                 llama_cpp.llama_memory_seq_cp(self._mem, src.id, slot.id, -1, -1)
@@ -1683,7 +1705,7 @@ class LlamaEngine(Prompting, TaskPrompts):
 
         for r in members:
             if r.slot is not None:
-                llama_cpp.llama_memory_seq_rm(self._mem, r.slot.id, r.n_past, -1)
+                llama_cpp.llama_memory_seq_rm(self._mem, r.slot.id, self._pos(r, r.n_past), -1)
         victim_slot = lru_idle_with_cells(self._slots)
         if code == 1 and victim_slot is not None and self._unified:
             log.info("KV cache full: clearing idle slot %d (%d cached tokens)", victim_slot.id, len(victim_slot.tokens))

@@ -6,11 +6,15 @@ projector asks, with the text the model expects around it, Gemma 3's ``<start_of
 and evaluates that chunk into a sequence at a position (``mtmd_helper_eval_chunk_single``: the vision tower's
 graph, then the embeddings decoded into the KV, non-causally where the model asks for it).
 
-In a prompt an image is a run of negative ids, one per position it takes, derived from the image's digest and
-the position within it (``image_run``): the same image gives the same ids, another image other ids, so the slots'
+In a prompt an image is a run of negative ids, one per token it takes, derived from the image's digest and
+the place within it (``image_run``): the same image gives the same ids, another image other ids, so the slots'
 prefix reuse and the prompt cache beyond them (which compare token lists) reuse an image's KV exactly where the
 image is the same, and never where it is not. No id of the vocabulary is negative: the engine evaluates a run
 with ``evaluate`` (never as tokens), and drafts stop before one.
+
+With M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) an image takes fewer positions than tokens (``ImageChunk.n_pos``:
+its grid's longer side): the engine maps a token's index in the sequence to its position past each image
+(``LlamaEngine._pos``).
 
 The chunks live here between the tokenization of a prompt and its evaluation (``Images``: the most recent
 ``KEEP`` images); a request holds the ones it needs from its admission on.
@@ -55,6 +59,9 @@ class ImageChunk:
     run: tuple[int, ...]
     chunk: Any = field(repr=False)
     """``mtmd_input_chunk *`` (owned: freed with this object)."""
+    n_pos: int = 0
+    """Positions the image takes in the sequence: its tokens, or with M-RoPE (Qwen2-VL and later) the larger of its
+    grid's sides (``mtmd_image_tokens_get_n_pos``), the text after it going on from there."""
     _free: Callable[[Any], None] | None = field(default=None, repr=False)
 
     def __del__(self) -> None:
@@ -96,9 +103,6 @@ class Images:
         if not mtmd.mtmd_support_vision(ctx):
             mtmd.mtmd_free(ctx)
             raise EngineFailure(f"{path}: this projector takes no images")
-        if mtmd.mtmd_decode_use_mrope(ctx):
-            mtmd.mtmd_free(ctx)
-            raise EngineFailure(f"{path}: models with M-RoPE image positions (Qwen2-VL and later) are not served yet")
         return Images(mtmd, ctx, n_ubatch=n_ubatch)
 
     def close(self) -> None:
@@ -142,7 +146,8 @@ class Images:
                             raise BadRequest(f"{param}: the image takes {n_tok} tokens, evaluated in one batch; this "
                                              f"load's is {self.n_ubatch} (GGUF_N_UBATCH)", param=param)
                         image_chunk = ImageChunk(image.digest, tuple(image_run(image.digest, n_tok)),
-                                                 mtmd.mtmd_input_chunk_copy(c), mtmd.mtmd_input_chunk_free)
+                                                 mtmd.mtmd_input_chunk_copy(c), int(mtmd.mtmd_input_chunk_get_n_pos(c)),
+                                                 mtmd.mtmd_input_chunk_free)
                     else:
                         raise BadRequest(f"{param}: mtmd made a chunk of a kind this server does not evaluate "
                                          f"({kind})", param=param)

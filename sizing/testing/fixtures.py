@@ -66,6 +66,7 @@ class FixtureShape:
     rope_dim: int = 0
     head_dim_v_mla: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    """More ``{arch}.`` keys: numbers as float32, lists as arrays (Qwen2-VL's ``rope.dimension_sections``)."""
 
 
 FIXTURES: dict[str, FixtureShape] = {
@@ -238,7 +239,7 @@ def _metadata(w: gguf.GGUFWriter, name: str, shape: FixtureShape, quant: Quant) 
     if s.n_swa:
         w.add_sliding_window(s.n_swa)
     for k, v in s.extra.items():
-        w.add_float32(f"{a}.{k}", float(v))  # type: ignore[arg-type]
+        add_key(w, f"{a}.{k}", float(v) if isinstance(v, int) and not isinstance(v, bool) else v)  # ints: floats
     _add_vocab(w, s)
 
 
@@ -295,6 +296,11 @@ def fixture_filename(name: str, quant: Quant = "bf16") -> str:
     """The file name ``write_fixture`` uses: ``{name}-{quant}.gguf``."""
     return f"{name}-{quant}.gguf"
 
+
+TINY_QWEN2VL = FixtureShape("qwen2vl", 128, 2, 4, 4, 32, 256, 512, 2048, tokenizer="llama", qkv_bias=True,
+                            extra={"rope.dimension_sections": [4, 6, 6, 0]})
+"""A Qwen2-VL text model as small as ``TINY_LLAMA``: M-RoPE (its head's 16 rotary pairs in sections for time,
+height and width), so that an image takes fewer positions than tokens; zeros, for the engine's positions."""
 
 TINY_LLAMA = FixtureShape("llama", 128, 2, 4, 4, 32, 256, 512, 2048, tokenizer="llama")
 """A llama-shaped model small enough to load and run in a blink: 2 layers of 128 (heads of 32, so every KV cache type divides them), a 512-token sentencepiece

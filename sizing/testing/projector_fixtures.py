@@ -70,6 +70,10 @@ TINY = ProjectorShape("gemma3", n_embd=64, n_ff=128, n_layer=2, n_head=2, image_
                       n_embd_text=640, weight_type="f32")
 """For the embedded model: 16x16 patches pooled 4x4 into 16 tokens an image."""
 
+TINY_QWEN25VL = ProjectorShape("qwen2.5vl_merger", n_embd=64, n_ff=128, n_layer=2, n_head=2, image_size=224,
+                               patch_size=14, n_embd_text=128, spatial_merge=2, n_wa_pattern=2, weight_type="f32")
+"""A Qwen2.5-VL tower for ``sizing.testing.fixtures.TINY_QWEN2VL`` (128 wide): M-RoPE image positions."""
+
 TINY_PIXTRAL = ProjectorShape("pixtral", n_embd=64, n_ff=128, n_layer=2, n_head=2, image_size=1024, patch_size=16,
                               n_embd_text=640, eps=1e-5, weight_type="f32")
 """A dynamic-resolution tower for the embedded model: one token per 16x16 patch, a ``[IMG_BREAK]`` after each row

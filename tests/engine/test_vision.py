@@ -237,3 +237,52 @@ def test_a_request_whose_image_was_dropped_meanwhile_has_it_prepared_again(loade
         list(eng.generate(tokens, replace(GREEDY, cache_prompt=False), Cancel()))
     again, last = _run(eng, tokens, replace(GREEDY, cache_prompt=False, images=(image,)))
     assert again == cold and last.prompt_tokens == len(tokens)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+          "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_m_rope_images_take_fewer_positions_than_tokens(tmp_path: Path) -> None:
+    """Qwen2-VL's M-RoPE (a tiny zero model and a Qwen2.5-VL tower of its width): an image of 4 x 2 merged patches
+    takes 8 tokens but 4 positions (its grid's longer side), the text after it going on from there. The sequence's
+    last position is its last token's index less 4, after a cold evaluation, after prefix reuse cut past the
+    image and past a different one; a cut at a wrong position would leave stale cells llama.cpp refuses to
+    continue ("inconsistent sequence positions")."""
+    import llama_cpp
+
+    from sizing.testing.fixtures import TINY_QWEN2VL, write_fixture
+    from sizing.testing.projector_fixtures import TINY_QWEN25VL
+
+    model = write_fixture("tiny-qwen2vl", tmp_path, shape=TINY_QWEN2VL)
+    proj = write_projector(tmp_path / "mmproj-tiny-qwen25vl.gguf", TINY_QWEN25VL)
+    plan = make_plan(probe_path(model), [], host_memory(),
+                     PlanRequest(n_ctx=2048, n_seq_max=1, min_ctx=256, cpu_repack=False,
+                                 projector=Projector(probe_projector(str(proj)))))
+    eng = LlamaEngine(chat_template=CHATML)
+    eng.load(model, plan)
+    try:
+        def chat(image: ImageInput, text: str) -> list[int]:
+            return eng.chat_prompt_tokens([{"role": "user", "content": [
+                {"type": "text", "text": "Look:"}, {"type": "image", "image": image}, {"type": "text", "text": text}]}])
+
+        def last_pos() -> int:
+            return int(llama_cpp.llama_memory_seq_pos_max(eng._mem, 0))
+
+        one = replace(GREEDY, max_tokens=1)
+        a = chat(_image(1, 100, 60), "What is it?")
+        assert sum(1 for t in a if t < 0) == 8
+        _run(eng, a, replace(one, cache_prompt=False))
+        assert last_pos() == len(a) - 1 - 4
+        b = chat(_image(1, 100, 60), "And what colour is it, would you say?")
+        _, last = _run(eng, b, one)
+        assert last.cached_tokens > next(i for i, t in enumerate(b) if t < 0) + 8  # reused past the image
+        assert last_pos() == len(b) - 1 - 4
+        c = chat(_image(2, 100, 60), "What is it?")
+        _, last = _run(eng, c, one)
+        assert last.cached_tokens <= next(i for i, t in enumerate(c) if t < 0)  # another image: cut before it
+        assert last_pos() == len(c) - 1 - 4
+        text, last = _run(eng, c, replace(GREEDY, max_tokens=6))
+        assert last.completion_tokens == 6 and last_pos() == len(c) - 1 - 4 + 5
+    finally:
+        eng.unload()
