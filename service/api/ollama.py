@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..chat.choices import Answer, Event
 from ..chat.format import detect
 from ..engine.base import Chunk
+from ..options import merged
 from ..errors import BadRequest, EngineFailure, ModelNotFound, ServiceError
 from ..keepalive import parse_keep_alive
 from ..models import ModelEntry
@@ -570,7 +571,7 @@ async def _sees(manager: ModelManager, entry: Any, spec: Any, st: Any) -> bool:
     (``service.projectors``: ``mmproj``, a file beside the model)."""
     if st is not None and st.plan is not None and st.plan.estimate is not None:
         return st.plan.estimate.projector is not None
-    value = entry.config.options.mmproj if entry.config.options.mmproj is not None else manager.settings.mmproj
+    value = merged(manager.settings, entry.config.options).mmproj  # the models file's, else GGUF_MMPROJ
     path = await asyncio.to_thread(manager.planner.projectors.resolve, value, entry.path or None, spec)
     return path is not None and os.path.isfile(path)
 
