@@ -321,7 +321,8 @@ def _estimate(
     out_dev = slots[n_all]
 
     def layer_weights(layers: Sequence[int]) -> int:
-        return sum(spec.layers[il].weights_bytes for il in layers)
+        # a NextN/MTP block (il >= n_layer) keeps its slot in the placement but is not loaded (nextn_weights_bytes)
+        return sum(spec.layers[il].weights_bytes for il in layers if il < spec.n_layer)
 
     # KV and state per device (host first): each layer's cache lives with its layer (offload_kqv), else on the host.
     groups = [host_layers, *per_gpu_layers] if cfg.offload_kqv else [list(range(n_all)), *([] for _ in per_gpu_layers)]
@@ -366,7 +367,7 @@ def _estimate(
 
     # Host: token embedding always, host layers, the output layer when not offloaded.
     host_w = spec.token_embd_bytes + layer_weights(host_layers)
-    other = spec.weights_bytes - spec.token_embd_bytes - spec.output_bytes - layer_weights(range(n_all))
+    other = spec.loaded_weights_bytes - spec.token_embd_bytes - spec.output_bytes - layer_weights(range(n_all))
     if out_dev is None:
         host_w += spec.output_bytes + max(other, 0)
     cells = kv_cells(spec, cfg)

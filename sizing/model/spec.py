@@ -155,6 +155,18 @@ class ModelSpec:
         return sum(t.n_bytes for t in self.tensors)
 
     @cached_property
+    def nextn_weights_bytes(self) -> int:
+        """Bytes of the NextN/MTP blocks (``blk.N.*`` for N >= ``n_layer``): every architecture that has them
+        creates their tensors with ``TENSOR_SKIP`` unless the model is loaded with ``load_mtp``, and a skipped
+        tensor is given no buffer (``llama_model_loader::create_tensor``). The engine does not load them."""
+        return sum(layer.weights_bytes for layer in self.layers[self.n_layer:])
+
+    @cached_property
+    def loaded_weights_bytes(self) -> int:
+        """What a load gives buffers: every tensor but the NextN/MTP blocks'."""
+        return self.weights_bytes - self.nextn_weights_bytes
+
+    @cached_property
     def n_params(self) -> int:
         """Parameters (elements) over every tensor."""
         n = 0

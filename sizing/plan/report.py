@@ -45,6 +45,7 @@ def spec_json(spec: ModelSpec) -> dict[str, object]:
         "file_type": spec.file_type,
         "file_size_bytes": spec.file_size_bytes,
         "weights_bytes": spec.weights_bytes,
+        "nextn_weights_bytes": spec.nextn_weights_bytes,
         "n_tensors": len(spec.tensors),
         "gguf_version": spec.version,
         "alignment": spec.alignment,

@@ -549,12 +549,41 @@ def _gptneox(fx: ArchFixture) -> list[Tensor]:
     return out
 
 
+def _glm4moe(fx: ArchFixture) -> list[Tensor]:
+    """src/models/glm4-moe.cpp: a dense first block, MoE blocks with a shared expert, then the NextN (MTP) blocks
+    (``nextn_predict_layers``, the last of ``block_count``), which llama.cpp skips unless it loads MTP layers."""
+    out: list[Tensor] = []
+    _head(fx, out)
+    e, f, n = fx.n_embd, fx.int_key("feed_forward_length"), fx.int_key("expert_count")
+    f_exp, n_shared = fx.int_key("expert_feed_forward_length"), fx.int_key("expert_shared_count")
+    n_main = fx.n_layer - fx.int_key("nextn_predict_layers")
+    for i in range(fx.n_layer):
+        p = _p(i)
+        n_head, n_kv, hk, hv = _dims(fx, i)
+        _norm(out, p + "attn_norm", e)
+        _attn(out, p, e, hk * n_head, n_kv * hk, n_kv * hv, o_in=hk * n_head, bias=True)
+        _norm(out, p + "post_attention_norm", e)
+        if i >= fx.int_key("leading_dense_block_count"):
+            _moe(out, p, e, f_exp, n)
+            out.append((p + "exp_probs_b.bias", (n,), "norm"))
+            f_sh = f_exp * n_shared
+            out += [(p + "ffn_gate_shexp.weight", (e, f_sh), "ffn"), (p + "ffn_down_shexp.weight", (f_sh, e), "ffn_down"),
+                    (p + "ffn_up_shexp.weight", (e, f_sh), "ffn")]
+        else:
+            _ffn(out, p, e, f)
+        if i >= n_main:
+            out.append((p + "nextn.eh_proj.weight", (2 * e, e), "attn"))
+            for t in ("enorm", "hnorm", "shared_head_norm"):
+                _norm(out, p + f"nextn.{t}", e)
+    return out
+
+
 BUILDERS: dict[str, Callable[[ArchFixture], list[Tensor]]] = {
     "mamba": _mamba, "mamba2": _mamba2, "jamba": _jamba, "falcon-h1": _falcon_h1, "granitehybrid": _granite_hybrid,
     "nemotron_h": _nemotron_h, "lfm2": _lfm2, "rwkv7": _rwkv7, "qwen3next": _qwen3next, "gpt-oss": _gpt_oss,
     "phi3": _phi3, "olmo2": _olmo2, "gemma": _gemma, "smollm3": _smollm3, "internlm2": _internlm2,
     "cohere2": _cohere2, "starcoder2": _starcoder2, "exaone4": _exaone4, "glm4": _glm4, "stablelm": _stablelm,
-    "olmoe": _olmoe, "qwen2moe": _qwen2moe, "gptneox": _gptneox,
+    "olmoe": _olmoe, "qwen2moe": _qwen2moe, "gptneox": _gptneox, "glm4moe": _glm4moe,
 }
 
 
@@ -718,6 +747,14 @@ ARCH_FIXTURES: dict[str, ArchFixture] = {
               "expert_count": 60, "expert_used_count": 4, "expert_feed_forward_length": 1408,
               "expert_shared_feed_forward_length": 5632},
         tokenizer_pre="qwen2",
+    ),
+    "GLM-4.5-Air": ArchFixture(
+        "glm4moe", 4096, 47, 151552, 131072, builder="glm4moe", source="zai-org/GLM-4.5-Air config.json (block_count: 46 layers + 1 NextN)",
+        keys={**_EPS, "attention.head_count": 96, "attention.head_count_kv": 8, "attention.key_length": 128,
+              "attention.value_length": 128, "rope.dimension_count": 64, "feed_forward_length": 10944,
+              "expert_count": 128, "expert_used_count": 8, "expert_shared_count": 1,
+              "expert_feed_forward_length": 1408, "leading_dense_block_count": 1, "expert_weights_scale": 1.0,
+              "expert_weights_norm": True, "expert_gating_func": 2, "nextn_predict_layers": 1},
     ),
     "pythia-1.4b": ArchFixture(
         "gptneox", 2048, 24, 50304, 2048, builder="gptneox", source="EleutherAI/pythia-1.4b config.json",

@@ -308,6 +308,17 @@ vocabulary (the 256 byte tokens among them). Written by ``write_fixture`` its we
 zeros: llama.cpp loads it, evaluates prompts and samples tokens (meaningless ones), like any model."""
 
 
+TINY_GLM4MOE = ArchFixture(
+    "glm4moe", 128, 3, 512, 2048, builder="glm4moe", source="made up: GLM-4.5's layout at TINY_LLAMA's size",
+    keys={"attention.layer_norm_rms_epsilon": 1e-5, "attention.head_count": 4, "attention.head_count_kv": 2,
+          "attention.key_length": 32, "attention.value_length": 32, "rope.dimension_count": 16,
+          "feed_forward_length": 256, "expert_count": 4, "expert_used_count": 2, "expert_shared_count": 1,
+          "expert_feed_forward_length": 64, "leading_dense_block_count": 1, "expert_weights_scale": 1.0,
+          "expert_weights_norm": True, "expert_gating_func": 2, "nextn_predict_layers": 1},
+    tokenizer="llama")
+"""GLM-4.5's layout as small as ``TINY_LLAMA``: a dense block, a MoE block, and a NextN (MTP) block last, which
+llama.cpp allocates only when it loads MTP layers; zeros, so that a real load shows what it allocates."""
+
 FIM_TOKENS = {"fim_pre": "<|fim_prefix|>", "fim_suf": "<|fim_suffix|>", "fim_mid": "<|fim_middle|>",
               "fim_pad": "<|fim_pad|>", "fim_rep": "<|repo_name|>", "fim_sep": "<|file_sep|>"}
 """Qwen2.5-Coder's FIM markers, by the GGUF key that names each (``llama_vocab::impl::load`` reads the ids)."""
@@ -318,10 +329,10 @@ TINY_LLAMA_FIM = FixtureShape("llama", 128, 2, 4, 4, 32, 256, 512, 2048, tokeniz
 
 
 def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "bf16",
-                  shape: FixtureShape | None = None) -> str:
+                  shape: FixtureShape | ArchFixture | None = None) -> str:
     """Write (or reuse) the sparse header-only GGUF of model ``name`` in ``directory``; return its path.
 
-    ``shape``: a shape of one's own (``TINY_LLAMA``, or a made-up size), written under ``name``."""
+    ``shape``: a shape of one's own (``TINY_LLAMA``, ``TINY_GLM4MOE``, or a made-up size), written under ``name``."""
     if shape is None and name not in FIXTURES and name not in ARCH_FIXTURES:
         raise KeyError(f"unknown fixture {name!r}; one of {', '.join(ALL_FIXTURES)}")
     if quant not in QUANTS:
@@ -331,13 +342,13 @@ def write_fixture(name: str, directory: str | os.PathLike[str], quant: Quant = "
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".gguf.part")
-    if shape is not None or name in FIXTURES:
+    if isinstance(shape, FixtureShape) or (shape is None and name in FIXTURES):
         shape = shape or FIXTURES[name]
         w = gguf.GGUFWriter(str(tmp), shape.arch)
         _metadata(w, name, shape, quant)
         tensors = _tensors(shape)
     else:
-        fx = ARCH_FIXTURES[name]
+        fx = shape or ARCH_FIXTURES[name]
         w = gguf.GGUFWriter(str(tmp), fx.arch)
         _arch_metadata(w, name, fx, quant)
         tensors = BUILDERS[fx.builder](fx)
