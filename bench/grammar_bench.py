@@ -125,7 +125,6 @@ def end_to_end(model_path: str, tokens: int, runs: int) -> None:
             kwargs["logits_processor"] = [grammar_logits_processor(llm._model.vocab, g)]
         llm.reset()
         out: list[int] = []
-        t0 = time.perf_counter()
         t_first = 0.0
         for tok in llm.generate(prompt, top_k=0, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True,
                                 **kwargs):  # type: ignore[arg-type]

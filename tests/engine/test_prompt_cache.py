@@ -10,7 +10,6 @@ import shutil
 import struct
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

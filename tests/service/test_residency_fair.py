@@ -363,7 +363,7 @@ def test_the_real_server_serves_two_copies_of_the_embedded_model_alternating_on_
     fig = figures(records, ["one", "two"])
     swaps = svc.log_path.read_text(errors="replace").count("(least recently used, idle) to load")
     with capsys.disabled():
-        print(f"\nFIGURE real server, 4 clients x 4 requests alternating two copies of the embedded model, 1 slot: "
+        print("\nFIGURE real server, 4 clients x 4 requests alternating two copies of the embedded model, 1 slot: "
               + _fmt(fig) + f"; {swaps} swaps in {took:.1f} s")
     for m in ("one", "two"):
         assert fig[m]["statuses"] == [200] and fig[m]["served"] == 8, fig
