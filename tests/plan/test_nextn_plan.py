@@ -70,3 +70,23 @@ def test_on_a_card_the_nextn_block_costs_nothing_and_keeps_its_slot(tmp_path: Pa
     moved = spec.layers[0].weights_bytes + spec.layers[1].weights_bytes
     assert part.gpus[0].weights_bytes == gpu.weights_bytes - moved
     assert part.host.weights_bytes == spec.token_embd_bytes + moved
+
+
+def test_experts_kept_in_host_memory_never_count_the_nextn_blocks(tmp_path: Path) -> None:
+    """``n_cpu_moe`` over every block (``--cpu-moe``): the main blocks' experts move to the host, the NextN block's
+    are nowhere; neither device may count them, added or taken away."""
+    path = write_fixture("GLM-4.5-Air", tmp_path, quant="q4_k_m")
+    spec = probe_path(path)
+    card = Device(0, "RTX PRO 6000", 600 * GIB, 600 * GIB)
+    host = Device(0, "host memory", 256 * GIB, 256 * GIB, "host")
+    sz = Sizer(spec, [card], host, PlanRequest(n_ctx=8192, n_seq_max=1, min_ctx=256), "f16")
+    full = Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,))
+    base = sz.estimate(full, 8192)
+    experts = sum(spec.layers[il].expert_bytes for il in range(spec.n_layer))
+    assert spec.layers[spec.n_layer].expert_bytes > GIB  # the NextN block's own experts, not loaded
+    for n_cpu_moe in (spec.n_layer, spec.n_layer_all):
+        est = sz.estimate(Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,),
+                                    n_cpu_moe=n_cpu_moe), 8192)
+        assert est.host.weights_bytes == spec.token_embd_bytes + experts, n_cpu_moe
+        assert est.gpus[0].weights_bytes == base.gpus[0].weights_bytes - experts, n_cpu_moe
+        assert est.gpus[0].weights_bytes + est.host.weights_bytes == spec.loaded_weights_bytes
