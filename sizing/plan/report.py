@@ -45,7 +45,9 @@ def spec_json(spec: ModelSpec) -> dict[str, object]:
         "file_type": spec.file_type,
         "file_size_bytes": spec.file_size_bytes,
         "weights_bytes": spec.weights_bytes,
+        "nextn_layers": spec.n_layer_all - spec.n_layer,
         "nextn_weights_bytes": spec.nextn_weights_bytes,
+        "nextn_loaded": False,  # NextN/MTP blocks: not loaded, not counted (sizing.model.spec.nextn_weights_bytes)
         "n_tensors": len(spec.tensors),
         "gguf_version": spec.version,
         "alignment": spec.alignment,

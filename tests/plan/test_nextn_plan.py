@@ -15,6 +15,7 @@ from service.engine.llama import LlamaEngine
 from sizing.memory.placement import Placement
 from sizing.plan.device import MIB, Device
 from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.report import spec_json
 from sizing.plan.sizer import Sizer
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
@@ -53,6 +54,9 @@ def test_on_a_card_the_nextn_block_costs_nothing_and_keeps_its_slot(tmp_path: Pa
     spec = probe_path(path)
     assert (spec.n_layer, spec.n_layer_all) == (46, 47)
     assert spec.nextn_weights_bytes > (1.5 if quant == "q4_k_m" else 4.0) * GIB  # 128 experts of 1408 x 4096, x 3
+    probed = spec_json(spec)  # what ``python -m sizing probe`` prints
+    assert (probed["nextn_layers"], probed["nextn_weights_bytes"], probed["nextn_loaded"]) == (
+        1, spec.nextn_weights_bytes, False)
     card = Device(0, "RTX PRO 6000", 600 * GIB, 600 * GIB)
     host = Device(0, "host memory", 64 * GIB, 64 * GIB, "host")
     req = PlanRequest(n_ctx=8192, n_seq_max=1, min_ctx=256)
