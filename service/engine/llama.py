@@ -559,6 +559,10 @@ class LlamaEngine(Prompting, TaskPrompts):
                  self._n_batch, cp.n_threads, "on" if self._cache_prompt else "off", pc.budget_bytes >> 20,
                  f", {pc.disk_entries} entries on disk in {pc.directory}" if pc.directory else "",
                  "on" if mparams.use_extra_bufts else "off", why)
+        n_nextn = int(llama_cpp.llama_model_n_layer_nextn(self._model.model))
+        if n_nextn:
+            log.info("llama engine: the file's %d NextN/MTP block(s) are not loaded (no MTP drafting here; drafts "
+                     "come from n-grams or a draft model) and not planned", n_nextn)
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
                           draft_output_bytes=self._draft_rows * self._n_vocab * 4,

@@ -6,6 +6,7 @@ in a device's weights, the block's slot moving the output layer, the loaded byte
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from sizing.testing.fixtures import TINY_GLM4MOE, write_fixture
 GIB = 1 << 30
 
 
-def test_a_real_load_allocates_what_the_plan_counts_without_the_nextn_block(tmp_path: Path) -> None:
+def test_a_real_load_allocates_what_the_plan_counts_without_the_nextn_block(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
     path = write_fixture("tiny-glm4moe", tmp_path, quant="q8_0", shape=TINY_GLM4MOE)
     spec = probe_path(path)
     assert (spec.n_layer, spec.n_layer_all) == (2, 3)
@@ -34,7 +36,9 @@ def test_a_real_load_allocates_what_the_plan_counts_without_the_nextn_block(tmp_
     assert est is not None
     assert est.host.weights_bytes == spec.loaded_weights_bytes == spec.weights_bytes - spec.nextn_weights_bytes
     eng = LlamaEngine()
-    report = eng.load(path, plan)
+    with caplog.at_level(logging.INFO, logger="service.engine.llama"):
+        report = eng.load(path, plan)
+    assert "the file's 1 NextN/MTP block(s) are not loaded" in caplog.text
     try:
         (cpu,) = [a for a in report.allocations if a.device == "CPU"]
         # llama.cpp's ``CPU model buffer size`` line (0.01 MiB resolution) is the plan's weights, not the file's
