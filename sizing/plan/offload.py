@@ -97,7 +97,8 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     decode = 1.0 / seconds
     frac = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
     head = spec.token_embd_bytes if spec.output_tied else spec.output_bytes
-    active_bytes = head + sum(layer.weights_bytes - layer.expert_bytes * (1 - frac) for layer in spec.layers[:spec.n_layer])
+    active_bytes = head + sum(layer.weights_bytes - layer.expert_bytes * (1 - frac)
+                              for layer in spec.layers[:spec.n_layer])
     active_params = active_bytes * params_per_byte
     gpu_w = sum(d.weights_bytes for d in est.gpus)
     gpu_share = gpu_w / max(gpu_w + est.host.weights_bytes - spec.token_embd_bytes, 1)

@@ -567,8 +567,8 @@ def _glm4moe(fx: ArchFixture) -> list[Tensor]:
             _moe(out, p, e, f_exp, n)
             out.append((p + "exp_probs_b.bias", (n,), "norm"))
             f_sh = f_exp * n_shared
-            out += [(p + "ffn_gate_shexp.weight", (e, f_sh), "ffn"), (p + "ffn_down_shexp.weight", (f_sh, e), "ffn_down"),
-                    (p + "ffn_up_shexp.weight", (e, f_sh), "ffn")]
+            out += [(p + "ffn_gate_shexp.weight", (e, f_sh), "ffn"),
+                    (p + "ffn_down_shexp.weight", (f_sh, e), "ffn_down"), (p + "ffn_up_shexp.weight", (e, f_sh), "ffn")]
         else:
             _ffn(out, p, e, f)
         if i >= n_main:
@@ -749,7 +749,8 @@ ARCH_FIXTURES: dict[str, ArchFixture] = {
         tokenizer_pre="qwen2",
     ),
     "GLM-4.5-Air": ArchFixture(
-        "glm4moe", 4096, 47, 151552, 131072, builder="glm4moe", source="zai-org/GLM-4.5-Air config.json (block_count: 46 layers + 1 NextN)",
+        "glm4moe", 4096, 47, 151552, 131072, builder="glm4moe",
+        source="zai-org/GLM-4.5-Air config.json (block_count: 46 layers + 1 NextN)",
         keys={**_EPS, "attention.head_count": 96, "attention.head_count_kv": 8, "attention.key_length": 128,
               "attention.value_length": 128, "rope.dimension_count": 64, "feed_forward_length": 10944,
               "expert_count": 128, "expert_used_count": 8, "expert_shared_count": 1,
