@@ -371,13 +371,14 @@ def _estimate(
     if out_dev is None:
         host_w += spec.output_bytes + max(other, 0)
     cells = kv_cells(spec, cfg)
-    # MoE experts of blocks below n_cpu_moe stay in host memory (tensor_buft_overrides), wherever their block runs.
-    pinned = [il for il in range(min(placement.n_cpu_moe, spec.n_layer)) if slots[il] is not None]
+    # MoE experts of blocks below n_cpu_moe stay in host memory (tensor_buft_overrides), wherever their block runs;
+    # a NextN block's are nowhere (not loaded), however far n_cpu_moe reaches.
+    n_moe_host = min(placement.n_cpu_moe, spec.n_layer)
+    pinned = [il for il in range(n_moe_host) if slots[il] is not None]
     host_w += sum(spec.layers[il].expert_bytes for il in pinned)
     gpus: list[DeviceMemory] = []
     for pos, layers in enumerate(per_gpu_layers):
-        w = layer_weights(layers) - sum(spec.layers[il].expert_bytes for il in layers
-                                        if il < min(placement.n_cpu_moe, spec.n_layer))
+        w = layer_weights(layers) - sum(spec.layers[il].expert_bytes for il in layers if il < n_moe_host)
         if out_dev == pos:
             w += spec.output_layer_bytes if spec.output_tied else spec.output_bytes + max(other, 0)
         if labels[pos] in gpu_measured:
