@@ -112,6 +112,20 @@ class GenerationParams:
     prepares again any it no longer holds since the prompt was tokenized."""
 
 
+def check_limits(params: GenerationParams, n_vocab: int, n_slots: int) -> None:
+    """The checks of ``Engine.check`` that need only the model's vocabulary size and slot count: token ids of
+    ``logit_bias`` within the vocabulary, no more choices than slots (``BadRequest`` naming the param)."""
+    from ..errors import BadRequest
+
+    for tok, _ in params.logit_bias:
+        if not 0 <= tok < n_vocab:
+            raise BadRequest(f"logit_bias: token id {tok} is not in the vocabulary (0 .. {n_vocab - 1})",
+                             param="logit_bias")
+    if params.n > max(n_slots, 1):
+        raise BadRequest(f"n: at most {n_slots} choices (the model decodes {n_slots} sequences at once, "
+                         "GGUF_PARALLEL)", param="n")
+
+
 @dataclass(frozen=True)
 class ImageInput:
     """One decoded image of a request (``service.api.images``): RGB pixels, row by row, 3 bytes each, as mtmd's

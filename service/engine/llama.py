@@ -90,7 +90,7 @@ from sizing.units import MIB, gpu_label
 
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, InsufficientMemory, NotReady, ServiceError
 from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, ImageInput, LoadReport, RerankResult,
-                   TokenLogprob, current_delivery)
+                   TokenLogprob, check_limits, current_delivery)
 from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
@@ -410,13 +410,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed; token ids of
         ``logit_bias`` within the vocabulary; no more choices than slots."""
         compile_grammar(params)
-        for tok, _ in params.logit_bias:
-            if not 0 <= tok < self._n_vocab:
-                raise BadRequest(f"logit_bias: token id {tok} is not in the vocabulary (0 .. {self._n_vocab - 1})",
-                                 param="logit_bias")
-        if params.n > max(self._n_slots, 1):
-            raise BadRequest(f"n: at most {self._n_slots} choices (the model decodes {self._n_slots} sequences at "
-                             "once, GGUF_PARALLEL)", param="n")
+        check_limits(params, self._n_vocab, self._n_slots)
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         import llama_cpp

@@ -39,8 +39,10 @@ from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
 
+from ..chat.grammar import grammar_source
 from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
-from .base import Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, current_delivery
+from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, check_limits,
+                   current_delivery)
 from .native import child_env
 
 log = logging.getLogger(__name__)
@@ -539,7 +541,14 @@ class ProcessEngine:
         return tuple(self._info.get("embedding_limits", (0, 0)))  # type: ignore[return-value]
 
     def check(self, params: GenerationParams) -> None:
-        self._channel().call("check", (params,))
+        """Here without a grammar (the vocabulary's size and the slots are known since the load): one round trip
+        to the runner less before a plain request's first token; a grammar compiles in the runner, which keeps it
+        for the sampling."""
+        if grammar_source(params) is not None:
+            self._channel().call("check", (params,))
+        else:
+            self._channel()  # a runner that is not serving raises here, as its call would
+            check_limits(params, self.n_vocab, self.slots)
 
     def tokenize(self, text: str) -> list[int]:
         return self._channel().call("tokenize", (text,))  # type: ignore[no-any-return]
