@@ -89,21 +89,32 @@ def service(model: str, *, beside: tuple[str, ...] = (), **settings: str) -> Ite
         shutil.rmtree(models, ignore_errors=True)
 
 
-def fresh(text: str) -> str:
-    """``text`` behind a word no earlier prompt began with: no cached prefix to reuse, on either side."""
-    return f"[{uuid.uuid4().hex[:8]}] {text}"
+def tag() -> str:
+    """A word no earlier prompt began with."""
+    return uuid.uuid4().hex[:8]
 
 
-def one_client(url: str, tokens: int, stream: bool) -> Run:
-    body = {"prompt": fresh(PROMPT), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+def fresh(text: str, word: str | None = None) -> str:
+    """``text`` behind a word no earlier prompt began with (``word``, else a new one): no cached prefix to reuse,
+    on either side. Sides compared in one round take the same word: greedy decoding then writes the same text on
+    both, and an n-gram drafter accepts as much on each (a new word per side would make the drafts' luck part of
+    the comparison: several percent on the embedded model)."""
+    return f"[{word or tag()}] {text}"
+
+
+def one_client(url: str, tokens: int, stream: bool, word: str | None = None) -> Run:
+    body = {"prompt": fresh(PROMPT, word), "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
     with httpx.Client(base_url=url, timeout=600) as c:
         return request(c, "/v1/completions", body)
 
 
-def clients(url: str, n: int, tokens: int) -> tuple[float, list[Run]]:
-    """``n`` concurrent streaming clients with fresh prompts: the wall time and each run."""
+def clients(url: str, n: int, tokens: int, words: list[str] | None = None) -> tuple[float, list[Run]]:
+    """``n`` concurrent streaming clients with fresh prompts (client ``i`` behind ``words[i]`` when given): the wall
+    time and each run."""
     def one(i: int) -> Run:
-        body = {"prompt": fresh(PROMPT), "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"prompt": fresh(PROMPT, words[i] if words else None), "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=url, timeout=600) as c:
             return request(c, "/v1/completions", body)
 
@@ -242,6 +253,7 @@ def main() -> int:
 
         for rnd in range(args.rounds):
             order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            word, plain_word, words = tag(), tag(), [tag() for _ in range(4)]  # the same prompts on both sides
             if engine is not None:
                 e = engine.one_client(args.tokens)
                 acc.setdefault("engine", {}).setdefault("one_stream_tok_s", []).append(e.decode_tokens_per_s)
@@ -251,14 +263,14 @@ def main() -> int:
             for side in order:
                 url = sides[side]
                 if "one" in scenarios or "four" in scenarios:
-                    s = one_client(url, args.tokens, True)
+                    s = one_client(url, args.tokens, True, word)
                     add(side, "one_stream_tok_s", s.decode_tokens_per_s)
                     add(side, "one_ttft_ms", s.ttft_s * 1000)
                     add(side, "one_stream_total_tok_s", s.tokens_per_s)
                     if "one" in scenarios:
-                        add(side, "one_plain_tok_s", one_client(url, args.tokens, False).tokens_per_s)
+                        add(side, "one_plain_tok_s", one_client(url, args.tokens, False, plain_word).tokens_per_s)
                 if "four" in scenarios:
-                    wall, runs = clients(url, 4, args.tokens)
+                    wall, runs = clients(url, 4, args.tokens, words)
                     add(side, "four_tok_s", sum(r.tokens for r in runs) / wall)
                     add(side, "four_ttft_ms", statistics.mean(r.ttft_s for r in runs) * 1000)
                 if "turns" in scenarios:
