@@ -82,5 +82,6 @@ def main() -> None:
             paired = f"{statistics.median(a / b for a, b in zip(rr[key], ir[key])):.3f}"
         print(f"{label:<34} {rp[key]:>15.1f} {ip[key]:>11.1f} {ratio:>8} {paired:>8}  {target}")
 
+
 if __name__ == "__main__":
     main()

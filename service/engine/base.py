@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 from sizing.plan import Plan
 
+from ..errors import BadRequest
+
 
 @dataclass(frozen=True)
 class Allocation:
@@ -115,8 +117,6 @@ class GenerationParams:
 def check_limits(params: GenerationParams, n_vocab: int, n_slots: int) -> None:
     """The checks of ``Engine.check`` that need only the model's vocabulary size and slot count: token ids of
     ``logit_bias`` within the vocabulary, no more choices than slots (``BadRequest`` naming the param)."""
-    from ..errors import BadRequest
-
     for tok, _ in params.logit_bias:
         if not 0 <= tok < n_vocab:
             raise BadRequest(f"logit_bias: token id {tok} is not in the vocabulary (0 .. {n_vocab - 1})",

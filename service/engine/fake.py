@@ -18,7 +18,8 @@ from typing import Any, Iterator
 from sizing.plan import Plan
 
 from ..errors import BadRequest, InsufficientMemory, NotReady
-from .base import Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob
+from .base import (Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob,
+                   check_limits)
 from .task_prompts import FimTokens
 from ..chat.format import ChatFormat
 
@@ -173,10 +174,7 @@ class FakeEngine:
     def check(self, params: GenerationParams) -> None:
         if params.grammar is not None and not params.grammar.strip():
             raise BadRequest("empty grammar", param="response_format")
-        if any(not 0 <= t < FAKE_N_VOCAB for t, _ in params.logit_bias):
-            raise BadRequest("logit_bias: a token id is not in the vocabulary", param="logit_bias")
-        if params.n > self.slots:
-            raise BadRequest(f"n: at most {self.slots} choices", param="n")
+        check_limits(params, FAKE_N_VOCAB, self.slots)
 
     def count_tokens(self, text: str) -> int:
         self._require()
