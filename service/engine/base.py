@@ -55,6 +55,13 @@ class LoadReport:
     embedding_allocations: tuple[Allocation, ...] = ()
     """The embedding context's buffers (its output buffer at creation: it grows with the first full batch); its log
     lines are not in ``log_lines``, which are the generation context's (what the dry run confirms)."""
+    mtp_allocations: tuple[Allocation, ...] = ()
+    """The MTP context's buffers (``service.engine.mtp``: the NextN layer's KV, its compute and output buffers),
+    from its own log lines; the NextN block's weights are in ``allocations`` (the model's buffers). Empty
+    without MTP drafting."""
+    mtp_rows_bytes: int = 0
+    """What the main context's output buffer grows by for the hidden rows the MTP head reads (one F32 row of
+    ``n_embd`` per batch token: ``llama_context::output_reserve``), host memory, not in ``allocations``."""
 
 
 def scope_of(api_key: str | None, salt: str | None) -> str:

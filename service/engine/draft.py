@@ -186,21 +186,25 @@ class DraftModelRunner:
 
     def _take(self, j: DraftJob) -> bool:
         """The draft's next token from its row (if likely enough); whether the job drafts on."""
-        import llama_cpp
-        import numpy as np
-
         if j.logits_at < 0 or len(j.draft) >= j.k:
             return False
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, j.logits_at)
-        row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,))
-        tok = int(row.argmax())
-        top = float(row[tok])
-        p = 1.0 / float(np.exp(row - top).sum())
+        tok, p = confident_guess(self.ctx.ctx, j.logits_at, self._n_vocab)
         j.logits_at = -1
         if p < P_MIN:
             return False
         j.draft.append(tok)
         return len(j.draft) < j.k
+
+
+def confident_guess(ctx: Any, i: int, n_vocab: int) -> tuple[int, float]:
+    """The most likely token of logits row ``i`` of ``ctx`` and its probability (softmax over the whole row)."""
+    import llama_cpp
+    import numpy as np
+
+    ptr = llama_cpp.llama_get_logits_ith(ctx, i)
+    row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+    tok = int(row.argmax())
+    return tok, 1.0 / float(np.exp(row - float(row[tok])).sum())
 
 
 class _DecodeFailed(Exception):
@@ -209,4 +213,4 @@ class _DecodeFailed(Exception):
         self.code = code
 
 
-__all__ = ["P_MIN", "DraftJob", "DraftModelRunner", "VocabularyMismatch", "vocabulary_mismatch"]
+__all__ = ["P_MIN", "DraftJob", "DraftModelRunner", "VocabularyMismatch", "confident_guess", "vocabulary_mismatch"]

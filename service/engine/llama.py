@@ -82,8 +82,8 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence
 
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
@@ -95,13 +95,14 @@ from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations, projector_allocations
-from .params import (apply_context_params, apply_model_params, draft_params, embedding_context_params, plan_params,
+from .params import (ContextParams, apply_context_params, apply_model_params, draft_params, embedding_context_params, plan_params,
                      repack_of)
 from .prompting import Prompting
 from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .draft import DraftJob, DraftModelRunner, VocabularyMismatch, vocabulary_mismatch
+from .mtp import MTP_ARCHITECTURES, MtpRunner
 from .speculation import DRAFT_MAX, DRAFT_MIN, DraftPolicy, NgramDrafter
 from .vision import ImageChunk, Images
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
@@ -228,7 +229,7 @@ class _Request:
     once its prompt is evaluated (``_fork``)."""
     stop_sequence: str | None = None
     seed: int = 0
-    drafter: "NgramDrafter | DraftModelRunner | None" = None
+    drafter: "NgramDrafter | DraftModelRunner | MtpRunner | None" = None
     """Self-speculation (``service.engine.speculation``), or the plan's draft model (``service.engine.draft``, shared
     by the requests): None where it is off for this request."""
     policy: DraftPolicy | None = None
@@ -318,7 +319,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._draft_max = max(0, draft_max)
         self._draft_rows = 0
         """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
-        self._draft_runner: DraftModelRunner | None = None
+        self._draft_runner: DraftModelRunner | MtpRunner | None = None
         self._vision: Images | None = None
         """The projector (mtmd) where the plan has one: the model takes images."""
         """The plan's draft model (``service.engine.draft``): drafts come from it instead of the n-gram drafter."""
@@ -448,6 +449,9 @@ class LlamaEngine(Prompting, TaskPrompts):
             if plan.draft is not None and self._speculative:
                 runner = self._load_draft(plan, mparams.use_extra_bufts, model)
             n_draft = len(lines)
+            if runner is None and plan.request.mtp and self._speculative:
+                runner = self._load_mtp(ctx, cparams, model, os.path.basename(path))
+            n_mtp = len(lines)
             pm = plan.estimate.projector if plan.estimate is not None else None
             if pm is not None:
                 images = Images.load(pm.path, model.model, use_gpu=pm.use_gpu, flash_attn=pm.flash_attn,
@@ -544,7 +548,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         allocs, offloaded = parse_allocations(lines[:n_main])
         emb_allocs, _ = parse_allocations(lines[n_main:n_emb])
         draft_allocs, _ = parse_allocations(lines[n_emb:n_draft])
-        projector_allocs = projector_allocations(lines[n_draft:], pm.device) if pm is not None else ()
+        mtp_allocs, _ = parse_allocations(lines[n_draft:n_mtp])
+        projector_allocs = projector_allocations(lines[n_mtp:], pm.device) if pm is not None else ()
         why = "batch-invariant mode" if self._batch_invariant else repack_of(plan).reason
         pc = self._pcache
         log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s "
@@ -554,13 +559,39 @@ class LlamaEngine(Prompting, TaskPrompts):
                  f", {pc.disk_entries} entries on disk in {pc.directory}" if pc.directory else "",
                  "on" if mparams.use_extra_bufts else "off", why)
         n_nextn = int(llama_cpp.llama_model_n_layer_nextn(self._model.model))
+        mtp = isinstance(runner, MtpRunner)
         if n_nextn:
-            log.info("llama engine: the file's %d NextN/MTP block(s) are not loaded (no MTP drafting here; drafts "
-                     "come from n-grams or a draft model) and not planned", n_nextn)
+            log.info("llama engine: the file's %d NextN/MTP block(s) %s", n_nextn,
+                     "draft (MTP; the plan does not count the head: PlanRequest.mtp)" if mtp else
+                     "are not loaded (the plan does not size an MTP head yet; drafts come from n-grams or a draft "
+                     "model) and not planned")
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
                           draft_output_bytes=self._draft_rows * self._n_vocab * 4,
-                          draft_allocations=draft_allocs, projector_allocations=projector_allocs)
+                          draft_allocations=draft_allocs, projector_allocations=projector_allocs,
+                          mtp_allocations=mtp_allocs,
+                          mtp_rows_bytes=self._n_embd * self._n_batch * 4 if mtp else 0)
+
+    def _load_mtp(self, main: Any, cparams: ContextParams, model: Any, name: str) -> MtpRunner:
+        """The MTP context of a model loaded with its NextN block (``service.engine.mtp``): the main context's
+        size, sequences, batch and cache type; a KV cache of the NextN layer alone. Raises ``ValueError`` where
+        llama.cpp cannot create it."""
+        import llama_cpp
+        from llama_cpp import _internals
+
+        arch = model.metadata().get("general.architecture", "") if hasattr(model, "metadata") else ""
+        n_nextn = int(llama_cpp.llama_model_n_layer_nextn(model.model))
+        if arch not in MTP_ARCHITECTURES or n_nextn != 1:
+            raise ValueError(f"no MTP drafting for {arch or 'this architecture'} with {n_nextn} NextN block(s)")
+        cp = llama_cpp.llama_context_default_params()
+        apply_context_params(cp, replace(cparams, mtp=True, embeddings=False), n_threads=self._n_threads)
+        cp.ctx_other = main.ctx
+        ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
+        try:
+            return MtpRunner(main.ctx, ctx, n_slots=int(llama_cpp.llama_n_seq_max(ctx.ctx)), name=name)
+        except BaseException:
+            ctx.close()
+            raise
 
     def _load_draft(self, plan: Plan, use_extra_bufts: bool, main: Any) -> DraftModelRunner:
         """The plan's draft model and its context (``sizing.memory.draft``: whole on the card of the main model's
@@ -1477,10 +1508,16 @@ class LlamaEngine(Prompting, TaskPrompts):
         n = 0
         n_prompt_fed = 0
         watch: list[_Request] = []
+        mtp = self._draft_runner if isinstance(self._draft_runner, MtpRunner) else None
+        runs: list[tuple[int, int, Sequence[int], int, Sequence[int], object]] = []
         for r in members:
             seq = r.slot.id  # type: ignore[union-attr]
             p0 = r.n_past
             shift = p0 - self._pos(r, p0) if r.shifts else 0  # positions past M-RoPE images (``_pos``)
+            if mtp is not None and not r.shifts:  # the MTP head's cache follows every sequence (``observe``)
+                fed = ([r.next_token, *r.draft] if r.next_token is not None
+                       else r.tokens[p0:p0 + r.batch_take])
+                runs.append((seq, p0, fed, n, r.slot.tokens, r))  # type: ignore[union-attr]
             if r.next_token is not None:
                 r.batch_logits_idx = n
                 b_token[n], b_pos[n], b_nseq[n], b_logits[n] = r.next_token, p0 - shift, 1, 1
@@ -1520,6 +1557,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         if ret != 0:
             self._decode_failed(ret, members, active)
             return
+        if mtp is not None:
+            mtp.observe(runs, n)
         self._evaluated += n_prompt_fed
         canon = n >= INVARIANT_MIN_ROWS
         for r in members:

@@ -57,3 +57,45 @@ def libggml() -> ctypes.CDLL | None:
     lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
     lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
     return lib
+
+
+class NextnApi:
+    """llama.cpp's staging API for MTP drafting (src/llama-ext.h of the vendored llama.cpp: C++ linkage, so its
+    names are mangled and llama-cpp-python binds none of them): whether a context outputs the hidden rows an MTP
+    head reads (``llama_set_embeddings_nextn``), and those rows (``llama_get_embeddings_nextn[_ith]``)."""
+
+    _NAMES = {
+        "set": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+        "get": "_Z26llama_get_embeddings_nextnP13llama_context",
+        "get_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+    }
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        f = ctypes.POINTER(ctypes.c_float)
+        self._set = getattr(lib, self._NAMES["set"])
+        self._set.argtypes, self._set.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
+        self._get = getattr(lib, self._NAMES["get"])
+        self._get.argtypes, self._get.restype = [ctypes.c_void_p], f
+        self._get_ith = getattr(lib, self._NAMES["get_ith"])
+        self._get_ith.argtypes, self._get_ith.restype = [ctypes.c_void_p, ctypes.c_int32], f
+
+    def set_embeddings(self, ctx: int, value: bool, masked: bool) -> None:
+        """``masked``: rows for the batch's output tokens only (as logits); unmasked: a row for every token."""
+        self._set(ctx, value, masked)
+
+    def rows(self, ctx: int) -> "ctypes._Pointer[ctypes.c_float]":
+        return self._get(ctx)
+
+    def row(self, ctx: int, i: int) -> "ctypes._Pointer[ctypes.c_float]":
+        return self._get_ith(ctx, i)
+
+
+@functools.lru_cache(maxsize=1)
+def nextn_api() -> NextnApi | None:
+    """The MTP staging API of llama-cpp-python's libllama (None: this build does not export it)."""
+    import llama_cpp
+
+    try:
+        return NextnApi(llama_cpp.llama_cpp._lib)
+    except AttributeError:
+        return None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from sizing.memory import ContextConfig, Placement, draft_config, draft_placement
@@ -65,6 +65,8 @@ class ModelParams:
     """Tensor-name regexes whose tensors stay in host memory (``tensor_buft_overrides``)."""
     use_extra_bufts: bool = True
     """The CPU backend's repacked weight layouts (off: batch-invariant outputs, see the engine)."""
+    load_mtp: bool = False
+    """Load the NextN/MTP blocks' weights too (``llama_model_params.load_mtp``): MTP drafting (``service.engine.mtp``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +77,7 @@ class ModelParams:
             n_gpu_layers=int(d["n_gpu_layers"]), main_gpu=int(d["main_gpu"]),
             tensor_split=tuple(float(x) for x in d["tensor_split"]),
             cpu_overrides=tuple(str(x) for x in d["cpu_overrides"]), use_extra_bufts=bool(d["use_extra_bufts"]),
+            load_mtp=bool(d.get("load_mtp", False)),
         )
 
 
@@ -94,6 +97,9 @@ class ContextParams:
     offload_kqv: bool
     embeddings: bool = False
     """An embedding context (``llama_context_params.embeddings``); its pooling type is the model's (the engine)."""
+    mtp: bool = False
+    """An MTP context (``ctx_type`` ``LLAMA_CONTEXT_TYPE_MTP``): the model's NextN block alone, its own KV cache of
+    that layer (``service.engine.mtp``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,6 +159,8 @@ def plan_params(plan: "Plan", *, use_extra_bufts: bool = True) -> tuple[ModelPar
     whatever it says (the engine's batch-invariant mode)."""
     mp = model_params(plan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
                       use_extra_bufts=use_extra_bufts and repack_of(plan).on)
+    if plan.request.mtp:
+        mp = replace(mp, load_mtp=True)
     return mp, context_params(plan.cfg)
 
 
@@ -237,6 +245,7 @@ def apply_model_params(mp: Any, params: ModelParams) -> list[Any]:
     mp.split_mode = LLAMA_SPLIT_MODE_LAYER
     mp.main_gpu = params.main_gpu
     mp.use_extra_bufts = params.use_extra_bufts
+    mp.load_mtp = params.load_mtp
     if params.tensor_split:
         n = max(len(params.tensor_split), llama_cpp.LLAMA_MAX_DEVICES)
         split = (ctypes.c_float * n)(*params.tensor_split)
@@ -270,6 +279,7 @@ def apply_context_params(cp: Any, params: ContextParams, *, n_threads: int | Non
     cp.swa_full = params.swa_full
     cp.offload_kqv = params.offload_kqv
     cp.embeddings = params.embeddings
+    cp.ctx_type = 1 if params.mtp else 0  # LLAMA_CONTEXT_TYPE_MTP / _DEFAULT
     cores = physical_cores()
     cp.n_threads = n_threads or cores
     cp.n_threads_batch = n_threads_batch or n_threads or cores

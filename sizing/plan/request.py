@@ -64,6 +64,11 @@ class PlanRequest:
     projector: Projector | None = None
     """A vision projector (``mmproj``) loaded beside the model (``sizing.memory.projector``): its weights and compute
     buffer counted on its device, so the largest context is searched with them."""
+    mtp: bool = False
+    """Draft with the file's NextN/MTP block (``service.engine.mtp``): the engine loads its weights and an MTP
+    context beside the main one. The plan does not count them yet (the NextN weights, the head's KV, compute and
+    output buffers, the main context's hidden rows), so the service never sets it; the engine's tests do, on a
+    model of a few MiB."""
     cpu_repack: bool | None = None
     """llama.cpp's extra CPU buffer types (repacked weight layouts: ``use_extra_bufts``). None: this host's safe
     default, decided where llama.cpp is loaded (``service.engine.cpu``: off where its AMX kernel crashes); the

@@ -381,3 +381,35 @@ def finish_sparse(w: gguf.GGUFWriter, tmp: Path, path: Path, data_bytes: int) ->
     os.truncate(tmp, (header_end + align - 1) // align * align + data_bytes)
     os.replace(tmp, path)
     return str(path)
+
+
+def write_mtp_fixture(directory: str | os.PathLike[str]) -> str:
+    """``TINY_GLM4MOE`` with weights that make its NextN head guess exactly what its trunk predicts, for MTP
+    drafting's tests: random token embeddings and output head (scaled so that a guess is sure), unit norms where
+    the signal passes, the head's ``eh_proj`` the identity on the token half, every other weight zero. The trunk's
+    blocks then add nothing, so the model's next token is a function of its last token alone (its embedding,
+    normalised, through the output head), and the head computes the same function of the token it is given:
+    every confident guess is the model's own choice. Meaningless text, a few MiB."""
+    import numpy as np
+
+    path = write_fixture("tiny-glm4moe-mtp", directory, "bf16", shape=TINY_GLM4MOE)
+    reader = gguf.GGUFReader(path, "r+")
+    tensors = {t.name: t for t in reader.tensors}
+    if not np.any(tensors["blk.2.nextn.eh_proj.weight"].data):  # a file written before: already set
+        n_embd, n_vocab = TINY_GLM4MOE.n_embd, TINY_GLM4MOE.n_vocab
+        rng = np.random.default_rng(0)
+        nextn = f"blk.{TINY_GLM4MOE.n_layer - 1}.nextn"
+        eh = np.zeros((n_embd, 2 * n_embd))
+        eh[np.arange(n_embd), np.arange(n_embd)] = 1.0
+        for name, value in (("token_embd.weight", rng.standard_normal((n_vocab, n_embd))),
+                            ("output.weight", 3.0 * rng.standard_normal((n_vocab, n_embd))),
+                            ("output_norm.weight", np.ones(n_embd)), (f"{nextn}.enorm.weight", np.ones(n_embd)),
+                            (f"{nextn}.shared_head_norm.weight", np.ones(n_embd)), (f"{nextn}.eh_proj.weight", eh)):
+            t = tensors[name]
+            if t.tensor_type == _T.BF16:  # the upper half of each F32
+                bits = (value.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+                t.data[...] = bits.view(np.uint8).reshape(t.data.shape)
+            else:
+                t.data[...] = value.astype(np.float32).reshape(t.data.shape)
+        reader.data.flush()
+    return path
