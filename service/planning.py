@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence
 
 from sizing.errors import ConfigError, DeviceError, SizingError
+from sizing.memory.mtp import mtp_config, mtp_supported
 from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, DraftModel, draft_config,
                            draft_placement, kv_cells, MemoryEstimate,
                            placement_key, resolve_flash_attn)
@@ -293,6 +294,8 @@ class Planner:
         if spec is None:
             return req
         o = merged(self.settings, None, opts)
+        if (self.settings.mtp != "off" and req.draft is None and req.draft_rows > 0 and mtp_supported(spec)):
+            req = replace(req, mtp=True)  # the head's context is then calibrated beside the model's (``_todo``)
         offload = o.mmproj_offload if o.mmproj_offload is not None else self.settings.mmproj_offload
         projector = self.projectors.projector(o.mmproj, path, spec, offload=offload)
         return replace(req, projector=projector) if projector is not None else req
@@ -426,7 +429,7 @@ class Planner:
             log.warning("calibration of %s could not start: %s", spec.name, exc)
             plan = make_plan(spec, gpus, host, req)
             return replace(plan, warnings=(*plan.warnings, f"calibration could not run: {exc}"))
-        if not needs_calibration(spec, backend):
+        if not needs_calibration(spec, backend) and not req.mtp:  # an MTP head's compute buffer is not mirrored
             return make_plan(spec, gpus, host, req)
         return self._calibrated(spec, path, ident, backend, gpus, host, req)
 
@@ -503,19 +506,25 @@ class Planner:
             else:
                 pkey = placement_key(pl.n_gpu_layers, pl.tensor_split, pl.n_cpu_moe)
                 mp = model_params(pl, [g.index for g in gpus], n_devices=len(gpus))
-            items = todo.setdefault(mp, [])
             chosen = context_config(req, opt.cache_type, opt.n_ctx or floor)
-            wanted = [] if cal.get(ConfigKey.of(chosen, flash), pkey) is not None else points(spec, base, floor, cap)
-            for c in [*wanted, chosen]:
-                key = ConfigKey.of(c, flash)
-                if cal.refusal(key, pkey) is not None:
-                    continue
-                cells = kv_cells(spec, c)
-                got = cal.get(key, pkey)
-                if got is not None and got.sampled_at(cells.full, cells.swa) is not None:
-                    continue
-                if not any(k == key and p == pkey and kv_cells(spec, x) == cells for k, p, x in items):
-                    items.append((key, pkey, c))
+            sets = [(mp, base, chosen, lambda c: c)]
+            if req.mtp:  # the MTP head's context, on the model loaded with its NextN block (``sizing.memory.mtp``)
+                sets.append((replace(mp, load_mtp=True), base, chosen, mtp_config))
+            for m, b, ch, as_cfg in sets:
+                items = todo.setdefault(m, [])
+                first = as_cfg(ch)
+                wanted = ([] if cal.get(ConfigKey.of(first, flash), pkey) is not None
+                          else [as_cfg(c) for c in points(spec, b, floor, cap)])
+                for c in [*wanted, first]:
+                    key = ConfigKey.of(c, flash)
+                    if cal.refusal(key, pkey) is not None:
+                        continue
+                    cells = kv_cells(spec, c)
+                    got = cal.get(key, pkey)
+                    if got is not None and got.sampled_at(cells.full, cells.swa) is not None:
+                        continue
+                    if not any(k == key and p == pkey and kv_cells(spec, x) == cells for k, p, x in items):
+                        items.append((key, pkey, c))
         return {mp: items for mp, items in todo.items() if items}
 
     def _absorb(self, spec: ModelSpec, cal: Calibration, items: Sequence[tuple[ConfigKey, str | None, ContextConfig]],

@@ -157,6 +157,14 @@ class Settings(BaseSettings):
         "out (DRAFT_DOES_NOT_FIT, with the figures) where it would cost the model context; set per model in the models "
         "file, or per load.",
     )
+    mtp: Literal["auto", "off"] = Field(
+        "auto", description="Draft with the model's own MTP head where the GGUF carries one (the NextN block of "
+        "GLM-4.5/4.6, DeepSeek-V3, MiMo...: one head of glm4moe, deepseek2, mimo2, hy_v3, bailingmoe3 or cohere2moe): "
+        "its guesses replace the n-gram drafts, verified the same way. The plan counts its weights, its context and "
+        "the hidden rows it reads, measured by llama.cpp's dry run, and leaves it out (MTP_NOT_LOADED, with the "
+        "figures) where it would cost the model context; needs speculative on and no draft model. off: the NextN "
+        "block stays unloaded, as llama.cpp leaves it by default.",
+    )
     draft_squeeze: bool = Field(
         False, description="Keep the draft model even where it leaves the model a smaller context, a less precise "
         "cache or another placement than without it.",

@@ -82,9 +82,10 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from sizing.memory.mtp import MTP_ARCHITECTURES, mtp_config
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
@@ -95,14 +96,14 @@ from ..chat.template import ChatTemplate
 from .templates import BuiltinChatTemplate, template_for
 from ..chat.grammar import compile_grammar
 from .loglines import LogTap, parse_allocations, projector_allocations
-from .params import (ContextParams, apply_context_params, apply_model_params, draft_params, embedding_context_params, plan_params,
-                     repack_of)
+from .params import (apply_context_params, apply_model_params, context_params, draft_params, embedding_context_params,
+                     plan_params, repack_of)
 from .prompting import Prompting
 from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
 from .sampling import SavedLogits, logprob_of, sampler_chain
 from .draft import DraftJob, DraftModelRunner, VocabularyMismatch, vocabulary_mismatch
-from .mtp import MTP_ARCHITECTURES, MtpRunner
+from .mtp import MtpRunner
 from .speculation import DRAFT_MAX, DRAFT_MIN, DraftPolicy, NgramDrafter
 from .vision import ImageChunk, Images
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
@@ -449,8 +450,8 @@ class LlamaEngine(Prompting, TaskPrompts):
             if plan.draft is not None and self._speculative:
                 runner = self._load_draft(plan, mparams.use_extra_bufts, model)
             n_draft = len(lines)
-            if runner is None and plan.request.mtp and self._speculative:
-                runner = self._load_mtp(ctx, cparams, model, os.path.basename(path))
+            if runner is None and plan.cfg.mtp and self._speculative:
+                runner = self._load_mtp(ctx, plan, model, os.path.basename(path))
             n_mtp = len(lines)
             pm = plan.estimate.projector if plan.estimate is not None else None
             if pm is not None:
@@ -562,9 +563,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         mtp = isinstance(runner, MtpRunner)
         if n_nextn:
             log.info("llama engine: the file's %d NextN/MTP block(s) %s", n_nextn,
-                     "draft (MTP; the plan does not count the head: PlanRequest.mtp)" if mtp else
-                     "are not loaded (the plan does not size an MTP head yet; drafts come from n-grams or a draft "
-                     "model) and not planned")
+                     "draft (MTP), planned beside the model" if mtp else
+                     f"are not loaded ({plan.mtp_refusal or 'no MTP head asked for'}) and not planned")
         return LoadReport(n_ctx=self._n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]), embedding_allocations=emb_allocs,
                           draft_output_bytes=self._draft_rows * self._n_vocab * 4,
@@ -572,10 +572,10 @@ class LlamaEngine(Prompting, TaskPrompts):
                           mtp_allocations=mtp_allocs,
                           mtp_rows_bytes=self._n_embd * self._n_batch * 4 if mtp else 0)
 
-    def _load_mtp(self, main: Any, cparams: ContextParams, model: Any, name: str) -> MtpRunner:
-        """The MTP context of a model loaded with its NextN block (``service.engine.mtp``): the main context's
-        size, sequences, batch and cache type; a KV cache of the NextN layer alone. Raises ``ValueError`` where
-        llama.cpp cannot create it."""
+    def _load_mtp(self, main: Any, plan: Plan, model: Any, name: str) -> MtpRunner:
+        """The MTP context of a model loaded with its NextN block (``service.engine.mtp``; the plan's
+        ``sizing.memory.mtp``): the main context's size, sequences, batch and cache type, a KV cache of the NextN
+        layer alone. Raises ``ValueError`` where llama.cpp cannot create it."""
         import llama_cpp
         from llama_cpp import _internals
 
@@ -584,7 +584,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         if arch not in MTP_ARCHITECTURES or n_nextn != 1:
             raise ValueError(f"no MTP drafting for {arch or 'this architecture'} with {n_nextn} NextN block(s)")
         cp = llama_cpp.llama_context_default_params()
-        apply_context_params(cp, replace(cparams, mtp=True, embeddings=False), n_threads=self._n_threads)
+        apply_context_params(cp, context_params(mtp_config(plan.cfg)), n_threads=self._n_threads)
         cp.ctx_other = main.ctx
         ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
         try:

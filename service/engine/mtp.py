@@ -8,7 +8,7 @@ there and the main model's hidden row of position p - 1 (``llama_get_embeddings_
 row for every token of a batch); its output at p is a guess of the token at p + 1 and a hidden row of its own,
 which is the next guess's input. That is the pairing of the vendored llama.cpp's ``common_speculative_impl_draft_mtp``
 (common/speculative.cpp: ``process`` after every main batch, ``draft``, ``accept``), for a single head whose KV is
-its own (``n_layer_nextn`` 1, not a shared cache).
+its own (``n_layer_nextn`` 1, not a shared cache: ``sizing.memory.mtp.MTP_ARCHITECTURES``; the plan sizes it there).
 
 ``MtpRunner.observe`` runs after each main decode: every token the batch held enters the head's sequence with the
 hidden row before it (the first with the row kept from the last batch), so the head's cache follows the slot's,
@@ -33,14 +33,6 @@ from typing import Any, Sequence
 from .draft import P_MIN, DraftJob, confident_guess
 
 log = logging.getLogger(__name__)
-
-MTP_ARCHITECTURES = frozenset({"glm4moe", "deepseek2", "mimo2", "hy_v3", "bailingmoe3", "cohere2moe"})
-"""Architectures whose NextN block the vendored llama.cpp builds as an MTP graph (``LLM_GRAPH_TYPE_DECODER_MTP``
-in src/models/) with a KV cache of its own, one head, no recurrent state: what this runner drives. Left out: the
-hybrid ones (qwen3next, qwen35, nemotron-h-moe: the engine drafts nothing where a recurrent state cannot take back
-a rejected token), step35's chained heads, gemma-4's assistant (it shares the target's cache) and the sparse-
-attention caches (deepseek32, deepseek4, glm-dsa, glm5-next), none of which run here to be tested."""
-
 
 @dataclass
 class _Seq:
@@ -217,4 +209,4 @@ class MtpRunner:
         return True
 
 
-__all__ = ["MTP_ARCHITECTURES", "MtpRunner"]
+__all__ = ["MtpRunner"]

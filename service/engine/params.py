@@ -143,7 +143,7 @@ def context_params(cfg: ContextConfig) -> ContextParams:
         n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(cfg.n_ubatch, n_batch), n_seq_max=slots,
         kv_unified=cfg.kv_unified, type_k=GGML_TYPE_IDS[cfg.type_k], type_v=GGML_TYPE_IDS[cfg.type_v],
         flash_attn_type=_FLASH_ATTN[cfg.flash_attn], swa_full=cfg.swa_full, offload_kqv=cfg.offload_kqv,
-        embeddings=cfg.embeddings,
+        embeddings=cfg.embeddings, mtp=cfg.mtp_context,
     )
 
 
@@ -159,7 +159,7 @@ def plan_params(plan: "Plan", *, use_extra_bufts: bool = True) -> tuple[ModelPar
     whatever it says (the engine's batch-invariant mode)."""
     mp = model_params(plan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
                       use_extra_bufts=use_extra_bufts and repack_of(plan).on)
-    if plan.request.mtp:
+    if plan.cfg.mtp:
         mp = replace(mp, load_mtp=True)
     return mp, context_params(plan.cfg)
 

@@ -83,6 +83,17 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
                             "predicted_mib": mib(drows[a.device]) if a.device in drows else None}
                            for a in state.report.draft_allocations],
             }
+        mm = est.mtp if est is not None else None
+        if mm is not None:
+            rows = state.report.mtp_rows_bytes
+            out["mtp"] = {
+                **mm.to_json(),
+                # The NextN weights are in the model's rows above; these are the MTP context's and the hidden rows.
+                "memory": [{"device": a.device,
+                            "allocated_mib": mib(a.total_bytes + (rows if a.device == "CPU" else 0)),
+                            "predicted_mib": mib(mm.logged_on(a.device) + (rows if a.device == "CPU" else 0))}
+                           for a in state.report.mtp_allocations],
+            }
         pm = est.projector if est is not None else None
         if pm is not None:
             out["projector"] = {
@@ -136,7 +147,7 @@ def allocation_rows(est: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     for d in est.devices:
         out[d.device] = (d.total_bytes - d.allowance_bytes - d.pool_bytes - d.embedding_bytes
-                         - d.extra_weights_bytes - d.draft_model_bytes - d.projector_bytes)
+                         - d.extra_weights_bytes - d.draft_model_bytes - d.projector_bytes - d.mtp_bytes)
         for buffer, n in d.extra_weights:
             out[buffer] = out.get(buffer, 0) + n
     return out

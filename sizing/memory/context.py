@@ -45,6 +45,11 @@ class ContextConfig:
     """Logits rows beyond one per sequence, for the tokens self-speculation drafts into a step
     (``service.engine.speculation``): llama.cpp's output buffer grows to ``n_seq_max + draft_rows`` rows with the
     first batch that asks for them, which the engine sends at load (``output_buffer_bytes``)."""
+    mtp: bool = False
+    """The model's MTP head is loaded beside this context (``sizing.memory.mtp``): the NextN block's weights, an
+    MTP context, the hidden rows it reads."""
+    mtp_context: bool = False
+    """This is an MTP context (``mtp_config``: llama.cpp's ``LLAMA_CONTEXT_TYPE_MTP``)."""
 
     def applies_embedding(self, cpu_only: bool) -> bool:
         """Whether a placement (CPU-only or not) gets the embedding context."""

@@ -14,6 +14,7 @@ from . import gpu
 from .compute import compute_bytes, host_compute_bytes
 from .context import ContextConfig
 from .draft import DraftMemory, DraftModel, draft_config, draft_placement
+from .mtp import MtpMemory, hidden_rows_bytes, mtp_config
 from .projector import Projector, ProjectorMemory, projector_memory
 from ..units import MIB, gpu_label, mib
 from ..errors import FlashAttentionRequiredError
@@ -97,6 +98,9 @@ class DeviceMemory:
     compute and output buffers as its own estimate puts them here)."""
     projector_bytes: int = 0
     """The vision projector's weights and compute buffer, where it is on this device (``MemoryEstimate.projector``)."""
+    mtp_bytes: int = 0
+    """The MTP context's buffers on this device and, on the host, the hidden rows it reads (``MemoryEstimate.mtp``;
+    the NextN block's weights are in ``weights_bytes`` and ``extra_weights``, as the model's buffers hold them)."""
     extra_weights: tuple[tuple[str, int], ...] = ()
     """Host only: weights copied into llama.cpp's extra CPU buffer types (``AMX``, ``CPU_REPACK``: buffer, bytes),
     beside ``weights_bytes`` (the mapped file); ``sizing.memory.repack``."""
@@ -109,7 +113,7 @@ class DeviceMemory:
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes + self.output_bytes
                 + self.draft_bytes + self.allowance_bytes + self.pool_bytes + self.embedding_bytes
-                + self.extra_weights_bytes + self.draft_model_bytes + self.projector_bytes)
+                + self.extra_weights_bytes + self.draft_model_bytes + self.projector_bytes + self.mtp_bytes)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -127,6 +131,7 @@ class DeviceMemory:
             **({"extra_weights_mib": {b: mib(n) for b, n in self.extra_weights}} if self.extra_weights else {}),
             **({"draft_model_mib": mib(self.draft_model_bytes)} if self.draft_model_bytes else {}),
             **({"projector_mib": mib(self.projector_bytes)} if self.projector_bytes else {}),
+            **({"mtp_mib": mib(self.mtp_bytes)} if self.mtp_bytes else {}),
             "total_mib": mib(self.total_bytes),
         }
 
@@ -169,6 +174,8 @@ class MemoryEstimate:
     ``draft_model_bytes``."""
     projector: ProjectorMemory | None = None
     """The vision projector beside this model (None: none); its bytes are in its device's ``projector_bytes``."""
+    mtp: MtpMemory | None = None
+    """The MTP head beside this model (None: not loaded); its context's bytes are in the devices' ``mtp_bytes``."""
 
     @property
     def total_bytes(self) -> int:
@@ -251,6 +258,7 @@ def estimate(
     draft: DraftModel | None = None,
     draft_figures: Figures | None = None,
     projector: Projector | None = None,
+    mtp_figures: Figures | None = None,
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context.
 
@@ -267,9 +275,15 @@ def estimate(
 
     ``projector``: a vision projector loaded beside this model (``sizing.memory.projector``): its weights and
     compute buffer on the card of the output layer (or the host), with the main context's flash attention.
+
+    ``cfg.mtp``: the MTP head is loaded too (``sizing.memory.mtp``): the NextN block's weights where its slot is,
+    and its context's buffers from ``mtp_figures`` (llama.cpp's dry run of ``mtp_config(cfg)``; without them the
+    context cannot be sized and no device holds it).
     """
     main = _estimate(spec, cfg, placement, gpu_labels=gpu_labels, allowance_bytes=allowance_bytes, figures=figures,
                      measured_on=measured_on, cpu_extra=cpu_extra)
+    if cfg.mtp:
+        main = _with_mtp(main, spec, cfg, placement, gpu_labels, mtp_figures, cpu_extra, measured_on)
     if projector is not None:
         main = _with_projector(main, spec, placement, gpu_labels, projector)
     if draft is None:
@@ -283,6 +297,61 @@ def estimate(
         gpus[pos] = replace(gpus[pos], draft_model_bytes=dest.gpus[0].total_bytes)
     return replace(main, host=replace(main.host, draft_model_bytes=dest.host.total_bytes), gpus=tuple(gpus),
                    draft=DraftMemory(draft.label, draft.path, dest))
+
+
+_NEVER = 1 << 60
+"""Bytes no device has: a head whose context llama.cpp did not measure."""
+
+
+def _with_mtp(main: MemoryEstimate, spec: ModelSpec, cfg: ContextConfig, placement: Placement,
+              gpu_labels: Sequence[str], figures: Figures | None, cpu_extra: frozenset[str] | None,
+              measured_on: str) -> MemoryEstimate:
+    """``main`` (whose weights already hold the NextN block: ``_estimate``) with the MTP context's buffers: its KV
+    with the NextN layer (``offload_kqv``), its compute buffers where llama.cpp measured them (a CPU build's
+    figure on the NextN layer's device: the whole graph runs there), its output buffer and the hidden rows on the
+    host, and on a card the bound on its own backend's CUDA pool."""
+    n_all = spec.n_layer_all
+    slots = placement.slots(n_all)
+    labels = list(gpu_labels) or [gpu_label(g) for g in placement.gpus]
+
+    def label(pos: int | None) -> str:
+        return "CPU" if pos is None else labels[pos]
+
+    nextn = range(spec.n_layer, n_all)
+    weights: dict[str, int] = {}
+    for il in nextn:
+        dev = label(slots[il])
+        weights[dev] = weights.get(dev, 0) + spec.layers[il].weights_bytes
+    if cpu_extra is not None and placement.cpu_only:
+        with_head = extra_buffer_bytes(spec, cpu_extra, nextn=True)
+        without = extra_buffer_bytes(spec, cpu_extra)
+        for b in EXTRA_BUFFERS:
+            if with_head.get(b, 0) > without.get(b, 0):
+                weights[b] = with_head[b] - without.get(b, 0)
+    context: dict[str, int] = {}
+    if figures is None:
+        kv = compute = output = _NEVER
+        context["CPU"] = _NEVER
+    else:
+        kv = figures.kv_bytes or 0
+        head_dev = label(slots[spec.n_layer])
+        context[head_dev if cfg.offload_kqv else "CPU"] = kv
+        compute = 0
+        for dev, n in figures.compute_bytes.items():
+            if measured_on == "CPU":
+                row = head_dev
+            else:
+                row = "CPU" if dev == "CPU" or dev.endswith("_Host") or dev not in labels else dev
+            context[row] = context.get(row, 0) + n
+            compute += n
+        output = figures.output_bytes or 0
+        context["CPU"] = context.get("CPU", 0) + output
+    cards = sorted({d for d in context if d in labels})
+    pool = tuple((d, gpu.cuda_pool_bound_bytes(spec, mtp_config(cfg), main.flash_attn)) for d in cards)
+    mm = MtpMemory(weights=tuple(weights.items()), context=tuple(context.items()), kv_bytes=kv,
+                   compute_bytes=compute, output_bytes=output, rows_bytes=hidden_rows_bytes(spec, cfg), pool=pool)
+    return replace(main, host=replace(main.host, mtp_bytes=mm.context_on("CPU")),
+                   gpus=tuple(replace(g, mtp_bytes=mm.context_on(g.device)) for g in main.gpus), mtp=mm)
 
 
 def _with_projector(main: MemoryEstimate, spec: ModelSpec, placement: Placement, gpu_labels: Sequence[str],
@@ -320,9 +389,12 @@ def _estimate(
         (host_layers if d is None else per_gpu_layers[d]).append(il)
     out_dev = slots[n_all]
 
+    loaded = n_all if cfg.mtp else spec.n_layer
+
     def layer_weights(layers: Sequence[int]) -> int:
-        # a NextN/MTP block (il >= n_layer) keeps its slot in the placement but is not loaded (nextn_weights_bytes)
-        return sum(spec.layers[il].weights_bytes for il in layers if il < spec.n_layer)
+        # a NextN/MTP block (il >= n_layer) keeps its slot in the placement but is loaded only with its MTP head
+        # (nextn_weights_bytes, sizing.memory.mtp)
+        return sum(spec.layers[il].weights_bytes for il in layers if il < loaded)
 
     # KV and state per device (host first): each layer's cache lives with its layer (offload_kqv), else on the host.
     groups = [host_layers, *per_gpu_layers] if cfg.offload_kqv else [list(range(n_all)), *([] for _ in per_gpu_layers)]
@@ -367,13 +439,14 @@ def _estimate(
 
     # Host: token embedding always, host layers, the output layer when not offloaded.
     host_w = spec.token_embd_bytes + layer_weights(host_layers)
-    other = spec.loaded_weights_bytes - spec.token_embd_bytes - spec.output_bytes - layer_weights(range(n_all))
+    other = ((spec.weights_bytes if cfg.mtp else spec.loaded_weights_bytes) - spec.token_embd_bytes
+             - spec.output_bytes - layer_weights(range(n_all)))
     if out_dev is None:
         host_w += spec.output_bytes + max(other, 0)
     cells = kv_cells(spec, cfg)
     # MoE experts of blocks below n_cpu_moe stay in host memory (tensor_buft_overrides), wherever their block runs;
-    # a NextN block's are nowhere (not loaded), however far n_cpu_moe reaches.
-    n_moe_host = min(placement.n_cpu_moe, spec.n_layer)
+    # a NextN block's are nowhere unless its MTP head is loaded (not loaded), however far n_cpu_moe reaches.
+    n_moe_host = min(placement.n_cpu_moe, loaded)
     pinned = [il for il in range(n_moe_host) if slots[il] is not None]
     host_w += sum(spec.layers[il].expert_bytes for il in pinned)
     gpus: list[DeviceMemory] = []
@@ -398,7 +471,8 @@ def _estimate(
                 layers=tuple(layers),
             )
         )
-    repacked = extra_buffer_bytes(spec, cpu_extra) if cpu_extra is not None and placement.cpu_only else {}
+    repacked = (extra_buffer_bytes(spec, cpu_extra, nextn=cfg.mtp) if cpu_extra is not None and placement.cpu_only
+                else {})
     host = DeviceMemory(
         device="CPU",
         extra_weights=tuple((b, repacked[b]) for b in EXTRA_BUFFERS if b in repacked),

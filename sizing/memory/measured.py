@@ -59,11 +59,13 @@ class ConfigKey:
     kv_unified: bool
     swa_full: bool
     offload_kqv: bool = True
+    mtp_context: bool = False
+    """The figures are an MTP context's (``sizing.memory.mtp``), not the model's own context's."""
 
     @classmethod
     def of(cls, cfg: ContextConfig, flash: bool) -> "ConfigKey":
         return cls(cfg.type_k, cfg.type_v, flash, cfg.n_ubatch_effective, max(cfg.n_seq_max, 1), cfg.kv_unified,
-                   cfg.swa_full, cfg.offload_kqv)
+                   cfg.swa_full, cfg.offload_kqv, cfg.mtp_context)
 
 
 @dataclass(frozen=True)

@@ -136,9 +136,12 @@ def buffer_of(t: TensorInfo, features: frozenset[str], op: str | None = None) ->
     return None
 
 
-def _uses(spec: ModelSpec) -> Iterable[tuple[TensorInfo, str]]:
-    """Every (weight, op) a load gives a buffer: each tensor, and a tied head's second use of the embedding."""
+def _uses(spec: ModelSpec, nextn: bool = False) -> Iterable[tuple[TensorInfo, str]]:
+    """Every (weight, op) a load gives a buffer: each tensor but the NextN blocks' (skipped unless the MTP head is
+    loaded: ``nextn``), and a tied head's second use of the embedding."""
     for t in spec.tensors:
+        if not nextn and t.layer is not None and t.layer >= spec.n_layer:
+            continue
         yield t, _op(t)
     if spec.output_tied:
         for t in spec.tensors:
@@ -146,11 +149,11 @@ def _uses(spec: ModelSpec) -> Iterable[tuple[TensorInfo, str]]:
                 yield t, "MUL_MAT"
 
 
-def extra_buffer_bytes(spec: ModelSpec, features: frozenset[str]) -> dict[str, int]:
+def extra_buffer_bytes(spec: ModelSpec, features: frozenset[str], nextn: bool = False) -> dict[str, int]:
     """Bytes llama.cpp puts in each extra buffer type for a CPU-only load with ``use_extra_bufts`` on (buffers
-    it does not use are absent)."""
+    it does not use are absent); ``nextn``: the NextN blocks are loaded too (an MTP head)."""
     out: dict[str, int] = {}
-    for t, op in _uses(spec):
+    for t, op in _uses(spec, nextn):
         got = buffer_of(t, features, op)
         if got is not None:
             out[got[0]] = out.get(got[0], 0) + got[1]

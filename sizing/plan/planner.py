@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 from ..memory.context import ContextConfig, pad
 from ..memory.draft import DraftModel
+from ..memory.mtp import MTP_ARCHITECTURES, mtp_supported
 from .device import Device
 from ..units import MIB
 from ..errors import ConfigError
@@ -47,7 +48,7 @@ from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, pro
 from ..model.spec import ModelSpec
 from .speed import Tiers
 
-__all__ = ["DRAFT_REFUSAL", "AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan",
+__all__ = ["DRAFT_REFUSAL", "MTP_REFUSAL", "AUTO_CACHE_TYPE", "AUTO_CACHE_TYPES", "DEFAULT_CACHE_TYPES", "CacheTypeOption", "Candidate", "Plan",
            "PlanRequest", "RefusalCode", "Sizer", "Verdict", "context_config", "ctx_cap", "ctx_floor", "make_plan"]
 
 
@@ -80,6 +81,9 @@ class Plan:
     draft_refusal: str | None = None
     """Why the draft model asked for is not in this plan (``DRAFT_REFUSAL``), with its figures; None: it is, or
     none was asked for."""
+    mtp_refusal: str | None = None
+    """Why the MTP head asked for (``PlanRequest.mtp``) is not in this plan (``MTP_REFUSAL``); None: it is
+    (``cfg.mtp``), or none was asked for."""
 
     @property
     def draft(self) -> DraftModel | None:
@@ -208,10 +212,52 @@ def _with_speed(sz: Sizer, opt: CacheTypeOption, floor: int, tiers: Tiers) -> Ca
 
 DRAFT_REFUSAL = "DRAFT_DOES_NOT_FIT"
 """The code of a draft model the plan leaves out (``Plan.draft_refusal``)."""
+MTP_REFUSAL = "MTP_NOT_LOADED"
+"""The code of an MTP head the plan leaves out (``Plan.mtp_refusal``)."""
 
 
 def make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest = PlanRequest(),
               calibration: Calibration | None = None) -> Plan:
+    """Plan a load, with the MTP head asked for (``req.mtp``, ``sizing.memory.mtp``) on the terms of a draft model:
+    the plan with it is taken when it fits with the verdict, context and cache type the plan without it has;
+    otherwise the plan without it, saying why (``Plan.mtp_refusal``). A head is sized only with llama.cpp's
+    figures for its context (its compute buffer is not mirrored): without a calibration of it, it is left out."""
+    if not req.mtp:
+        return _draft_plan(spec, gpus, host, req, calibration)
+    without = _draft_plan(spec, gpus, host, replace(req, mtp=False), calibration)
+    why = _mtp_unplannable(spec, req, calibration)
+    if why is None:
+        plan = _draft_plan(spec, gpus, host, req, calibration)
+        if plan.fits and without.fits and (plan.verdict == without.verdict and plan.cfg.n_ctx >= without.cfg.n_ctx
+                                           and plan.cfg.type_k == without.cfg.type_k):
+            return plan
+        cost = plan.estimate.mtp if plan.estimate is not None else None
+        size = (f" ({cost.total_bytes / MIB:.0f} MiB: {cost.weights_bytes / MIB:.0f} MiB of NextN weights)"
+                if cost is not None and cost.total_bytes < 1 << 59 else "")
+        with_it = (f"{plan.cfg.n_ctx} tokens of {plan.cfg.type_k} cache ({plan.verdict})" if plan.fits
+                   else f"refused ({plan.refusal})")
+        why = (f"the MTP head{size} would leave the plan at {with_it}, against {without.cfg.n_ctx} tokens of "
+               f"{without.cfg.type_k} cache ({without.verdict}) without it")
+    why = f"{MTP_REFUSAL}: {spec.architecture}'s MTP head not loaded: {why}"
+    return replace(without, mtp_refusal=why, warnings=(*without.warnings, why))
+
+
+def _mtp_unplannable(spec: ModelSpec, req: PlanRequest, calibration: Calibration | None) -> str | None:
+    """Why no plan can hold the head asked for, whatever the memory; None: it can be sized."""
+    if not mtp_supported(spec):
+        return "the file carries no MTP head this engine drafts with (one NextN block of " + ", ".join(
+            sorted(MTP_ARCHITECTURES)) + ")"
+    if req.draft is not None:
+        return f"the draft model {req.draft.label} drafts instead"
+    if req.draft_rows <= 0:
+        return "speculative decoding is off"
+    if calibration is None or not any(key.mtp_context for key, _ in calibration.configs):
+        return "llama.cpp's dry run of its context has not measured it (its compute buffer is not mirrored)"
+    return None
+
+
+def _draft_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest,
+                calibration: Calibration | None) -> Plan:
     """Plan a load, with the draft model asked for (``req.draft``) where it costs the main model nothing it is
     owed: the plan with the draft is taken when it fits with the verdict, context and cache type the plan without
     it has (so a context at the ceiling stays there), or ``req.draft_squeeze`` asks for it; otherwise the plan without the draft,

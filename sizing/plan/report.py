@@ -47,7 +47,8 @@ def spec_json(spec: ModelSpec) -> dict[str, object]:
         "weights_bytes": spec.weights_bytes,
         "nextn_layers": spec.n_layer_all - spec.n_layer,
         "nextn_weights_bytes": spec.nextn_weights_bytes,
-        "nextn_loaded": False,  # NextN/MTP blocks: not loaded, not counted (sizing.model.spec.nextn_weights_bytes)
+        # NextN/MTP blocks: not loaded, not counted, unless a plan loads the MTP head (its ``mtp`` line)
+        "nextn_loaded": False,
         "n_tensors": len(spec.tensors),
         "gguf_version": spec.version,
         "alignment": spec.alignment,
@@ -170,6 +171,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
         },
         "draft": None if plan.estimate is None or plan.estimate.draft is None else plan.estimate.draft.to_json(),
         "draft_refusal": plan.draft_refusal,
+        "mtp": None if plan.estimate is None or plan.estimate.mtp is None else plan.estimate.mtp.to_json(),
+        "mtp_refusal": plan.mtp_refusal,
         "projector": None if plan.estimate is None or plan.estimate.projector is None
         else plan.estimate.projector.to_json(),
         "candidates": [candidate_json(c, plan) for c in plan.candidates],
@@ -260,6 +263,11 @@ def plan_table(plan: Plan) -> str:
         j = dm.to_json()
         lines.append(f"draft model {dm.name} on {dm.device}: weights {j['weights_mib']}, KV {j['kv_mib']}, compute "
                      f"{j['compute_mib']}, output {j['output_mib']} MiB (n_ctx {j['n_ctx']}), total {j['total_mib']} MiB")
+    if plan.estimate is not None and plan.estimate.mtp is not None:
+        mm = plan.estimate.mtp
+        lines.append(f"MTP head: NextN weights {mib(mm.weights_bytes)}, its context's KV {mib(mm.kv_bytes)}, compute "
+                     f"{mib(mm.compute_bytes)}, output {mib(mm.output_bytes)}, hidden rows {mib(mm.rows_bytes)} MiB "
+                     f"(llama.cpp's dry run of the MTP context), total {mib(mm.total_bytes)} MiB")
     if plan.estimate is not None and plan.estimate.projector is not None:
         pm = plan.estimate.projector
         lines.append(f"vision projector {pm.projector_type} ({pm.path}) on {pm.device}: weights {mib(pm.weights_bytes)}, "

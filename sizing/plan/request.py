@@ -65,10 +65,9 @@ class PlanRequest:
     """A vision projector (``mmproj``) loaded beside the model (``sizing.memory.projector``): its weights and compute
     buffer counted on its device, so the largest context is searched with them."""
     mtp: bool = False
-    """Draft with the file's NextN/MTP block (``service.engine.mtp``): the engine loads its weights and an MTP
-    context beside the main one. The plan does not count them yet (the NextN weights, the head's KV, compute and
-    output buffers, the main context's hidden rows), so the service never sets it; the engine's tests do, on a
-    model of a few MiB."""
+    """Load the file's MTP head to draft with (``sizing.memory.mtp``): its lines are in the plan, which keeps it
+    where it costs the main model nothing it is owed (as a draft model: ``Plan.mtp_refusal``). Its context's
+    compute buffer is llama.cpp's figure: a plan without a calibration of it leaves the head out."""
     cpu_repack: bool | None = None
     """llama.cpp's extra CPU buffer types (repacked weight layouts: ``use_extra_bufts``). None: this host's safe
     default, decided where llama.cpp is loaded (``service.engine.cpu``: off where its AMX kernel crashes); the
@@ -118,6 +117,7 @@ def context_config(req: PlanRequest, cache: str, n_ctx: int) -> ContextConfig:
         embedding_tokens=req.embedding_tokens,
         embedding_gpu=req.embedding_gpu,
         draft_rows=req.draft_rows,
+        mtp=req.mtp,
     )
 
 

@@ -18,6 +18,7 @@ from ..memory.kv import kv_cells
 from ..memory.measured import Calibration, ConfigKey, Figures, placement_key
 from ..memory.estimate import MemoryEstimate, estimate, resolve_flash_attn
 from ..memory.draft import draft_config, draft_placement
+from ..memory.mtp import mtp_config
 from ..memory.placement import Placement, assign_slots
 from .request import PlanRequest, context_config
 from ..model.spec import ModelSpec
@@ -93,6 +94,12 @@ class Sizer:
         dpl, _ = draft_placement(placement, draft.spec.n_layer_all, self.spec.n_layer_all)
         return _figures(draft.spec, draft.calibration, dpl, draft_config(cfg))
 
+    def mtp_figures(self, placement: Placement, cfg: ContextConfig) -> Figures | None:
+        """llama.cpp's measured figures for the MTP head's context beside this one (``sizing.memory.mtp``)."""
+        if not cfg.mtp:
+            return None
+        return _figures(self.spec, self.calibration, placement, mtp_config(cfg))
+
     def estimate(self, placement: Placement, n_ctx: int) -> MemoryEstimate:
         labels = [self.gpus[i].label for i in placement.gpus]
         cfg = context_config(self.req, self.cache, n_ctx)
@@ -103,6 +110,7 @@ class Sizer:
             # Without GPUs the host's buffer types are llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
             cpu_extra=None if self.gpus else self.req.extra_buffers,
             draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg), projector=self.req.projector,
+            mtp_figures=self.mtp_figures(placement, cfg),
         )
 
     def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:

@@ -10,8 +10,13 @@ from typing import Iterator
 import pytest
 
 from service.engine.base import Cancel, GenerationParams, LoadReport
+from service.engine.calibrate import Calibrator
 from service.engine.llama import LlamaEngine
 from service.engine.mtp import MtpRunner
+from service.planning import LoadOptions, Planner
+from service.residency.views import allocation_rows
+from service.settings import Settings
+from sizing.plan.device import MIB, Device
 from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
@@ -23,9 +28,19 @@ PROMPT = "The sea is wide and the"
 
 
 def _plan(path: str, *, mtp: bool) -> Plan:
-    return make_plan(probe_path(path), [], host_memory(),
-                     PlanRequest(n_ctx=512, n_seq_max=2, kv_unified=True, cache_type="f16", min_ctx=256,
-                                 cpu_repack=False, draft_rows=16, mtp=mtp))
+    """The service's plan (its planner, llama.cpp's dry runs of the MTP context), or without the head."""
+    if not mtp:
+        return make_plan(probe_path(path), [], host_memory(),
+                         PlanRequest(n_ctx=512, n_seq_max=2, min_ctx=256, cpu_repack=False, draft_rows=16))
+    cal = Calibrator()
+    try:
+        return Planner(Settings(parallel=2, cpu_repack="off"), lambda: ([], HOST), cal).plan(
+            probe_path(path), LoadOptions(n_ctx=512), path=path)
+    finally:
+        cal.close()
+
+
+HOST = Device(0, "host memory", 8 << 30, 64 << 30, "host")
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +49,15 @@ def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def loaded(mtp_model: str) -> Iterator[tuple[LlamaEngine, LoadReport]]:
+def planned(mtp_model: str) -> Plan:
+    return _plan(mtp_model, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(mtp_model: str, planned: Plan) -> Iterator[tuple[LlamaEngine, LoadReport]]:
+    assert planned.cfg.mtp, planned.mtp_refusal
     eng = LlamaEngine()
-    report = eng.load(mtp_model, _plan(mtp_model, mtp=True))
+    report = eng.load(mtp_model, planned)
     yield eng, report
     eng.unload()
 
@@ -111,3 +132,57 @@ def test_the_nextn_block_and_the_mtp_context_are_allocated(mtp_model: str, loade
     assert kv_mtp > 0 and abs(kv_mtp * n_main - kv_main) <= n_main * 0.01 * 2**20
     assert sum(a.compute_bytes for a in report.mtp_allocations) > 0
     assert report.mtp_rows_bytes == spec.n_embd * 512 * 4
+
+
+def test_the_plan_sizes_the_head_and_the_load_allocates_what_it_predicted(
+        mtp_model: str, planned: Plan, loaded: tuple[LlamaEngine, LoadReport]) -> None:
+    """The service's planner, with llama.cpp's dry runs of the MTP context: the head is in the plan (its NextN
+    weights in the model's rows, its context's KV, compute and output, the hidden rows), and the real load
+    allocates what each row predicted."""
+    spec = probe_path(mtp_model)
+    est, report = planned.estimate, loaded[1]
+    assert planned.mtp_refusal is None and est is not None and est.mtp is not None
+    mm = est.mtp
+    assert dict(mm.weights) == {"CPU": spec.nextn_weights_bytes}
+    assert mm.rows_bytes == spec.n_embd * min(planned.cfg.n_batch, planned.cfg.n_ctx) * 4
+    assert est.host.weights_bytes == spec.weights_bytes  # the NextN block's bytes counted in the model's
+    rows = allocation_rows(est)
+    main = {a.device: a.total_bytes for a in report.allocations}
+    assert main and set(main) == {d for d, n in rows.items() if n}
+    for device, n in main.items():
+        want = rows[device] - (est.host.draft_bytes if device == "CPU" else 0)
+        assert abs(n - want) <= 0.02 * MIB, (device, n / MIB, want / MIB)
+    head = {a.device: a.total_bytes for a in report.mtp_allocations}
+    assert head and report.mtp_rows_bytes == mm.rows_bytes
+    for device, n in head.items():
+        want = mm.logged_on(device)
+        assert abs(n - want) <= 0.02 * MIB, (device, n / MIB, want / MIB)
+    assert mm.kv_bytes > 0 and mm.compute_bytes > 0
+
+
+def test_without_llama_cpps_figures_for_its_context_the_head_is_left_out(mtp_model: str) -> None:
+    plan = make_plan(probe_path(mtp_model), [], host_memory(),
+                     PlanRequest(n_ctx=512, n_seq_max=2, min_ctx=256, cpu_repack=False, draft_rows=16, mtp=True))
+    assert plan.fits and not plan.cfg.mtp and plan.estimate is not None and plan.estimate.mtp is None
+    assert plan.mtp_refusal is not None and "MTP_NOT_LOADED" in plan.mtp_refusal and "dry run" in plan.mtp_refusal
+
+
+def test_on_a_card_the_head_is_planned_with_its_layer(mtp_model: str) -> None:
+    """A declared card that holds the whole model: the NextN weights, the MTP context's KV and (a CPU build's
+    figure: the whole graph runs there) its compute buffer on the card, with the bound on its own backend's CUDA
+    pool; its output buffer and the hidden rows in host memory."""
+    cal = Calibrator()
+    try:
+        plan = Planner(Settings(parallel=2), lambda: ([], HOST), cal).plan(
+            probe_path(mtp_model), LoadOptions(n_ctx=512, gpus=({"name": "card", "free_mib": 4096},)),
+            path=mtp_model)
+    finally:
+        cal.close()
+    est = plan.estimate
+    assert plan.cfg.mtp and est is not None and est.mtp is not None and len(est.gpus) == 1, plan.mtp_refusal
+    mm, card = est.mtp, est.gpus[0]
+    spec = probe_path(mtp_model)
+    assert dict(mm.weights) == {card.device: spec.nextn_weights_bytes}
+    assert dict(mm.pool)[card.device] > 0 and mm.logged_on(card.device) == mm.kv_bytes + mm.compute_bytes
+    assert card.mtp_bytes == mm.context_on(card.device) and est.host.mtp_bytes == mm.output_bytes + mm.rows_bytes
+    assert card.weights_bytes >= spec.weights_bytes - spec.token_embd_bytes  # the NextN block on the card
