@@ -40,9 +40,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Sequence
 
 from sizing.errors import ConfigError, DeviceError, SizingError
-from sizing.memory.mtp import mtp_config, mtp_supported
 from sizing.memory import (Calibration, compute_mirrored, ConfigKey, ContextConfig, DraftModel, draft_config,
-                           draft_placement, kv_cells, MemoryEstimate,
+                           draft_placement, kv_cells, MemoryEstimate, mtp_config, mtp_supported,
                            placement_key, resolve_flash_attn)
 from sizing.model import arch as archs, ModelSpec
 from sizing.plan import (available, context_config, ctx_cap, ctx_floor, decide_placement, Decision,

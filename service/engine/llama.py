@@ -85,7 +85,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from sizing.memory.mtp import MTP_ARCHITECTURES, mtp_config
+from sizing.memory import MTP_ARCHITECTURES, mtp_config
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
