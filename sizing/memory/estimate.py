@@ -445,7 +445,7 @@ def _estimate(
         host_w += spec.output_bytes + max(other, 0)
     cells = kv_cells(spec, cfg)
     # MoE experts of blocks below n_cpu_moe stay in host memory (tensor_buft_overrides), wherever their block runs;
-    # a NextN block's are nowhere unless its MTP head is loaded (not loaded), however far n_cpu_moe reaches.
+    # a NextN block's are nowhere when its MTP head is not loaded, however far n_cpu_moe reaches.
     n_moe_host = min(placement.n_cpu_moe, loaded)
     pinned = [il for il in range(n_moe_host) if slots[il] is not None]
     host_w += sum(spec.layers[il].expert_bytes for il in pinned)
