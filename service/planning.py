@@ -506,14 +506,14 @@ class Planner:
                 pkey = placement_key(pl.n_gpu_layers, pl.tensor_split, pl.n_cpu_moe)
                 mp = model_params(pl, [g.index for g in gpus], n_devices=len(gpus))
             chosen = context_config(req, opt.cache_type, opt.n_ctx or floor)
-            sets = [(mp, base, chosen, lambda c: c)]
+            sets: list[tuple[ModelParams, Callable[[ContextConfig], ContextConfig]]] = [(mp, lambda c: c)]
             if req.mtp:  # the MTP head's context, on the model loaded with its NextN block (``sizing.memory.mtp``)
-                sets.append((replace(mp, load_mtp=True), base, chosen, mtp_config))
-            for m, b, ch, as_cfg in sets:
+                sets.append((replace(mp, load_mtp=True), mtp_config))
+            for m, as_cfg in sets:
                 items = todo.setdefault(m, [])
-                first = as_cfg(ch)
+                first = as_cfg(chosen)
                 wanted = ([] if cal.get(ConfigKey.of(first, flash), pkey) is not None
-                          else [as_cfg(c) for c in points(spec, b, floor, cap)])
+                          else [as_cfg(c) for c in points(spec, base, floor, cap)])
                 for c in [*wanted, first]:
                     key = ConfigKey.of(c, flash)
                     if cal.refusal(key, pkey) is not None:

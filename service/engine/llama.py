@@ -85,7 +85,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from sizing.memory import MTP_ARCHITECTURES, mtp_config
+from sizing.memory import mtp_config, mtp_supported
 from sizing.plan import Plan
 from sizing.units import MIB, gpu_label
 
@@ -579,10 +579,9 @@ class LlamaEngine(Prompting, TaskPrompts):
         import llama_cpp
         from llama_cpp import _internals
 
-        arch = model.metadata().get("general.architecture", "") if hasattr(model, "metadata") else ""
-        n_nextn = int(llama_cpp.llama_model_n_layer_nextn(model.model))
-        if arch not in MTP_ARCHITECTURES or n_nextn != 1:
-            raise ValueError(f"no MTP drafting for {arch or 'this architecture'} with {n_nextn} NextN block(s)")
+        if not mtp_supported(plan.model):
+            raise ValueError(f"no MTP drafting for {plan.model.architecture} with "
+                             f"{plan.model.n_layer_all - plan.model.n_layer} NextN block(s)")
         cp = llama_cpp.llama_context_default_params()
         apply_context_params(cp, context_params(mtp_config(plan.cfg)), n_threads=self._n_threads)
         cp.ctx_other = main.ctx

@@ -34,6 +34,7 @@ from .draft import P_MIN, DraftJob, confident_guess
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class _Seq:
     """What the head's cache holds for one slot, and the main model's hidden rows of the slot's last batch."""
@@ -204,7 +205,7 @@ class MtpRunner:
 
         ret = int(llama_cpp.llama_process(self.ctx.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._batch))
         if ret != 0:
-            log.warning("MTP head of %s: llama_process returned %d; its sequences restart", self.name, ret)
+            log.warning("MTP head of %s: llama_process returned %d", self.name, ret)
             return False
         return True
 
