@@ -12,12 +12,26 @@ each round's own ratio (its two sides ran the same prompts moments apart: on a n
   after the first token, and the time to first token. Targets: >= 0.97x in-process, TTFT at most +3 ms;
 - four concurrent streaming clients: aggregate tokens/s (all tokens / wall time). Target: >= 1.0x in-process.
 
+Beside each paired figure, a 95% interval (bootstrap of the rounds' own ratios): what this many rounds resolve.
+``--control`` runs the in-process service against another of itself: the same figures for two sides that differ
+in nothing, the bench's own resolution on this machine (an interval that holds 1.0 by construction, and as wide
+as the machine's noise).
+
+And where the rounds' CPU went (Linux: ``/proc``), per token of the four-client rounds: llama.cpp's compute threads
+(each thread that used at least a quarter of the round's wall time: ``llama_decode``'s team, the scheduler thread
+with it) and everything else of the service's processes (the event loop, the HTTP workers; with a runner, its
+socket threads and the API process's reader). That second figure is the boundary's cost in CPU, which the
+wall-time ratios cannot resolve below their noise.
+
 Run it alone: both cores are the benchmark's.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -31,10 +45,63 @@ from serving_bench import clients, one_client, service, tag  # noqa: E402
 
 from service.models import embedded_model_path  # noqa: E402
 
+COMPUTE_SHARE = 0.25
+"""A thread that used at least this share of a round's wall time in CPU is counted as llama.cpp's compute."""
+
 
 def four(url: str, tokens: int, words: list[str] | None = None) -> float:
     wall, runs = clients(url, 4, tokens, words)
     return sum(r.tokens for r in runs) / wall
+
+
+def service_pids(url: str) -> list[int]:
+    """The processes of the service at ``url`` (the API process and its runners): those whose environment holds its
+    port setting, which ``serving_bench.service`` gives it and its runners inherit."""
+    marker = f"GGUF_PORT={url.rsplit(':', 1)[1]}\0".encode()
+    pids = []
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(path, "rb") as f:
+                if marker in f.read():
+                    pids.append(int(path.split("/")[2]))
+        except OSError:  # gone, or not ours
+            pass
+    return pids
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[int, str], float]:
+    """CPU seconds (user + system) of every thread of ``pids``, by (pid, tid)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = {}
+    for pid in pids:
+        for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(path) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            cpu[(pid, path.split("/")[4])] = (int(fields[11]) + int(fields[12])) / tick
+    return cpu
+
+
+def cpu_split(before: dict[tuple[int, str], float], after: dict[tuple[int, str], float],
+              wall: float) -> tuple[float, float]:
+    """(compute, other) CPU seconds between two ``thread_cpu`` readings ``wall`` seconds apart."""
+    compute = other = 0.0
+    for key, t in after.items():
+        used = t - before.get(key, 0.0)
+        if used >= COMPUTE_SHARE * wall:
+            compute += used
+        else:
+            other += used
+    return compute, other
+
+
+def interval(values: list[float], seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values``."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
+    return meds[49], meds[1950]
 
 
 def main() -> None:
@@ -43,14 +110,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--speculative", choices=("ngram", "off"), default="ngram",
                     help="GGUF_SPECULATIVE on both sides (default the service's: ngram)")
+    ap.add_argument("--control", action="store_true",
+                    help="both sides in process: what the bench resolves on this machine (see above)")
     args = ap.parse_args()
     model = embedded_model_path()
     spec = {"GGUF_SPECULATIVE": args.speculative}
-    sides = {"runner process": {"GGUF_RUNNER_PROCESS": "true", **spec},
+    first = "in process (2)" if args.control else "runner process"
+    sides = {first: {"GGUF_RUNNER_PROCESS": "false" if args.control else "true", **spec},
              "in process": {"GGUF_RUNNER_PROCESS": "false", **spec}}
-    results: dict[str, dict[str, list[float]]] = {s: {"decode": [], "ttft": [], "four": []} for s in sides}
-    with service(model, **sides["runner process"]) as a, service(model, **sides["in process"]) as b:
-        urls = {"runner process": a, "in process": b}
+    keys = ("decode", "ttft", "four", "tokens", "compute", "other")
+    results: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in sides}
+    with service(model, **sides[first]) as a, service(model, **sides["in process"]) as b:
+        urls = {first: a, "in process": b}
+        pids = {side: service_pids(url) for side, url in urls.items()}
         for url in urls.values():  # warm-up: the first request of a fresh engine
             one_client(url, 8, True)
             four(url, 8)
@@ -58,16 +130,24 @@ def main() -> None:
         for r in range(args.rounds):
             word, words = tag(), [tag() for _ in range(4)]  # the same prompts on both sides (serving_bench.fresh)
             for side in (order if r % 2 == 0 else order[::-1]):
+                res = results[side]
                 run = one_client(urls[side], args.tokens, True, word)
-                results[side]["decode"].append(run.decode_tokens_per_s)
-                results[side]["ttft"].append(run.ttft_s * 1000)
-                results[side]["four"].append(four(urls[side], args.tokens, words))
-    med: dict[str, dict[str, float]] = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in results.items()}
-    rp, ip = med["runner process"], med["in process"]
-    rr, ir = results["runner process"], results["in process"]
+                res["decode"].append(run.decode_tokens_per_s)
+                res["ttft"].append(run.ttft_s * 1000)
+                before = thread_cpu(pids[side])
+                wall, runs = clients(urls[side], 4, args.tokens, words)
+                compute, other = cpu_split(before, thread_cpu(pids[side]), wall)
+                n = sum(x.tokens for x in runs)
+                res["four"].append(n / wall)
+                res["tokens"].append(n)
+                res["compute"].append(compute)
+                res["other"].append(other)
+    rp, ip = results[first], results["in process"]
+    med = {s: {k: statistics.median(v) for k, v in m.items()} for s, m in results.items()}
     print(f"{args.rounds} rounds, {args.tokens} tokens, GGUF_SPECULATIVE={args.speculative}, medians; 'paired': the "
-          "median of the rounds' own ratios (differences for the TTFT), the same prompts moments apart")
-    print(f"{'':<34} {'runner process':>15} {'in process':>11} {'ratio':>8} {'paired':>8}  target")
+          "median of the rounds' own ratios (differences for the TTFT), the same prompts moments apart, with its 95% "
+          "interval")
+    print(f"{'':<30} {first:>15} {'in process':>11} {'ratio':>8} {'paired':>8} {'95% interval':>17}  target")
     rows: list[tuple[str, str, Any]] = [
         ("one client decode tok/s", "decode", ">= 0.97"),
         ("time to first token ms", "ttft", "<= +3 ms"),
@@ -75,12 +155,26 @@ def main() -> None:
     ]
     for label, key, target in rows:
         if key == "ttft":
-            ratio = f"{rp[key] - ip[key]:+.1f} ms"
-            paired = f"{statistics.median(a - b for a, b in zip(rr[key], ir[key])):+.1f} ms"
+            diffs = [x - y for x, y in zip(rp[key], ip[key])]
+            lo, hi = interval(diffs)
+            ratio = f"{med[first][key] - med['in process'][key]:+.1f} ms"
+            paired = f"{statistics.median(diffs):+.1f} ms"
+            span = f"[{lo:+.1f}, {hi:+.1f}]"
         else:
-            ratio = f"{rp[key] / ip[key]:.3f}"
-            paired = f"{statistics.median(a / b for a, b in zip(rr[key], ir[key])):.3f}"
-        print(f"{label:<34} {rp[key]:>15.1f} {ip[key]:>11.1f} {ratio:>8} {paired:>8}  {target}")
+            ratios = [x / y for x, y in zip(rp[key], ip[key])]
+            lo, hi = interval(ratios)
+            ratio = f"{med[first][key] / med['in process'][key]:.3f}"
+            paired = f"{statistics.median(ratios):.3f}"
+            span = f"[{lo:.3f}, {hi:.3f}]"
+        print(f"{label:<30} {med[first][key]:>15.1f} {med['in process'][key]:>11.1f} {ratio:>8} {paired:>8} "
+              f"{span:>17}  {target}")
+    if all(results[s]["compute"] for s in sides) and any(rp["compute"]):
+        print("CPU per token of the four-client rounds, ms (sum over the rounds / tokens):")
+        for label, key in (("llama.cpp's compute threads", "compute"), ("the rest of the service", "other")):
+            a_ms, b_ms = (1000 * sum(m[key]) / sum(m["tokens"]) for m in (rp, ip))
+            print(f"{label:<30} {a_ms:>15.3f} {b_ms:>11.3f} {a_ms - b_ms:>+8.3f}")
+    else:
+        print("(no CPU figures: /proc is not readable here)")
 
 
 if __name__ == "__main__":

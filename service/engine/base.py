@@ -218,7 +218,8 @@ def direct_delivery(deliver: Callable[[Any], None]) -> Iterator[None]:
     """While a runner worker runs one job in this thread: an engine may hand that job's chunks (and a failure
     during generation) to ``deliver`` from its own thread instead of yielding them through the worker, whose
     generation iterator then only returns at the end. One thread wake-up a token instead of two
-    (service/runner.py). Engines that do not look (the fake) yield as usual."""
+    (service/runner.py). A ``deliver`` with a ``flush`` attribute is flushed after each batch of chunks it was
+    handed (``LlamaEngine._flush``). Engines that do not look (the fake) yield as usual."""
     _delivery.fn = deliver
     try:
         yield

@@ -15,9 +15,9 @@ style of vLLM's engine-core client and Ollama's runner (the house style's proces
                       ("many", [message, ...])                     what was waiting to be sent, in order
 
 Calls and generations run on a thread pool; a generation's chunks are handed over by the engine's scheduler thread
-as it makes them (``base.direct_delivery``) and a sender thread writes them, everything waiting in one message,
-while the next ``llama_decode`` computes: crossing the process costs one pickle and one write per step. A
-generation's first text is written by the scheduler thread itself (``send_now``): its client is waiting for it.
+as it makes them (``base.direct_delivery``), and the scheduler writes a step's chunks of every slot in one message
+before its next ``llama_decode`` (``Child._flush_step``): crossing the process costs one pickle and one write per
+step, and no other thread of the runner wakes for it. A sender thread writes the rest (calls' answers, ends).
 Errors cross as the service's own (``ServiceError``); anything else becomes an ``EngineFailure`` naming it. When
 the parent goes away (its end of the socket closes: it exited or was killed) the child exits at once, so a runner
 never outlives its server.
@@ -76,18 +76,29 @@ class Child:
         self._cancels: dict[int, Cancel] = {}
         self._cancels_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="runner")
+        self._step: list[tuple[Any, ...]] = []
+        """The chunks the engine's scheduler delivered since its last flush, of every generation."""
+        self._step_lock = threading.Lock()
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        """Queue ``msg`` for the sender thread: the engine's scheduler thread only appends here, and the pickling
-        and the write happen while its next ``llama_decode`` computes (which releases the GIL)."""
+        """Queue ``msg`` for the sender thread (a call's answer, a generation's end)."""
         self._outbox.put(msg)
 
-    def send_now(self, msg: tuple[Any, ...]) -> None:
-        """Write ``msg`` from the calling thread (the scheduler's), not through the sender: a generation's first
-        chunk, which its client is waiting for. Handed to the sender it waits for the sender's wake-up while the
-        next step's compute holds every core: 0.8 and 1.6 ms more to the first token (medians of 80 and 120
-        paired requests, ``ProcessEngine`` alone, this 2-core host)."""
-        self._write(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    def _flush_step(self) -> None:
+        """Write what the scheduler delivered, in one message, from the calling thread: the scheduler's own, just
+        before its next ``llama_decode`` (``LlamaEngine._flush``), and a generation's thread before its end.
+
+        Handed to the sender thread instead, the chunks waited for its wake-up, which came while the next step's
+        compute held both cores; the sender's wake-up also took a core from that compute every step. Written here,
+        a step costs one pickle and one write on the scheduler's thread (tens of microseconds)."""
+        with self._step_lock:
+            msgs, self._step = self._step, []
+            if msgs:
+                self._write_all(msgs)
+
+    def _write_all(self, msgs: list[tuple[Any, ...]]) -> None:
+        """``msgs`` in one message, in order."""
+        self._write(pickle.dumps(msgs[0] if len(msgs) == 1 else ("many", msgs), protocol=pickle.HIGHEST_PROTOCOL))
 
     def _write(self, data: bytes) -> None:
         try:
@@ -97,7 +108,7 @@ class Child:
             pass
 
     def _sender(self) -> None:
-        """Sends what was queued, everything waiting at once in one message (a step's chunks of every slot)."""
+        """Sends what was queued (calls' answers, generations' ends), everything waiting at once in one message."""
         outbox = self._outbox
         while True:
             msgs = [outbox.get()]
@@ -106,7 +117,7 @@ class Child:
                     msgs.append(outbox.get_nowait())
                 except queue.Empty:
                     break
-            self._write(pickle.dumps(msgs[0] if len(msgs) == 1 else ("many", msgs), protocol=pickle.HIGHEST_PROTOCOL))
+            self._write_all(msgs)
 
     def _cancel_for(self, cid: int) -> Cancel:
         cancel = Cancel()
@@ -173,22 +184,12 @@ class Child:
         return report, info
 
     def _generate(self, cid: int, method: str, args: tuple[Any, ...], cancel: Cancel) -> None:
-        # The generation's first text goes out at once (send_now), provided nothing of it was queued before (the
-        # order of its messages is kept); everything else through the sender.
-        direct = [True]
+        def deliver(item: Any) -> None:  # from the engine's scheduler thread; written at its flush
+            msg = ("chunk", cid, item) if isinstance(item, Chunk) else ("err", cid, portable(item))
+            with self._step_lock:
+                self._step.append(msg)
 
-        def send(msg: tuple[Any, ...]) -> None:
-            direct[0] = False
-            self.send(msg)
-
-        def deliver(item: Any) -> None:  # from the engine's scheduler thread
-            if not isinstance(item, Chunk):
-                send(("err", cid, portable(item)))
-            elif direct[0] and item.text:
-                direct[0] = False
-                self.send_now(("chunk", cid, item))
-            else:
-                send(("chunk", cid, item))
+        deliver.flush = self._flush_step  # type: ignore[attr-defined]
 
         try:
             if method not in GENERATIONS:
@@ -200,10 +201,12 @@ class Child:
                 else:  # complete(prompt, params, cancel), generate(tokens, params, cancel)
                     chunks = getattr(self.engine, method)(*args, cancel)
                 for chunk in chunks:
-                    send(("chunk", cid, chunk))
+                    self.send(("chunk", cid, chunk))
         except BaseException as exc:  # the request's error; the runner goes on
+            self._flush_step()  # what was delivered goes first
             self.send(("err", cid, portable(exc)))
         finally:
+            self._flush_step()
             self._done(cid)
             self.send(("end", cid))
 

@@ -1200,14 +1200,26 @@ class LlamaEngine(Prompting, TaskPrompts):
         Each ``put`` wakes a consumer thread, which then wants the GIL. Woken in the middle of the step, they
         took it whenever the scheduler released it for a ctypes call (every sample, detokenize, EOG test)
         and the scheduler waited for each of them to give it back; woken here, they run while
-        ``llama_decode`` (which releases the GIL) computes."""
+        ``llama_decode`` (which releases the GIL) computes.
+
+        A delivery with a ``flush`` (the runner process's: ``child.Child._flush_step``) is called once after the
+        iteration's chunks were handed to it, before any request's end is put: it writes them all at once."""
         if self._outbox:
             out, self._outbox = self._outbox, []
+            ends: list[tuple[_Request, Any]] = []
+            flushes: dict[Any, None] = {}
             for r, item in out:
                 if r.deliver is not None and item is not _DONE:
                     r.deliver(item)
+                    f = getattr(r.deliver, "flush", None)
+                    if f is not None:
+                        flushes[f] = None
                 else:
-                    r.out.put(item)
+                    ends.append((r, item))
+            for f in flushes:
+                f()
+            for r, item in ends:
+                r.out.put(item)
 
     def _pick_slot(self, r: _Request) -> Slot | None:
         return pick_slot(self._slots, r.tokens, similarity=self._similarity,

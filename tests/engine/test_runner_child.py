@@ -1,9 +1,9 @@
 """The runner's side of the socket (``service.engine.child.Child``) without llama.cpp: what a generation's messages
 look like on the wire, and in which order they arrive.
 
-A generation's first text is written by the engine's scheduler thread itself (``Child.send_now``), everything else
-by the sender thread. These tests hold the sender back, so that a first chunk written past it shows, and so would
-a message overtaken by it.
+A step's chunks are written by the engine's scheduler thread itself when it flushes its delivery
+(``Child._flush_step``), a generation's end by the sender thread. These tests hold the sender back, so that chunks
+written past it show, and so would a message overtaken by it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from service.engine.base import Cancel, Chunk, GenerationParams, current_delivery
 from service.engine.child import Child
+from service.errors import EngineFailure, NotReady
 
 SENDER_HELD_S = 1.5
 """How long the sender thread waits before its first write in these tests."""
@@ -28,26 +29,33 @@ class HeldSender(Child):
 
 
 class Delivering:
-    """An engine that hands ``items`` to the runner's delivery at once, as the scheduler thread does."""
+    """An engine that hands ``items`` to the runner's delivery at once, as the scheduler thread does, and flushes it
+    (``flush``: as ``LlamaEngine._flush`` before its next decode) or not; then fails with ``raises``, if given."""
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: list[Any], flush: bool = True, raises: BaseException | None = None) -> None:
         self.items = items
+        self.flush = flush
+        self.raises = raises
 
     def complete(self, prompt: str, params: GenerationParams, cancel: Any) -> Iterator[Chunk]:
         deliver = current_delivery()
         assert deliver is not None
         for item in self.items:
             deliver(item)
+        if self.flush:
+            deliver.flush()  # type: ignore[attr-defined]
+        if self.raises is not None:
+            raise self.raises
         return iter(())
 
 
-def _generation(items: list[Any]) -> list[tuple[float, tuple[Any, ...]]]:
+def _generation(items: list[Any], **engine: Any) -> list[tuple[float, tuple[Any, ...]]]:
     """Run one generation through a ``HeldSender`` child (its ``_generate``, as a "gen" message starts it; not its
     ``serve`` loop, which ends the process when the socket closes): its messages as the parent reads them, with
     their arrival time after the start."""
     parent, child = socket.socketpair()
     conn, child_conn = Connection(parent.detach()), Connection(child.detach())
-    runner = HeldSender(child_conn, Delivering(items))
+    runner = HeldSender(child_conn, Delivering(items, **engine))
     got: list[tuple[float, tuple[Any, ...]]] = []
     t0 = time.monotonic()
     runner._generate(1, "complete", ("a prompt", GenerationParams()), Cancel())
@@ -61,18 +69,28 @@ def _generation(items: list[Any]) -> list[tuple[float, tuple[Any, ...]]]:
     return got
 
 
-def test_the_first_text_goes_out_before_the_sender_writes() -> None:
-    got = _generation([Chunk(text="Hello"), Chunk(text=" world"), Chunk(finish_reason="stop", completion_tokens=2)])
-    assert [m for _, m in got] == [("chunk", 1, Chunk(text="Hello")), ("chunk", 1, Chunk(text=" world")),
-                                   ("chunk", 1, Chunk(finish_reason="stop", completion_tokens=2)), ("end", 1)]
-    first_at, rest_at = got[0][0], got[1][0]
-    # Generous: the first chunk is written at once, the rest only once the held sender starts.
-    assert first_at < SENDER_HELD_S / 2 <= rest_at, got
-
-
-def test_nothing_queued_is_overtaken() -> None:
-    """A chunk without text queued first (a token whose bytes end inside a character: logprobs, no text yet)
-    keeps its place: the text after it waits for the sender too."""
-    items = [Chunk(text="", logprobs=()), Chunk(text="é"), Chunk(text="!")]
+def test_a_steps_chunks_go_out_at_the_flush_not_through_the_sender() -> None:
+    items = [Chunk(text="Hello"), Chunk(text=" world"), Chunk(finish_reason="stop", completion_tokens=2)]
     got = _generation(items)
     assert [m for _, m in got] == [("chunk", 1, c) for c in items] + [("end", 1)]
+    chunks_at, end_at = got[2][0], got[3][0]
+    # Generous: the chunks are written at the flush, the end only once the held sender starts.
+    assert chunks_at < SENDER_HELD_S / 2 <= end_at, got
+
+
+def test_what_was_not_flushed_still_goes_out_before_the_end() -> None:
+    """An engine that never flushes (it ended between steps): the generation's thread writes what was delivered,
+    then the end follows."""
+    items = [Chunk(text="", logprobs=()), Chunk(text="é"), Chunk(text="!")]
+    got = _generation(items, flush=False)
+    assert [m for _, m in got] == [("chunk", 1, c) for c in items] + [("end", 1)]
+
+
+def test_a_delivered_error_and_a_raised_one_keep_their_place() -> None:
+    err = NotReady("the model was unloaded")
+    got = _generation([Chunk(text="a"), err])
+    assert [m[0] for _, m in got] == ["chunk", "err", "end"]
+    assert isinstance(got[1][1][2], NotReady) and str(got[1][1][2]) == str(err)
+    got = _generation([Chunk(text="a"), Chunk(text="b")], flush=False, raises=RuntimeError("boom"))
+    assert [m[0] for _, m in got] == ["chunk", "chunk", "err", "end"]
+    assert isinstance(got[2][1][2], EngineFailure) and "RuntimeError: boom" in str(got[2][1][2])
