@@ -77,11 +77,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stream_events(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any]) -> None:
+def stream_events(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any],
+                  timeout: float = 120) -> None:
     """POST a streamed request to ``url``; ``out`` gets its status and every SSE ``data:`` payload, ``first`` is set
     at the first event (or on a failure, reported as ``out["error"]``). Meant to run in a thread."""
     try:
-        with httpx.Client(timeout=120) as c, c.stream("POST", url, json=body) as r:
+        with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=body) as r:
             out["status"] = r.status_code
             events = []
             for line in r.iter_lines():

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture
-from tests.conftest import EMBEDDED_NAME, ServiceProcess
+from tests.conftest import EMBEDDED_NAME, ServiceProcess, stream_events
 
 pytestmark = pytest.mark.slow
 
@@ -56,19 +56,7 @@ def _wait_runner(c: httpx.Client, name: str, state: str, timeout_s: float = 90) 
 
 
 def _stream(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any]) -> None:
-    try:
-        with httpx.Client(timeout=180) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
-            out["status"] = r.status_code
-            events = []
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    first.set()
-            out["events"] = events
-    except Exception as exc:  # reported to the test thread
-        out["error"] = repr(exc)
-    finally:
-        first.set()
+    stream_events(url + "/v1/completions", {**body, "stream": True}, first, out, timeout=180)
 
 
 def _text(events: list[str]) -> str:
