@@ -29,8 +29,10 @@ browser: setup
 router:
 	@command -v haproxy >/dev/null || bash tests/deploy/install_haproxy.sh
 
+# TEST_WORKERS=0 runs the suite in this process (pytest-xdist off), as `python -m pytest` does.
+TEST_WORKERS ?= 2
 test: setup browser router
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The long reliability runs (10-minute RSS soak, longer API, schema and probe fuzzing, the architecture matrix with 8
 # slots too); `make test` runs their

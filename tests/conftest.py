@@ -15,6 +15,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from tests import figures
+
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED_NAME = "gemma-3-270m-q4_k_m"
 
@@ -61,6 +63,21 @@ def no_process_left_behind() -> Iterator[None]:
         except OSError:
             pass
     assert not left, "processes started by the tests outlived them:\n" + "\n".join(left)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its figures go to the controller
+        workeroutput["figures"] = figures.state()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    figures.merge(getattr(node, "workeroutput", {}).get("figures"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    figures.summary(terminalreporter.section, terminalreporter.write_line)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
+from tests.figures import figure
 
 pytestmark = pytest.mark.slow
 
@@ -189,7 +190,7 @@ BAD_INPUTS: list[tuple[str, str, str, int, str | None]] = [
 
 
 @pytest.mark.timeout(300)
-def test_bad_input_is_4xx_with_a_string_code(svc: ServiceProcess, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_4xx_with_a_string_code(svc: ServiceProcess) -> None:
     pid = svc.proc.pid
     seen = []
     for what, route, raw, status, param in BAD_INPUTS:
@@ -201,8 +202,7 @@ def test_bad_input_is_4xx_with_a_string_code(svc: ServiceProcess, capsys: pytest
     assert _refused(svc.client.get("/no/such/path"), 404)["code"] == "not_found"
     assert svc.client.get("/ready").json()["model"] == EMBEDDED_NAME
     _alive(svc, pid)
-    with capsys.disabled():
-        print(f"\nFIGURE bad input ({len(seen)} cases): " + "; ".join(seen))
+    figure(f"bad input ({len(seen)} cases): " + "; ".join(seen))
 
 
 @pytest.mark.timeout(300)

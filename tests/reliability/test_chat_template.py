@@ -10,6 +10,7 @@ import pytest
 from service.chat.template import MAX_RENDERED_CHARS, ChatTemplate
 from service.errors import BadRequest
 from service.api.errors import http_of
+from tests.figures import figure
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -58,7 +59,7 @@ def test_hostile_template_fails_the_request_with_400_and_a_log_line(name: str, c
     assert sys.gettrace() is None or "coverage" in repr(sys.gettrace())
 
 
-def test_time_limit_figure(capsys: pytest.CaptureFixture[str]) -> None:
+def test_time_limit_figure() -> None:
     tpl = ChatTemplate(HOSTILE["busy loops"], "", "", timeout_s=1.0)
     t0 = time.monotonic()
     with pytest.raises(BadRequest, match="did not finish within 1 s"):
@@ -66,8 +67,7 @@ def test_time_limit_figure(capsys: pytest.CaptureFixture[str]) -> None:
     elapsed = time.monotonic() - t0
     # At least the limit; the upper bound is generous (a loaded machine), the 1e10-iteration loop runs for hours.
     assert 1.0 <= elapsed < 15.0
-    with capsys.disabled():
-        print(f"\nFIGURE chat-template: nested 1e10-iteration loop stopped after {elapsed:.2f} s (limit 1 s)")
+    figure(f"chat-template: nested 1e10-iteration loop stopped after {elapsed:.2f} s (limit 1 s)")
 
 
 # The shape of the Gemma 3 template on Hugging Face (loop, namespace-free conditionals, filters, raise_exception).
@@ -77,7 +77,7 @@ GEMMA_LIKE = """{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set
 {%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"""
 
 
-def test_a_real_shaped_template_renders_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_real_shaped_template_renders_unchanged() -> None:
     tpl = ChatTemplate(GEMMA_LIKE, "<bos>", "<eos>")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Count to 3"}]
@@ -89,8 +89,7 @@ def test_a_real_shaped_template_renders_unchanged(capsys: pytest.CaptureFixture[
     assert add_bos is False
     # Speed is not asserted here (it would measure the machine's load): the render ran within the template's
     # time limit, or it would have raised; the figure is printed.
-    with capsys.disabled():
-        print(f"\nFIGURE gemma-like template render: {elapsed * 1000:.2f} ms")
+    figure(f"gemma-like template render: {elapsed * 1000:.2f} ms")
     with pytest.raises(BadRequest, match="must alternate"):
         tpl.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 

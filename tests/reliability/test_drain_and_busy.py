@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import EMBEDDED_NAME, ServiceProcess, stream_events
 
 from .conftest import FakeService
+from tests.figures import figure
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def _post(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(180)
 def test_past_the_drain_timeout_streams_end_with_an_error_event_and_queued_requests_get_503(
-        service_factory: Callable[..., ServiceProcess], capsys: pytest.CaptureFixture[str]) -> None:
+        service_factory: Callable[..., ServiceProcess]) -> None:
     svc = service_factory(GGUF_DRAIN_TIMEOUT_S="2", GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="2048",
                           GGUF_PARALLEL="1")  # one slot, so that the second request queues behind the stream
     svc.wait_ready()
@@ -58,9 +59,8 @@ def test_past_the_drain_timeout_streams_end_with_an_error_event_and_queued_reque
     assert queued["body"]["error"]["state"] == "draining"
     assert rc == 0, svc.log()
     assert elapsed < 2 + 10, elapsed  # generous: the deadline is 2 s; the rest is unloading on a busy CPU
-    with capsys.disabled():
-        print(f"\nFIGURE drain deadline 2 s: stream ended by an error event + [DONE] after {len(events) - 2} events; "
-              f"queued request 503 Retry-After 1; exit {rc} {elapsed:.1f} s after SIGTERM")
+    figure(f"drain deadline 2 s: stream ended by an error event + [DONE] after {len(events) - 2} events; "
+           f"queued request 503 Retry-After 1; exit {rc} {elapsed:.1f} s after SIGTERM")
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import EMBEDDED_NAME, ServiceProcess, stream_events
 
 from .conftest import FakeService
+from tests.figures import figure
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +24,7 @@ FAST_ENV = {"GGUF_CONFIRM_LOADS": "false", "GGUF_CONTEXT_LENGTH": "2048"}
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_drains_in_flight_refuses_new_and_exits_0(service_factory: Callable[..., ServiceProcess],
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(service_factory: Callable[..., ServiceProcess]) -> None:
     svc = service_factory(GGUF_DRAIN_TIMEOUT_S="60", **FAST_ENV)
     svc.wait_ready()
     n_tokens = 48
@@ -56,9 +56,8 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(service_factory: Calla
     assert rc == 0, svc.log()
     log = svc.log()
     assert "shutdown: model released" in log
-    with capsys.disabled():
-        print(f"\nFIGURE drain: stream of {n_tokens} tokens completed after SIGTERM, new request -> {refused}, "
-              f"exit {rc} {drained_s:.1f} s after the signal")
+    figure(f"drain: stream of {n_tokens} tokens completed after SIGTERM, new request -> {refused}, "
+           f"exit {rc} {drained_s:.1f} s after the signal")
 
 
 @pytest.mark.timeout(120)
@@ -95,8 +94,7 @@ def _unknown_arch(path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_failed_loads_leave_the_model_serving(service_factory: Callable[..., ServiceProcess], embedded_model: str,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_failed_loads_leave_the_model_serving(service_factory: Callable[..., ServiceProcess], embedded_model: str) -> None:
     svc = service_factory(**FAST_ENV)
     svc.wait_ready()
     models_dir = Path(svc.log_path).parent / "models"
@@ -117,8 +115,7 @@ def test_failed_loads_leave_the_model_serving(service_factory: Callable[..., Ser
         assert ready.json()["model"] == EMBEDDED_NAME
         again = svc.client.post("/v1/completions", json=prompt)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == before, name
-    with capsys.disabled():
-        print(f"\nFIGURE failed-load: {outcomes}; /ready 200 and the same answer after each")
+    figure(f"failed-load: {outcomes}; /ready 200 and the same answer after each")
 
 
 def test_oom_at_load_keeps_the_previous_model(fake: FakeService) -> None:

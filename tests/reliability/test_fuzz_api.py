@@ -29,6 +29,7 @@ from service.api.errors import OLLAMA_PATHS
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 
 from .conftest import SOAK, rss_kib
+from tests.figures import figure
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ def fuzzed(service_factory: Callable[..., ServiceProcess]) -> ServiceProcess:
 
 
 @pytest.mark.timeout(900 if SOAK else 300)
-def test_fuzz_every_operation_from_the_openapi_schema(fuzzed: ServiceProcess, capsys: pytest.CaptureFixture[str]) -> None:
+def test_fuzz_every_operation_from_the_openapi_schema(fuzzed: ServiceProcess) -> None:
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
@@ -146,10 +147,9 @@ def test_fuzz_every_operation_from_the_openapi_schema(fuzzed: ServiceProcess, ca
     by_status: collections.Counter[int] = collections.Counter()
     for (_, st), n in statuses.items():
         by_status[st] += n
-    with capsys.disabled():
-        print(f"\nFIGURE API fuzz: {sum(by_status.values())} requests over {len(operations)} operations in "
-              f"{elapsed:.0f} s; statuses {dict(sorted(by_status.items()))}; slowest {slowest[0]:.2f} s ({slowest[1]}); "
-              f"peak RSS {peak} MiB (bound {RSS_BOUND_MIB}), now {now} MiB; same PID {pid}")
+    figure(f"API fuzz: {sum(by_status.values())} requests over {len(operations)} operations in "
+           f"{elapsed:.0f} s; statuses {dict(sorted(by_status.items()))}; slowest {slowest[0]:.2f} s ({slowest[1]}); "
+           f"peak RSS {peak} MiB (bound {RSS_BOUND_MIB}), now {now} MiB; same PID {pid}")
 
 
 @pytest.mark.timeout(120)

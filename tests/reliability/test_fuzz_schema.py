@@ -22,6 +22,7 @@ from service.errors import BadRequest
 from tests.conftest import ServiceProcess
 
 from .conftest import SOAK
+from tests.figures import figure
 
 N_LOCAL = 1500 if SOAK else 150
 N_HTTP = 200 if SOAK else 25
@@ -83,7 +84,7 @@ def vocab(embedded_model: str) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900 if SOAK else 300)
-def test_every_schema_is_a_grammar_or_a_400(vocab: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_schema_is_a_grammar_or_a_400(vocab: Any) -> None:
     import numpy as np
 
     from service.chat.grammar import compile_grammar
@@ -117,16 +118,14 @@ def test_every_schema_is_a_grammar_or_a_400(vocab: Any, capsys: pytest.CaptureFi
 
     check()
     assert tally["grammar"] > N_LOCAL // 10 and tally["refused"] > N_LOCAL // 10, tally
-    with capsys.disabled():
-        print(f"\nFIGURE schema fuzz (in process): {N_LOCAL} schemas: {tally['grammar']} grammars "
-              f"({tally['steps']} mask steps on the 262k vocabulary), {tally['refused']} refused with 400; "
-              f"slowest compile + 4 steps {slowest[0] * 1e3:.0f} ms")
+    figure(f"schema fuzz (in process): {N_LOCAL} schemas: {tally['grammar']} grammars "
+           f"({tally['steps']} mask steps on the 262k vocabulary), {tally['refused']} refused with 400; "
+           f"slowest compile + 4 steps {slowest[0] * 1e3:.0f} ms")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900 if SOAK else 300)
-def test_generated_schemas_over_http_get_200_or_400(service_factory: Callable[..., ServiceProcess],
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_generated_schemas_over_http_get_200_or_400(service_factory: Callable[..., ServiceProcess]) -> None:
     from .conftest import rss_kib
 
     svc = service_factory(GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="2048", GGUF_PARALLEL="2")
@@ -150,6 +149,5 @@ def test_generated_schemas_over_http_get_200_or_400(service_factory: Callable[..
     check()
     r = svc.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and svc.proc.pid == pid
-    with capsys.disabled():
-        print(f"\nFIGURE schema fuzz (HTTP, batched engine): {N_HTTP} requests: {dict(sorted(seen.items()))}; "
-              f"RSS {rss_kib(pid) // 1024} MiB; same PID")
+    figure(f"schema fuzz (HTTP, batched engine): {N_HTTP} requests: {dict(sorted(seen.items()))}; "
+           f"RSS {rss_kib(pid) // 1024} MiB; same PID")

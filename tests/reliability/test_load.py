@@ -15,6 +15,7 @@ from tests.conftest import EMBEDDED_NAME, ServiceProcess
 from tests.prom import value
 
 from .conftest import rss_kib, threads_of
+from tests.figures import figure
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ async def _cancelled_stream(client: httpx.AsyncClient, i: int, after_s: float) -
 
 
 @pytest.mark.timeout(300)
-def test_cancellation_storm(service_factory: Callable[..., ServiceProcess], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cancellation_storm(service_factory: Callable[..., ServiceProcess]) -> None:
     svc = service_factory(GGUF_QUEUE_SIZE="256", **BASE_ENV)
     svc.wait_ready()
     pid = svc.proc.pid
@@ -76,10 +77,9 @@ def test_cancellation_storm(service_factory: Callable[..., ServiceProcess], caps
     pool = 40 + ADMISSION_WORKERS
     assert threads1 <= threads0 + pool + 1 and threads2 <= max(threads1, threads0 + pool) + 2, (threads0, threads1, threads2)
     assert rss2 - rss1 < 32 * 1024 and rss2 - rss0 < 96 * 1024, (rss0, rss1, rss2)
-    with capsys.disabled():
-        print(f"\nFIGURE storm: 2 x 200 streams cancelled at 0.5 s, in {s1:.1f} s and {s2:.1f} s; fresh request "
-              f"{f1:.2f} s and {f2:.2f} s after; threads {threads0} -> {threads1} -> {threads2}; "
-              f"RSS {rss0 / 1024:.0f} -> {rss1 / 1024:.0f} -> {rss2 / 1024:.0f} MiB")
+    figure(f"storm: 2 x 200 streams cancelled at 0.5 s, in {s1:.1f} s and {s2:.1f} s; fresh request "
+           f"{f1:.2f} s and {f2:.2f} s after; threads {threads0} -> {threads1} -> {threads2}; "
+           f"RSS {rss0 / 1024:.0f} -> {rss1 / 1024:.0f} -> {rss2 / 1024:.0f} MiB")
 
 
 def _ask(client: httpx.Client, prompt: str) -> httpx.Response:
@@ -129,15 +129,14 @@ def small_queue(service_factory: Callable[..., ServiceProcess]) -> tuple[Service
 
 @pytest.mark.timeout(300)
 def test_clients_beyond_the_queue_get_their_own_answer_or_429(
-    small_queue: tuple[ServiceProcess, dict[str, str]], capsys: pytest.CaptureFixture[str]
+    small_queue: tuple[ServiceProcess, dict[str, str]]
 ) -> None:
     svc, alone = small_queue
     ok, busy = _load_round(svc, alone)
     assert ok >= 5 and busy >= 1, (ok, busy)  # the queue (4) plus the running one were served; the rest 429
     assert len(set(alone.values())) > 1, "distinct prompts give distinct answers (else the check proves little)"
-    with capsys.disabled():
-        print(f"\nFIGURE load: {len(alone)} concurrent clients, queue 4: {ok} answered (each equal to its prompt alone), "
-              f"{busy} got 429, 0 errors")
+    figure(f"load: {len(alone)} concurrent clients, queue 4: {ok} answered (each equal to its prompt alone), "
+           f"{busy} got 429, 0 errors")
 
 
 def _soak(svc: ServiceProcess, alone: dict[str, str], duration_s: float) -> tuple[list[int], int, int]:
@@ -156,25 +155,23 @@ def _soak(svc: ServiceProcess, alone: dict[str, str], duration_s: float) -> tupl
 
 
 @pytest.mark.timeout(120)
-def test_short_soak_rss_flat(small_queue: tuple[ServiceProcess, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_short_soak_rss_flat(small_queue: tuple[ServiceProcess, dict[str, str]]) -> None:
     svc, alone = small_queue
     _load_round(svc, alone)  # warm: allocator pools reach their steady size
     samples, ok, busy = _soak(svc, alone, 20)
     growth_mib = (samples[-1] - samples[0]) / 1024
     assert growth_mib < 32, samples
-    with capsys.disabled():
-        print(f"\nFIGURE short soak 20 s: {ok} answered, {busy} 429; RSS MiB {[round(s / 1024) for s in samples]}")
+    figure(f"short soak 20 s: {ok} answered, {busy} 429; RSS MiB {[round(s / 1024) for s in samples]}")
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(int(SOAK_S) + 300)
-def test_soak_rss_flat(small_queue: tuple[ServiceProcess, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_soak_rss_flat(small_queue: tuple[ServiceProcess, dict[str, str]]) -> None:
     svc, alone = small_queue
     _load_round(svc, alone)
     samples, ok, busy = _soak(svc, alone, SOAK_S)
     growth_mib = (samples[-1] - samples[1]) / 1024
     assert growth_mib < 32, samples
-    with capsys.disabled():
-        print(f"\nFIGURE soak {SOAK_S:.0f} s: {ok} answered, {busy} 429; RSS MiB {[round(s / 1024) for s in samples]}")
+    figure(f"soak {SOAK_S:.0f} s: {ok} answered, {busy} 429; RSS MiB {[round(s / 1024) for s in samples]}")
 
 

@@ -29,6 +29,7 @@ from tests.conftest import stream_events
 from tests.prom import samples
 
 from .conftest import FakeService
+from tests.figures import figure
 
 CARDS = json.dumps([{"name": "card A", "free_mib": 2500, "total_mib": 8192},
                     {"name": "card B", "free_mib": 2500, "total_mib": 8192}])
@@ -140,8 +141,7 @@ def figures(records: list[tuple[str, int, float]], models: list[str]) -> dict[st
 
 
 @pytest.mark.timeout(120)
-def test_two_models_alternating_on_one_slot_are_both_served(one_slot: Callable[..., FakeService],
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_models_alternating_on_one_slot_are_both_served(one_slot: Callable[..., FakeService]) -> None:
     """The issue's measurement, shorter and on the fake engine: 8 clients alternating between two models that
     cannot be loaded together, for 20 s, each load 0.3 s. Before: every request for the second model got 409 at
     once (0 of 495 served in 60 s). Now every request is served, each model gets about half, and the swaps come
@@ -150,9 +150,8 @@ def test_two_models_alternating_on_one_slot_are_both_served(one_slot: Callable[.
     records = alternate(svc.url, [A, B], threads=8, seconds=20)
     fig = figures(records, [A, B])
     manager = svc.app.state.manager
-    with capsys.disabled():
-        print(f"\nFIGURE 8 clients alternating {A}/{B}, 1 slot, load 0.3 s, 20 s: "
-              + _fmt(fig) + f"; {manager.swaps} swaps, {manager.loads} loads")
+    figure(f"8 clients alternating {A}/{B}, 1 slot, load 0.3 s, 20 s: "
+           + _fmt(fig) + f"; {manager.swaps} swaps, {manager.loads} loads")
     for m in (A, B):
         assert fig[m]["statuses"] == [200], fig
     served = fig[A]["served"] + fig[B]["served"]
@@ -348,7 +347,7 @@ def test_ready_and_new_requests_follow_a_reload_while_the_old_model_finishes(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_real_server_serves_two_copies_of_the_embedded_model_alternating_on_one_slot(
-        service_factory: Any, embedded_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        service_factory: Any, embedded_model: str, tmp_path: Path) -> None:
     """The real path (llama.cpp, a runner process per model, llama.cpp's confirmation of each load): 4 clients
     asking the two in turn, 4 requests each. Before, every request for the model not loaded got 409 at once."""
     models = tmp_path / "models"
@@ -362,9 +361,8 @@ def test_the_real_server_serves_two_copies_of_the_embedded_model_alternating_on_
     took = time.monotonic() - t0
     fig = figures(records, ["one", "two"])
     swaps = svc.log_path.read_text(errors="replace").count("(least recently used, idle) to load")
-    with capsys.disabled():
-        print("\nFIGURE real server, 4 clients x 4 requests alternating two copies of the embedded model, 1 slot: "
-              + _fmt(fig) + f"; {swaps} swaps in {took:.1f} s")
+    figure("real server, 4 clients x 4 requests alternating two copies of the embedded model, 1 slot: "
+           + _fmt(fig) + f"; {swaps} swaps in {took:.1f} s")
     for m in ("one", "two"):
         assert fig[m]["statuses"] == [200] and fig[m]["served"] == 8, fig
     assert 2 <= swaps <= 8, "a swap serves every client that waited for it, not one request each"

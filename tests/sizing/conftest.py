@@ -11,10 +11,6 @@ from sizing.probe import probe_path
 from sizing.testing.fixtures import write_fixture
 from sizing.model.spec import ModelSpec
 
-# Worst errors seen by test_memory_vs_llama, reported in the terminal summary.
-ACCURACY: dict[str, tuple[float, str]] = {}
-
-
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf-fixtures")
@@ -48,10 +44,3 @@ def embedded_path() -> str:
 
     return embedded_model_path()
 
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not ACCURACY:
-        return
-    terminalreporter.section("memory model vs llama.cpp dry run")
-    for what, (err, case) in sorted(ACCURACY.items()):
-        terminalreporter.write_line(f"{what:<28} {err:8.4f}  {case}")

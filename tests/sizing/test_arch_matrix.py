@@ -31,7 +31,7 @@ from sizing.memory.estimate import output_buffer_bytes, resolve_flash_attn
 from sizing.plan.request import context_config
 from sizing.model.spec import ModelSpec
 
-from .conftest import ACCURACY
+from tests.figures import accuracy
 
 GIB = 1 << 30
 PARALLEL = (1, 4, 8) if os.environ.get("GGUF_SOAK") == "1" else (1, 4)
@@ -81,7 +81,7 @@ def _check_memory(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> Non
         assert s is not None
         fig = Calibrated(ConfigKey.of(cfg, flash), (s,)).figures(s.full_cells, s.swa_cells)
         assert abs(fig.compute_bytes["CPU"] / MIB - r.compute_mib["CPU"]) <= 0.011, case
-        ACCURACY[f"kv+state exact: {name}"] = (0.0, f"{checked} configurations")
+        accuracy(f"kv+state exact: {name}", 0.0, f"{checked} configurations")
     assert checked >= 6
 
 
@@ -119,7 +119,7 @@ def _check_plans(spec: ModelSpec, cal: Calibrator, path: str, name: str) -> int:
                     spill = est.host.weights_bytes if opt.verdict != "cpu" or opt.candidates else 0
                     assert need - spill <= host.free_bytes + 0.05 * MIB, (
                         f"{case}: llama.cpp needs {need / MIB:.1f} MiB of {host.free_bytes / MIB:.1f}")
-    ACCURACY[f"fits confirmed: {name}"] = (0.0, f"{planned} rows, {limited} limited by memory")
+    accuracy(f"fits confirmed: {name}", 0.0, f"{planned} rows, {limited} limited by memory")
     return planned
 
 

@@ -23,7 +23,7 @@ from sizing.memory.kv import check_cache_types, kv_split_bytes
 from sizing.memory.estimate import output_buffer_bytes
 from sizing.model.spec import ModelSpec
 
-from .conftest import ACCURACY
+from tests.figures import accuracy
 
 MIB = 1 << 20
 MODELS = ["Qwen3-14B", "Llama-3.1-8B", "Qwen2.5-14B", "gemma-2-9b", "gemma-3-27b", "Mistral-Nemo-12B", "Qwen3-30B-A3B", "DeepSeek-V2-Lite", "embedded"]
@@ -41,11 +41,6 @@ def _matrix(swa: bool) -> list[ContextConfig]:
     ):
         out.append(ContextConfig(n_ctx, tk, tv, fa, n_ub, max(n_ub, 512), par, swa_full=swa_full))  # type: ignore[arg-type]
     return out
-
-
-def _record(what: str, err: float, case: str) -> None:
-    if what not in ACCURACY or err > ACCURACY[what][0]:
-        ACCURACY[what] = (err, case)
 
 
 def _refused_by_us(spec: ModelSpec, cfg: ContextConfig) -> bool:
@@ -80,7 +75,7 @@ def test_memory_matches_llama_dry_run(model: str, fixture_path: Callable[..., st
         _check_one(spec, cfg, r, case, errors)
     assert checked >= len(cfgs) // 3
     over_5 = sum(abs(e) > 0.05 for e in errors)
-    _record(f"compute cases over 5%: {model}", float(over_5), f"of {len(errors)}")
+    accuracy(f"compute cases over 5%: {model}", float(over_5), f"of {len(errors)}")
     assert over_5 == 0, f"{model}: {over_5} cases with the compute buffer off by more than 5%"
 
 
@@ -95,16 +90,16 @@ def _check_one(spec: ModelSpec, cfg: ContextConfig, r: DryRunResult, case: str, 
             continue
         logged = by_kind[is_swa].size_mib
         err = abs(round(predicted / MIB, 2) - logged)
-        _record("kv abs error (MiB)", err, case)
+        accuracy("kv abs error (MiB)", err, case)
         assert err < 0.005, f"{case}: KV {'SWA' if is_swa else 'full'} predicted {predicted / MIB:.2f} MiB, llama.cpp {logged:.2f} MiB"
     out_err = abs(round(output_buffer_bytes(spec, cfg) / MIB, 2) - r.output_mib)
-    _record("output abs error (MiB)", out_err, case)
+    accuracy("output abs error (MiB)", out_err, case)
     assert out_err < 0.005, case
     measured = r.compute_mib["CPU"]
     predicted_c = compute_bytes(spec, cfg, flash) / MIB
     rel = (predicted_c - measured) / measured
     errors.append(rel)
-    _record("compute worst under", -rel, f"{case}: {predicted_c:.2f} vs {measured:.2f} MiB")
-    _record("compute worst over", rel, f"{case}: {predicted_c:.2f} vs {measured:.2f} MiB")
+    accuracy("compute worst under", -rel, f"{case}: {predicted_c:.2f} vs {measured:.2f} MiB")
+    accuracy("compute worst over", rel, f"{case}: {predicted_c:.2f} vs {measured:.2f} MiB")
     assert rel >= -COMPUTE_UNDER_BOUND, f"{case}: compute under-predicted: {predicted_c:.2f} MiB, llama.cpp {measured:.2f} MiB"
     assert rel <= COMPUTE_OVER_BOUND, f"{case}: compute predicted {predicted_c:.2f} MiB, llama.cpp {measured:.2f} MiB"
