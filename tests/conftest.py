@@ -77,7 +77,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    figures.summary(terminalreporter.section, terminalreporter.write_line)
+    figures.summary(terminalreporter)
 
 
 @pytest.fixture(scope="session")

@@ -32,15 +32,16 @@ def merge(other: dict[str, Any] | None) -> None:
         return
     FIGURES.extend(other.get("figures", []))
     for what, (err, case) in other.get("accuracy", {}).items():
-        accuracy(what, float(err), str(case))
+        accuracy(what, err, case)
 
 
-def summary(write_section: Any, write_line: Any) -> None:
+def summary(reporter: Any) -> None:
+    """Both sections, on pytest's terminal reporter."""
     if FIGURES:
-        write_section("figures measured")
+        reporter.section("figures measured")
         for line in FIGURES:
-            write_line("FIGURE " + line)
+            reporter.write_line("FIGURE " + line)
     if ACCURACY:
-        write_section("memory model vs llama.cpp dry run")
+        reporter.section("memory model vs llama.cpp dry run")
         for what, (err, case) in sorted(ACCURACY.items()):
-            write_line(f"{what:<28} {err:8.4f}  {case}")
+            reporter.write_line(f"{what:<28} {err:8.4f}  {case}")

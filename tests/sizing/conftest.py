@@ -11,6 +11,7 @@ from sizing.probe import probe_path
 from sizing.testing.fixtures import write_fixture
 from sizing.model.spec import ModelSpec
 
+
 @pytest.fixture(scope="session")
 def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf-fixtures")
@@ -43,4 +44,3 @@ def embedded_path() -> str:
     from service.models import embedded_model_path
 
     return embedded_model_path()
-
