@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test setup browser router bench soak clean
+.PHONY: run test fresh-test setup browser router bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ router:
 TEST_WORKERS ?= 2
 test: setup browser router
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The release check: make test from a clean clone of HEAD with an empty home folder (a new user's machine), pip's
+# cache kept (.ci/fresh).
+fresh-test:
+	bash .ci/fresh
 
 # The long reliability runs (10-minute RSS soak, longer API, schema and probe fuzzing, the architecture matrix with 8
 # slots too); `make test` runs their

@@ -143,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from service.engine.base import GenerationParams
-    from service.models import embedded_model_path
+    from service.embedded import embedded_model_path
     from sizing.probe.devices import host_memory
     from sizing.probe import probe_path
     from sizing.plan.planner import PlanRequest, make_plan

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per end-to-end generation")
     ap.add_argument("--runs", type=int, default=3, help="end-to-end generations per configuration")
     args = ap.parse_args(argv)
-    from service.models import embedded_model_path
+    from service.embedded import embedded_model_path
 
     path = embedded_model_path()
     sampler_steps(path, args.steps)

@@ -224,7 +224,7 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=int, default=256, help="GGUF_GRAMMAR_MEMORY_MB")
     ap.add_argument("--timeout-s", type=float, default=5.0, help="GGUF_GRAMMAR_TIMEOUT_S")
     args = ap.parse_args()
-    from service.models import embedded_model_path
+    from service.embedded import embedded_model_path
 
     model = args.model or embedded_model_path()
     settings = {"GGUF_GRAMMAR_WORKERS": str(args.workers), "GGUF_GRAMMAR_MEMORY_MB": str(args.memory_mb),

@@ -177,7 +177,7 @@ def main() -> int:
     for name in args.models.split(","):
         t = time.perf_counter()
         if name == "embedded":
-            from service.models import embedded_model_path
+            from service.embedded import embedded_model_path
 
             path = embedded_model_path()
         else:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import service.engine.llama as llama_engine  # noqa: E402
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
-from service.models import embedded_model_path  # noqa: E402
+from service.embedded import embedded_model_path  # noqa: E402
 from sizing.plan import PlanRequest, make_plan  # noqa: E402
 from sizing.probe import host_memory, probe_path  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.cpu import host_repack  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
-from service.models import embedded_model_path  # noqa: E402
+from service.embedded import embedded_model_path  # noqa: E402
 from sizing.probe import host_memory, probe_path  # noqa: E402
 from sizing.testing.fixtures import FixtureShape, write_fixture  # noqa: E402
 

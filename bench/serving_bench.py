@@ -232,7 +232,7 @@ def main() -> int:
     ap.add_argument("--in-process", action="store_true", help="also run 'one' on the engine in this process")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    from service.models import embedded_model_path
+    from service.embedded import embedded_model_path
 
     model = args.model or embedded_model_path()
     scenarios = set(args.scenarios.split(","))

