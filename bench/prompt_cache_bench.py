@@ -18,15 +18,21 @@ Scenarios (``--scenarios``, comma-separated):
 - ``restart`` (the service alone, with ``GGUF_PROMPT_CACHE_DIR`` set to a temporary folder): a conversation's warm
   next turn, then the next turn after the service was restarted, and after the model was unloaded and loaded
   again, against a cold prompt of the same length. Targets: at most 1.5x the warm next turn, at most 0.15x cold.
+- ``kill`` (the service alone, with ``GGUF_PROMPT_CACHE_DIR``): each conversation's first turn, then one second
+  later SIGKILL to the service and its runner (what the OOM killer or a lost node does: no unload, no eviction),
+  then the next turns on a new service, against a cold prompt of the same length. Target: at most 0.15x cold (the
+  turns were written behind to the disk while the service was idle, ``service.engine.llama._write_behind``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from llama_server import find_or_build, request, serve  # noqa: E402
-from serving_bench import QUESTIONS, history_text, service  # noqa: E402
+from serving_bench import QUESTIONS, history_text, service, service_process  # noqa: E402
 
 
 def _client(url: str) -> httpx.Client:
@@ -104,6 +110,27 @@ def restart_scenario(model: str, history_tokens: int, reply_tokens: int, runs: i
     return out
 
 
+def kill_scenario(model: str, history_tokens: int, reply_tokens: int, runs: int) -> dict[str, list[float]]:
+    """The service alone with a disk cache: first turns, SIGKILL one second after the last, next turns and cold
+    prompts on a new service."""
+    out: dict[str, list[float]] = {"killed": [], "cold": []}
+    kv = tempfile.mkdtemp(prefix="prompt-cache-bench-")
+    convs = [Conversation(history_tokens, reply_tokens) for _ in range(runs)]
+    with service_process(model, GGUF_PROMPT_CACHE_DIR=kv) as (url, proc):
+        for c in convs:
+            c.turn(url)
+        runner = httpx.get(f"{url}/api/models").json()["models"][0]["runner"]["pid"]
+        time.sleep(1.0)
+        for pid in (proc.pid, runner):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    with service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:  # only the disk remembers
+        for c in convs:
+            out["killed"].append(c.turn(url))
+            out["cold"].append(cold(url, history_tokens))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a GGUF path (default: the embedded gemma-3-270m)")
@@ -113,7 +140,7 @@ def main() -> int:
     ap.add_argument("--reply-tokens", type=int, default=16)
     ap.add_argument("--cold-runs", type=int, default=5)
     ap.add_argument("--restart-runs", type=int, default=3)
-    ap.add_argument("--scenarios", default="rotation,cold,restart")
+    ap.add_argument("--scenarios", default="rotation,cold,restart,kill")
     ap.add_argument("--llama-server", help="a llama-server binary (default: built once into ~/.cache/gguf-bench)")
     ap.add_argument("--service-setting", action="append", default=[], metavar="GGUF_NAME=VALUE")
     args = ap.parse_args()
@@ -154,6 +181,8 @@ def main() -> int:
                           flush=True)
     restart = (restart_scenario(model, args.history_tokens, args.reply_tokens, args.restart_runs)
                if "restart" in scenarios else None)
+    killed = (kill_scenario(model, args.history_tokens, args.reply_tokens, args.restart_runs)
+              if "kill" in scenarios else None)
     s, ls = acc["service"], acc["llama-server"]
     print(f"\nmodel {Path(model).name}, histories of ~{args.history_tokens} tokens, load average "
           f"{os.getloadavg()[0]:.2f} (medians; ms)")
@@ -174,6 +203,12 @@ def main() -> int:
             x = med(restart[key]) * 1000
             print(f"  next turn after a {key:8s} {x:7.0f} ms = {x / w:5.2f}x warm (target <= 1.5), "
                   f"{x / c:5.3f}x cold (target <= 0.15)   runs: {' '.join(f'{v * 1000:.0f}' for v in restart[key])}")
+    if killed is not None:
+        k, c = med(killed["killed"]) * 1000, med(killed["cold"]) * 1000
+        print(f"\nSIGKILL one second after a turn, then the next turn on a new service: {k:.0f} ms against a cold "
+              f"prompt's {c:.0f} ms = {k / c:5.3f}x (target <= 0.15)   runs: "
+              f"{' '.join(f'{v * 1000:.0f}' for v in killed['killed'])}  |  "
+              f"{' '.join(f'{v * 1000:.0f}' for v in killed['cold'])}")
     return 0
 
 

@@ -67,6 +67,14 @@ QUESTIONS = ("What did the keeper do at dusk?", "Who visited him?", "What happen
 def service(model: str, *, beside: tuple[str, ...] = (), **settings: str) -> Iterator[str]:
     """``python -m service`` on its defaults (but ``settings``, GGUF_* names), serving ``model`` from a models
     directory of its own (with the files ``beside``, under their own names: a draft model)."""
+    with service_process(model, beside=beside, **settings) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def service_process(model: str, *, beside: tuple[str, ...] = (), **settings: str
+                    ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``service``, and its process (to kill it)."""
     models = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     for src, dst in ((model, models / "bench.gguf"), *((b, models / Path(b).name) for b in beside)):
         try:
@@ -82,7 +90,7 @@ def service(model: str, *, beside: tuple[str, ...] = (), **settings: str) -> Ite
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_answers(proc, f"{url}/ready", 300, f"the service (log: {models / 'service.log'})")
-        yield url
+        yield url, proc
     finally:
         stop(proc)
         log.close()

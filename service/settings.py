@@ -304,6 +304,12 @@ class Settings(BaseSettings):
         "link-local or otherwise not public, comma-separated (e.g. 127.0.0.1,10.0.0.0/8,models.internal). "
         "Unset: only public addresses.",
     )
+    parallel_tool_calls: bool = Field(
+        False, description="Whether a request that does not say (parallel_tool_calls; Anthropic's "
+        "disable_parallel_tool_use) may get several tool calls in one answer. Off, as llama-server's default: the "
+        "grammar ends the answer after one whole call, where a small model that may start another writes calls until "
+        "max_tokens cuts one (docs/api.md, Tool calls).",
+    )
     reasoning_format: Literal["none", "separate", "inline"] = Field(
         "separate",
         description="How a thinking model's <think>...</think> (and the like) is returned, as llama-server's "

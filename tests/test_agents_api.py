@@ -83,7 +83,7 @@ def test_a_named_tool_choice_calls_that_tool(client: openai.OpenAI) -> None:
 
 def test_streamed_tool_call_deltas_reassemble_to_the_plain_call(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model=EMBEDDED_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                              max_tokens=120, temperature=0.7, seed=11)
+                              parallel_tool_calls=True, max_tokens=120, temperature=0.7, seed=11)
     plain = client.chat.completions.create(**kw).choices[0]
     calls: dict[int, dict[str, Any]] = {}
     finish = None
@@ -98,15 +98,16 @@ def test_streamed_tool_call_deltas_reassemble_to_the_plain_call(client: openai.O
                 if d.function and d.function.arguments:
                     c["arguments"] += d.function.arguments
                     n_arg_deltas += 1
-    # Parallel calls allowed: the base model may go on calling until max_tokens (finish_reason length), the
-    # last call then cut short in both answers alike.
+    # Parallel calls asked for: the base model may go on calling until max_tokens (finish_reason length); the call
+    # that cut short is dropped from both answers alike, so every call returned is whole.
     assert finish == plain.finish_reason and finish in ("tool_calls", "length")
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
         [(t.function.name, t.function.arguments) for t in plain.message.tool_calls]
-    jsonschema.validate(json.loads(calls[0]["arguments"]), next(
-        t for t in TOOLS if t["function"]["name"] == calls[0]["name"])["function"]["parameters"])
+    for c in calls.values():
+        jsonschema.validate(json.loads(c["arguments"]), next(
+            t for t in TOOLS if t["function"]["name"] == c["name"])["function"]["parameters"])
     assert all(c["id"].startswith("call_") for c in calls.values())
-    assert n_arg_deltas > len(calls)  # the arguments stream in pieces, as the model writes them
+    assert n_arg_deltas == len(calls)  # a call's arguments go out in one piece, once they are whole
 
 
 def test_a_tool_result_round_trips(client: openai.OpenAI) -> None:

@@ -139,7 +139,8 @@ def chat_setup(body: "ChatRequest", engine: Any, settings: Any,
         return params, Choices(fmt, reasoning=mode, json_kind=json_constraint(params), biased=biased), shown
     named = isinstance(choice, dict)
     forced = named or choice == "required"
-    parallel = body.parallel_tool_calls is not False and not named
+    asked = body.parallel_tool_calls
+    parallel = (asked if asked is not None else settings.parallel_tool_calls) and not named
     kind = json_constraint(params)
     if kind is not None and forced:
         params = replace(params, json_schema=None, json_object=False)  # a forced call is the answer: nothing to format

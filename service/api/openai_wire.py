@@ -283,7 +283,8 @@ class ChatRequest(GenerationRequest):
     tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call (OpenAI's shape).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="none, auto (default with tools), required, "
                                                      "or {\"type\": \"function\", \"function\": {\"name\"}}.")
-    parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer (default true).")
+    parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer (default: "
+                                             "GGUF_PARALLEL_TOOL_CALLS, false).")
     reasoning_format: Literal["none", "separate", "inline"] | None = Field(
         None, description="llama.cpp server extension: how thinking is returned (default GGUF_REASONING_FORMAT).")
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -366,7 +366,8 @@ class Conversation:
         tools = _tools(body.tools)
         choice, tools = _choice(body.tool_choice, tools)
         data: dict[str, Any] = {"model": body.model, "messages": self.messages, "tools": tools,
-                                "parallel_tool_calls": body.parallel_tool_calls,
+                                "parallel_tool_calls": (body.parallel_tool_calls if body.parallel_tool_calls is not None
+                                                        else settings.parallel_tool_calls),
                                 "response_format": _response_format(body.text),
                                 "reasoning_format": "none" if settings.reasoning_format == "none" else "separate"}
         if choice is not None and (tools or choice not in ("auto", "none")):
@@ -460,7 +461,7 @@ class Output:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls, "model": self.model, "output": self.items,
-            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "parallel_tool_calls": bool(chat.parallel_tool_calls),
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                           "summary": (body.reasoning.summary or body.reasoning.generate_summary)

@@ -274,7 +274,13 @@ _FORMATS: dict[str, tuple[str, bool, str, str, str]] = {
 
 
 class ToolCallParser:
-    """Generated text in, ``ToolDelta`` pieces out (``feed`` per piece, ``finish`` at the end)."""
+    """Generated text in, ``ToolDelta`` pieces out (``feed`` per piece, ``finish`` at the end).
+
+    A call goes out whole: its id and name, then its arguments in one piece, once the arguments' JSON value is
+    complete. A call the output cuts short (``max_tokens``, a stop string) is never sent, streamed or not: its
+    arguments would not parse, and an agent that ran it would run a call the model never finished (openai-agents
+    took one for a call and failed; llama-server's parser drops it too). The answer then has the whole calls before
+    it, and ``cut`` says one was dropped (``finish_reason: length``)."""
 
     def __init__(self, fmt: ChatFormat, *, enabled: bool = True, forced: bool = False,
                  calls_only: bool = False) -> None:
@@ -289,8 +295,9 @@ class ToolCallParser:
         self.state = "text"
         self.n_calls = 0
         self._args_start = -1
-        self._sent = 0
         self._id: str | None = None
+        self._name = ""
+        self._sent = False
         self._cut = False
         self._stray = False
         self._lead: str | None = None
@@ -318,7 +325,7 @@ class ToolCallParser:
             return []
         out = self._run(final=True)
         if self.state == "object" and self._id is not None:
-            self._cut = True  # the arguments cut short: the partial call stands, as OpenAI returns it
+            self._cut = True  # the arguments cut short: the call is dropped, never sent with arguments that do not parse
         if self.state == "text" and self.buf:
             out.append(ToolDelta(content=self.buf))
         elif self.state == "object" and self._id is None and self.buf and not self.n_calls:
@@ -373,7 +380,7 @@ class ToolCallParser:
                     self._lead += self.buf[:k]
                 self.buf = self.buf[k:]
                 self.state = "object"
-                self._id, self._args_start, self._sent = None, -1, 0
+                self._id, self._args_start, self._sent = None, -1, False
             if self.state == "object":
                 if self._id is None:
                     m = _HEAD.match(self.buf)
@@ -388,20 +395,15 @@ class ToolCallParser:
                         return out
                     self._id = call_id()
                     self._lead = None
-                    name = json.loads(f'"{m.group(1)}"')
-                    out.append(ToolDelta(index=self.n_calls, id=self._id, name=name))
+                    self._name = json.loads(f'"{m.group(1)}"')
                     self._args_start = m.end()
                 end = value_end(self.buf, self._args_start)
-                upto = end if end is not None else len(self.buf)
-                frag = self.buf[self._args_start + self._sent: upto]
-                if frag and (self._sent or frag.strip()):
-                    if not self._sent:
-                        frag = frag.lstrip()
-                        self._args_start = upto - len(frag)
-                    out.append(ToolDelta(index=self.n_calls, arguments=frag))
-                    self._sent += len(frag)
                 if end is None:
-                    return out
+                    return out  # held until its arguments are whole
+                if not self._sent:
+                    out.append(ToolDelta(index=self.n_calls, id=self._id, name=self._name))
+                    out.append(ToolDelta(index=self.n_calls, arguments=self.buf[self._args_start:end].strip()))
+                    self._sent = True  # its closing brace may still be to come
                 rest = self.buf[end:]
                 brace = re.match(r"\s*\}", rest)
                 if brace is None:
@@ -421,7 +423,7 @@ class ToolCallParser:
                 if k >= 0 and k > 0:
                     self.buf = self.buf[k:]
                     self.state = "object"
-                    self._id, self._args_start, self._sent = None, -1, 0
+                    self._id, self._args_start, self._sent = None, -1, False
                     if self.keep and not self.buf.lstrip().startswith("{"):
                         self.state = "text"
                     continue

@@ -145,6 +145,8 @@ class PromptCache:
     """One file read at a time (``_load``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     """The entries against the writer thread (which only sets ``path`` and reads ``disk bytes``)."""
+    _backlog: int = 0
+    """Writes queued and not yet done."""
 
     # -- what it holds ------------------------------------------------------
 
@@ -188,8 +190,8 @@ class PromptCache:
         """The entry of ``scope`` whose usable prefix of ``tokens`` is longest and longer than ``floor``."""
         best, n_best = None, floor
         for e in self.entries:
-            if e.scope != scope or len(e.tokens) <= n_best:
-                continue
+            if e.scope != scope or len(e.tokens) <= n_best or (e.state is None and e.path is None):
+                continue  # another's, too short, or its state still on its way to the disk
             k = usable(e, tokens)
             if k > n_best:
                 best, n_best = e, k
@@ -200,19 +202,39 @@ class PromptCache:
         n = len(tokens)
         return any(e.scope == scope and len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries)
 
-    def put(self, tokens: list[int], state: bytearray, *, scope: str, pos_min: int, n_canon: int) -> bool:
-        """Keep a slot's prompt; entries it contains are dropped; False when it is held already or too large."""
+    def needs(self, tokens: list[int], scope: str, *, memory: bool = True) -> bool:
+        """Whether a slot holding ``tokens`` has a state to add: no entry holds them (nor a longer prompt they
+        begin), or (``memory``) the entry of exactly these tokens is on disk only and host memory has room for it
+        (a prompt written behind while its slot still held it, now leaving the slot)."""
         n = len(tokens)
-        if n < MIN_TOKENS or self.contains(tokens, scope):
+        if n < MIN_TOKENS:
             return False
-        if not self.takes(len(state)):
+        for e in self.entries:
+            if e.scope == scope and len(e.tokens) >= n and e.tokens[:n] == tokens:
+                return memory and e.state is None and len(e.tokens) == n and e.nbytes <= self.budget_bytes
+        return True
+
+    def put(self, tokens: list[int], state: bytearray, *, scope: str, pos_min: int, n_canon: int,
+            memory: bool = True) -> bool:
+        """Keep a slot's prompt; entries it contains are dropped; False when it is held already or too large.
+
+        ``memory`` off: on disk only (``write_behind``: the slot still holds it, so host memory need not); the
+        state waits in the writer's queue until it is written. An entry of exactly these tokens kept on disk only
+        takes the state into memory."""
+        if not self.needs(tokens, scope, memory=memory) or not self.takes(len(state)):
             return False
+        n = len(tokens)
+        self._clock += 1
+        for e in self.entries:
+            if e.scope == scope and e.tokens == tokens:  # on disk only (``needs``): into memory too
+                e.state, e.last_used = state, self._clock
+                self._fit()
+                return True
         with self._lock:
             for e in [e for e in self.entries if e.scope == scope and len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens]:
                 self._drop(e)
-        self._clock += 1
         e = Entry(tokens=list(tokens), scope=scope, pos_min=pos_min, n_canon=n_canon, nbytes=len(state),
-                  state=state if len(state) <= self.budget_bytes else None, last_used=self._clock)
+                  state=state if memory and len(state) <= self.budget_bytes else None, last_used=self._clock)
         with self._lock:
             self.entries.append(e)
         self.stats.saved += 1
@@ -220,6 +242,12 @@ class PromptCache:
         if self.directory is not None:
             self._write(e, state)
         return True
+
+    @property
+    def writing(self) -> bool:
+        """Whether a write is queued or under way (``write_behind`` queues one at a time)."""
+        with self._lock:
+            return self._backlog > 0
 
     def take(self, e: Entry) -> bytearray | None:
         """The entry's state, to restore into a slot: it leaves host memory (its disk copy stays); None when its
@@ -321,6 +349,8 @@ class PromptCache:
 
     def _write(self, e: Entry, state: bytearray) -> None:
         if self._writes is not None:
+            with self._lock:
+                self._backlog += 1
             self._writes.put((e, state))
 
     def _write_loop(self, writes: "queue.SimpleQueue[Any]") -> None:
@@ -332,21 +362,31 @@ class PromptCache:
                 item.set()
                 continue
             e, state = item
-            with self._lock:
-                if e not in self.entries:  # dropped before its turn
-                    continue
             try:
-                path = self._store(e, state)
-            except OSError as exc:
-                log.warning("prompt cache: could not write an entry of %d tokens: %s", len(e.tokens), exc)
-                continue
+                self._write_one(e, state)
+            finally:
+                with self._lock:
+                    self._backlog -= 1
+
+    def _write_one(self, e: Entry, state: bytearray) -> None:
+        with self._lock:
+            if e not in self.entries:  # dropped before its turn
+                return
+        try:
+            path = self._store(e, state)
+        except OSError as exc:
+            log.warning("prompt cache: could not write an entry of %d tokens: %s", len(e.tokens), exc)
             with self._lock:
-                if e in self.entries:
-                    e.path = path
-                    self.stats.disk_written += 1
-                    self._fit_disk()
-                else:
-                    path.unlink(missing_ok=True)
+                if e.state is None and e in self.entries:  # on its way to the disk only: nowhere now
+                    self.entries.remove(e)
+            return
+        with self._lock:
+            if e in self.entries:
+                e.path = path
+                self.stats.disk_written += 1
+                self._fit_disk()
+            else:
+                path.unlink(missing_ok=True)
 
     def _store(self, e: Entry, state: bytearray) -> Path:
         assert self.directory is not None

@@ -71,9 +71,31 @@ def test_plain_text_stays_content(fmt: str) -> None:
         assert calls == [] and content == text
 
 
-def test_an_unfinished_call_keeps_its_header_and_what_arguments_came() -> None:
-    content, calls = _parse("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', 4)
-    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == '{"city": "Pa'
+@pytest.mark.parametrize("fmt", sorted(OUTPUTS))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_call_cut_short_is_never_sent(fmt: str, step: int) -> None:
+    """Cut anywhere inside its arguments, the second call is dropped (no id, no name, no piece of its arguments,
+    streamed or not) and ``cut`` says so; the whole first call stays."""
+    text = OUTPUTS[fmt]
+    second = text.index("get_time") + len("get_time")
+    for end in range(second, text.index("{}", second) + 1):
+        p = ToolCallParser(ChatFormat(tools=fmt))  # type: ignore[arg-type]
+        out: list[ToolDelta] = []
+        for i in range(0, end, step):
+            out += p.feed(text[i:min(i + step, end)])
+        out += p.finish()
+        content, calls = _assemble(out)
+        assert [c["name"] for c in calls] == ["get_weather"], (end, calls)
+        assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 2}
+        assert p.cut and "get_time" not in content, (end, content)
+
+
+def test_a_call_goes_out_whole_once_its_arguments_are() -> None:
+    p = ToolCallParser(ChatFormat(tools="hermes"))
+    assert p.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa') == []
+    assert p.feed('ris"') == []
+    first = p.feed("}")
+    assert [(d.name, d.arguments) for d in first] == [("get_weather", ""), (None, '{"city": "Paris"}')]
 
 
 def test_check_tools() -> None:

@@ -245,3 +245,37 @@ def test_least_recently_used_go_first() -> None:
     assert not pc.put([2] * 40, bytes(100), scope="", pos_min=0, n_canon=0)  # held already
     assert pc.put([2] * 60, bytes(100), scope="", pos_min=0, n_canon=0)  # contains [2]*40: replaces it
     assert sorted(e.tokens[0] for e in pc.entries) == [1, 2, 3] and pc.memory_bytes == 300
+
+
+def test_a_prompt_written_behind_is_on_disk_only_until_its_slot_lets_it_go(tmp_path: Path) -> None:
+    """``put(memory=False)``: the slot still holds the prompt, so only its file is kept; when the slot is vacated
+    the same tokens take their state into memory instead of a second file; a longer turn replaces both."""
+    pc = PromptCache(10_000)
+    pc.open_disk(tmp_path, {"model": "m"}, 1 << 20)
+    try:
+        tokens = list(range(40))
+        assert pc.needs(tokens, "", memory=False)
+        assert pc.put(tokens, bytearray(b"s" * 100), scope="", pos_min=0, n_canon=0, memory=False)
+        pc.flush()
+        assert not pc.writing and pc.memory_bytes == 0 and pc.disk_entries == 1
+        assert not pc.needs(tokens, "", memory=False)  # on disk already: nothing to write behind
+        assert pc.needs(tokens, "")  # leaving its slot: into memory as well
+        assert pc.put(tokens, bytearray(b"s" * 100), scope="", pos_min=0, n_canon=0)
+        pc.flush()
+        assert pc.memory_bytes == 100 and pc.disk_entries == 1 and len(list(tmp_path.rglob("*.kv"))) == 1
+        longer = tokens + [7] * 10
+        assert pc.put(longer, bytearray(b"t" * 120), scope="", pos_min=0, n_canon=0, memory=False)
+        pc.flush()
+        assert [len(e.tokens) for e in pc.entries] == [50] and pc.memory_bytes == 0
+        assert len(list(tmp_path.rglob("*.kv"))) == 1
+        assert not pc.needs(tokens[:35], "")  # a prompt the entry begins with: nothing to add
+    finally:
+        pc.close()
+
+
+def test_a_state_on_its_way_to_the_disk_is_not_offered() -> None:
+    """Before its file is written an entry written behind has no state anywhere: ``best`` never offers it."""
+    pc = PromptCache(10_000)
+    pc.directory = Path("/nonexistent")  # a write that never happens (no writer thread)
+    assert pc.put(list(range(40)), bytearray(100), scope="", pos_min=0, n_canon=0, memory=False)
+    assert pc.best(list(range(45)), "", lambda e, t: len(e.tokens), 0) == (None, 0)

@@ -230,16 +230,17 @@ def test_a_forced_call_cut_by_max_tokens_is_length_not_content(s: str, request: 
 
 
 @slow
-def test_a_partial_forced_call_is_returned_as_a_call_with_length(svc: ServiceProcess) -> None:
-    """Cut after the call's name: a partial tool call with finish_reason length, as OpenAI returns one."""
-    r = _chat(svc, max_tokens=24, tools=[WEATHER], tool_choice="required")
-    choice = r.json()["choices"][0]
+def test_a_forced_call_cut_after_its_name_is_dropped_with_length(svc: ServiceProcess) -> None:
+    """Cut after the call's name, inside its arguments: no call and no content, finish_reason length, streamed or
+    not (before, the partial call was returned with arguments that do not parse, as OpenAI returns one)."""
+    body = dict(max_tokens=24, tools=[WEATHER], tool_choice="required")
+    choice = _chat(svc, **body).json()["choices"][0]
     assert choice["finish_reason"] == "length", choice
     _no_call_text(choice["message"]["content"])
-    calls = choice["message"]["tool_calls"]
-    assert [c["function"]["name"] for c in calls] == ["get_weather"], calls
-    with pytest.raises(ValueError):
-        json.loads(calls[0]["function"]["arguments"])  # cut: the arguments so far, not whole
+    assert not choice["message"].get("tool_calls"), choice
+    events = _stream(svc, **body)
+    assert _finishes(events) == ["length"] and _deltas(events, "content") == "", events
+    assert not any(ch["delta"].get("tool_calls") for ev in events for ch in ev.get("choices", [])), events
 
 
 @slow
@@ -268,7 +269,7 @@ def test_a_forced_call_cut_short_is_no_content_and_is_cut() -> None:
         p = ToolCallParser(fmt, forced=True, calls_only=True)
         assert _run(p, text) == ("", []) and p.cut, text
     p = ToolCallParser(generic, forced=True, calls_only=True)
-    assert _run(p, '{"tool_calls": [{"name": "get_weather", "arguments": {"ci') == ("", ["get_weather"]) and p.cut
+    assert _run(p, '{"tool_calls": [{"name": "get_weather", "arguments": {"ci') == ("", []) and p.cut  # dropped
     p = ToolCallParser(hermes, forced=True, calls_only=True)  # the whole call, its closing marker missing
     assert _run(p, '<tool_call>\n{"name": "f", "arguments": {}}\n')[1] == ["f"] and p.cut
     for fmt, text in ((generic, '{"tool_calls": [{"name": "f", "arguments": {}}]}'),
@@ -297,8 +298,8 @@ def test_free_text_under_auto_is_content_and_not_cut() -> None:
     assert _run(p, '{"name":"x"} then {"name": "f", "parameters": {}}') == ('{"name":"x"} then ', ["f"])
     p = ToolCallParser(llama3, forced=True, calls_only=True)
     assert _run(p, '{"name": "get_wea') == ("", []) and p.cut
-    p = ToolCallParser(ChatFormat(tools="hermes"))  # a call begun under auto, cut: cut
-    assert _run(p, 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": ')[1] == ["f"] and p.cut
+    p = ToolCallParser(ChatFormat(tools="hermes"))  # a call begun under auto, cut: cut, and dropped
+    assert _run(p, 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": ') == ("Sure.", []) and p.cut
 
 
 def test_whole_json() -> None:
