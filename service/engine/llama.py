@@ -122,13 +122,13 @@ _TOKENIZE_MEMO_MAX_CHARS = 256 * 1024
 _DONE = object()
 _STOP = object()
 SCHEDULER_IDLE_EXIT_S = 1.0
+"""With another engine loaded in the process, an idle scheduler thread ends after this long (its OpenMP team with
+it); a request starts a new one, which costs its first token about 10 ms (22 -> 33 ms for a one-token request,
+measured), so an engine alone keeps its thread."""
 WRITE_BEHIND_RETRY_S = 0.05
 """An idle scheduler with a slot still to write behind while the disk writes another looks again this soon."""
 WRITE_BEHIND_BUSY_S = 2.0
 """A finished turn waits this long for an idle moment before it is written behind between two steps."""
-"""With another engine loaded in the process, an idle scheduler thread ends after this long (its OpenMP team with
-it); a request starts a new one, which costs its first token about 10 ms (22 -> 33 ms for a one-token request,
-measured), so an engine alone keeps its thread."""
 _engines_loaded = 0
 _engines_lock = threading.Lock()
 EMBEDDING_PIECE_TOKENS = 32
