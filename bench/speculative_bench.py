@@ -1,13 +1,14 @@
-"""Self-speculative decoding (issue 26): decode speed with drafts, without them, and llama-server's ngram-simple.
+"""Self-speculative decoding (issues 26, 45): decode speed with drafts, without them, and llama-server's n-gram modes.
 
-    python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--no-llama-server] [--draft-max N] [--model PATH]
-                                      [--draft-model PATH]
+    python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--peers ngram-mod,ngram-simple]
+                                      [--no-llama-server] [--draft-max N] [--model PATH] [--draft-model PATH]
 
-One client at a time, greedy, ``ignore_eos`` (every answer the same length on every side). Three sides, one
+One client at a time, greedy, ``ignore_eos`` (every answer the same length on every side). The sides, one
 request each per workload and round, their order rotated: the service (its defaults: ``GGUF_SPECULATIVE=ngram``),
 the same service with ``speculative: false`` in the request (one token a step), and llama-server built from the
-vendored llama.cpp (``bench/llama_server.py``) with ``--spec-type ngram-simple`` (its defaults: a 12-token
-n-gram, up to 48 drafted tokens). Workloads:
+vendored llama.cpp (``bench/llama_server.py``), once per ``--peers`` speculation type on its defaults:
+``ngram-mod`` (a hash pool of 24-token n-grams shared by the slots, drafts of 48 to 64 tokens chained one lookup a
+token) and ``ngram-simple`` (a 12-token n-gram, up to 48 drafted tokens). Workloads:
 
 - ``copy``: a ~500-token text to rewrite with one word changed (the answer copies the prompt);
 - ``json``: records in the prompt, one of them to repeat as JSON (the answer quotes the prompt);
@@ -20,14 +21,16 @@ With ``--draft-model`` the drafts come from that model on both servers instead (
 without MTP heads, and its defaults: up to 16 tokens, p-min 0.75).
 
 Printed per workload: the median decode tokens/s of each side, the service's ratio with drafts to without
-(targets: at least 1.5x on ``copy`` and ``json``, at least 0.97x on ``plain``) and to llama-server (target: at
-least 1.0x on ``copy`` and ``json``), and the share of drafted tokens kept.
+(targets: at least 1.5x on ``copy`` and ``json``, at least 0.97x on ``plain``) and to each llama-server (target:
+at least 1.0x on ``copy`` and ``json`` against the best of its n-gram modes), and the share of drafted tokens
+kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -57,6 +60,7 @@ RECORDS = "\n".join(
                                    ("Grace Hopper", "Arlington", "admiral"), ("Edsger Dijkstra", "Austin", "professor"),
                                    ("Barbara Liskov", "Boston", "researcher"), ("Donald Knuth", "Stanford", "author")]))
 PEER = "llama-server"
+"""Each peer side is named ``llama-server <spec type>``."""
 SAMPLED = {"plain"}
 """Workloads sampled with temperature 1 and a seed instead of greedy."""
 WORKLOADS: dict[str, str] = {
@@ -73,6 +77,12 @@ def _run(url: str, prompt: str, tokens: int, extra: dict[str, Any], sampled: boo
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 1.0 if sampled else 0, "seed": 3, "top_p": 1.0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": False, **extra}
+    if sampled:
+        # The same distribution on every side: llama-server's own defaults (top_k 40, min_p 0.05) would sample
+        # another, cheaper one than the service's (OpenAI's: the whole vocabulary), so both are given the whole one.
+        # Greedy, the two change no token, but llama-server's verification of drafts slows down with them (copy
+        # 130 against 160 tokens/s): there they are left out.
+        body.update(top_k=0, min_p=0.0)
     first = last = 0.0
     n = 0
     drafted = kept = 0
@@ -105,6 +115,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--model", default=None)
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--peers", default="ngram-mod,ngram-simple",
+                    help="llama-server's --spec-type values to run beside the service (comma-separated)")
     ap.add_argument("--draft-max", type=int, default=None, help="GGUF_DRAFT_MAX for the service (default its own)")
     ap.add_argument("--draft-model", default=None, help="a draft model's file (bench/make_draft.py writes one)")
     args = ap.parse_args()
@@ -115,16 +127,19 @@ def main() -> None:
         sides: dict[str, Callable[[str, bool], tuple[float, int, int]]] = {}
         settings = {"GGUF_DRAFT_MAX": str(args.draft_max)} if args.draft_max else {}
         beside: tuple[str, ...] = ()
-        peer_args: tuple[str, ...] = ("--spec-type", "ngram-simple")
+        peers = {f"{PEER} {t}": ("--spec-type", t) for t in args.peers.split(",") if t}
         if args.draft_model:
-            beside, peer_args = (args.draft_model,), ("-md", args.draft_model, "--spec-type", "draft-simple")
+            beside = (args.draft_model,)
+            peers = {f"{PEER} draft-simple": ("-md", args.draft_model, "--spec-type", "draft-simple")}
             settings["GGUF_DRAFT_MODEL"] = Path(args.draft_model).stem
         url = stack.enter_context(service(model, beside=beside, **settings))
         sides["service"] = lambda p, s: _run(url, p, args.tokens, {}, s)
         sides["service, no drafts"] = lambda p, s: _run(url, p, args.tokens, {"speculative": False}, s)
         if not args.no_llama_server:
-            lurl = stack.enter_context(serve(find_or_build(), model, *peer_args))
-            sides[PEER] = lambda p, s: _run(lurl, p, args.tokens, {}, s)
+            binary = find_or_build()
+            for name, peer_args in peers.items():
+                lurl = stack.enter_context(serve(binary, model, *peer_args, log_name=f"{name.split()[-1]}.log"))
+                sides[name] = functools.partial(lambda u, p, s: _run(u, p, args.tokens, {}, s), lurl)
         names = list(sides)
         for w, prompt in WORKLOADS.items():  # warm-up: every side's first request of each workload
             for name in names:
@@ -147,11 +162,10 @@ def main() -> None:
             k = sum(y for _, y in drafts[(w, "service")])
             ratio = med["service"] / med["service, no drafts"] if med["service, no drafts"] else 0.0
             line = f"{w:6s} " + " | ".join(parts) + f" | with/without drafts {ratio:.2f}x"
-            if PEER in med and med[PEER]:
-                line += f" | service/llama-server {med['service'] / med[PEER]:.2f}x"
-                ld = sum(x for x, _ in drafts[(w, PEER)])
-                lk = sum(y for _, y in drafts[(w, PEER)])
-                line += f" | llama-server kept {lk}/{ld}"
+            for peer in (n for n in names if n.startswith(PEER) and med[n]):
+                ld = sum(x for x, _ in drafts[(w, peer)])
+                lk = sum(y for _, y in drafts[(w, peer)])
+                line += f" | service/{peer} {med['service'] / med[peer]:.2f}x (it kept {lk}/{ld})"
             line += f" | service kept {k}/{d} drafted tokens"
             print(line)
 

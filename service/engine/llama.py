@@ -101,10 +101,10 @@ from .params import (apply_context_params, apply_model_params, context_params, d
 from .prompting import Prompting
 from .task_prompts import TaskPrompts
 from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache, model_fingerprint, plan_budget
-from .sampling import SavedLogits, logprob_of, sampler_chain
+from .sampling import SavedLogits, TemperatureSampler, logprob_of, sampler_chain, temperature_sampler
 from .draft import DraftJob, DraftModelRunner, VocabularyMismatch, vocabulary_mismatch
 from .mtp import MtpRunner
-from .speculation import DRAFT_MAX, DRAFT_MIN, DraftPolicy, NgramDrafter
+from .speculation import DRAFT_MAX, DRAFT_MIN, LONG_MATCH, POOL_ANSWERS, DraftPolicy, NgramDrafter, NgramPool
 from .vision import ImageChunk, Images
 from .slots import (INVARIANT_MIN_ROWS, SLOT_PROMPT_SIMILARITY, Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot,
                     reusable)
@@ -217,6 +217,8 @@ class _Request:
     greedy: bool = False
     """Temperature 0, no penalty, no grammar: the token is the row's argmax (see ``_on_logits``)."""
     sampler: Any = None
+    """The llama.cpp sampler chain (``sampling.sampler_chain``), or None where ``temperature`` draws instead."""
+    temperature: TemperatureSampler | None = None
     n_out: int = 0
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     stops: list[str] = field(default_factory=list)
@@ -380,6 +382,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         self._unwritten: dict[int, float] = {}
         """Slots whose prompt changed since it was last written to the disk (``_write_behind``): when their last
         request ended (``time.monotonic``)."""
+        self._answers = NgramPool()
+        """Finished answers per cache scope, for the n-gram drafts of later requests (scheduler thread)."""
 
     # -- Engine protocol -------------------------------------------------
 
@@ -517,6 +521,7 @@ class LlamaEngine(Prompting, TaskPrompts):
             self._cells = Cells()
             self._pcache = self._open_prompt_cache(path, plan, cparams)
             self._unwritten = {}
+            self._answers = NgramPool(POOL_ANSWERS)
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
             self._saved = SavedLogits(self._n_vocab)
             self._draft_rows = 0
@@ -974,7 +979,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         if self._drafts and params.speculative and self._draft_max >= DRAFT_MIN:
             for r in reqs:
                 # The draft model sees no image: a prompt with one drafts from its own tokens.
-                r.drafter = (self._draft_runner if not images else None) or NgramDrafter()
+                r.drafter = ((self._draft_runner if not images else None)
+                             or NgramDrafter(pool=self._answers, scope=params.cache_scope))
                 r.policy = DraftPolicy(draft_max=self._draft_max)
         shifts: list[tuple[int, int]] = []
         total = 0
@@ -1017,8 +1023,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         return dict(self._vision.find(tokens, given))
 
     def forget(self) -> None:
-        """Drop every idle slot's cached prompt and the prompt cache beyond the slots, its files too (the next
-        requests start from empty sequences)."""
+        """Drop every idle slot's cached prompt, the prompt cache beyond the slots (its files too) and the answers
+        the n-gram drafts look up (the next requests start from empty sequences)."""
         done = threading.Event()
         if self._post(done):
             done.wait()
@@ -1095,6 +1101,7 @@ class LlamaEngine(Prompting, TaskPrompts):
                             if s.req is None:
                                 self._clear_slot(s)
                         self._pcache.clear()
+                        self._answers.clear()
                         it.set()
                     elif isinstance(it, _Call):
                         if it.yields:
@@ -1293,7 +1300,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         slot.scope = scope
         slot.req, r.slot = slot, slot
         r.n_cached = n_keep
-        r.sampler = sampler_chain(self._model, self._n_vocab, r.params, r.grammar, r.seed)
+        self._samplers(r)
         r.t_start = time.perf_counter()
         active.append(r)
         if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
@@ -1467,6 +1474,8 @@ class LlamaEngine(Prompting, TaskPrompts):
         followers, r.followers = r.followers, []
         for f in followers:  # choices that never forked (cancelled during the prompt) end with it
             self._finish(f, finish, active)
+        if isinstance(r.drafter, NgramDrafter) and r.slot is not None and finish != "cancelled":
+            self._answers.add(r.params.cache_scope, r.slot.tokens, len(r.tokens))
         self._release(r, active)
         if not stopped:
             r.pending += r.decoder.decode(b"", final=True)
@@ -1518,12 +1527,16 @@ class LlamaEngine(Prompting, TaskPrompts):
                 members.append(r)
                 if spare > 0 and r.drafter is not None and not r.gone:
                     assert r.policy is not None and r.slot is not None
-                    k = min(spare, room, r.policy.budget(r.n_out), r.max_new_tokens - r.n_out - 1)
-                    if k < DRAFT_MIN:
-                        continue
+                    k = min(spare, room, r.max_new_tokens - r.n_out - 1)
                     if isinstance(r.drafter, NgramDrafter):
+                        k = min(k, r.policy.budget(r.n_out, LONG_MATCH))  # the most any match may take
+                        if k < DRAFT_MIN:
+                            continue
                         r.draft = r.drafter.draft(r.slot.tokens, r.next_token, k)
+                        r.draft = r.draft[:r.policy.budget(r.n_out, r.drafter.matched)]
                         k = len(r.draft)
+                    elif (k := min(k, r.policy.budget(r.n_out))) < DRAFT_MIN:
+                        continue
                     else:  # the draft model's: all of this step's at once, below (k held for it meanwhile)
                         jobs.append((r, DraftJob(r.slot.id, [*r.slot.tokens, r.next_token], k, [])))
                     r.batch_take += k
@@ -1697,7 +1710,7 @@ class LlamaEngine(Prompting, TaskPrompts):
         saved, r.first_logits = r.first_logits, None
         row = saved
         forking = bool(r.followers) and not r.t_first
-        if row is None and (r.greedy or r.params.logprobs is not None or forking
+        if row is None and (r.greedy or r.temperature is not None or r.params.logprobs is not None or forking
                             or (not r.t_first and self._cache_prompt)):
             row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._n_vocab,))
         if forking:
@@ -1713,6 +1726,8 @@ class LlamaEngine(Prompting, TaskPrompts):
             # greedy (the first largest logit): argmax over the row, without llama_sampler_sample copying all
             # n_vocab candidates (0.4 ms a token for gemma-3's 262,144, measured; 3% at 75 tokens/s).
             tok = int(np.argmax(row))
+        elif r.temperature is not None:
+            tok = r.temperature.sample(row)
         elif saved is not None:
             tok = self._saved.sample(r.sampler, saved)
         else:
@@ -1772,11 +1787,18 @@ class LlamaEngine(Prompting, TaskPrompts):
             slot.scope = src.scope
             slot.n_canon = src.n_canon
             f.n_cached = r.n_cached
-            f.sampler = sampler_chain(self._model, self._n_vocab, f.params, f.grammar, f.seed)
+            self._samplers(f)
             f.t_start = r.t_start
             f.first_logits = logits.copy()
             active.append(f)
             self._on_logits(f, -1, None, active)
+
+    def _samplers(self, r: _Request) -> None:
+        """The request's sampling: the argmax (``greedy``), numpy's temperature draw, or llama.cpp's chain."""
+        if not r.greedy:
+            r.temperature = temperature_sampler(r.params, r.grammar, r.seed)
+        if r.temperature is None:
+            r.sampler = sampler_chain(self._model, self._n_vocab, r.params, r.grammar, r.seed)
 
     def _token_bytes(self, tok: int) -> bytes:
         """``detokenize([tok])``: a function of the token id alone, so computed once per id."""

@@ -14,6 +14,10 @@ from .grammar_sampler import grammar_sampler
 
 PENALTY_LAST_N_TOKENS = 64
 """``Llama.last_n_tokens_size``'s default: the penalty window."""
+_BLOCK = 512
+"""Logits a ``TemperatureSampler`` sums together before it looks inside the block its draw falls in."""
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+"""llama.h's seed that asks llama.cpp for a random one."""
 
 
 def sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: Any, seed: int) -> Any:
@@ -49,6 +53,73 @@ def sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: A
         add(llama_cpp.llama_sampler_init_temp(temp))
         add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+class TemperatureSampler:
+    """The chain ``sampler_chain`` builds for plain temperature sampling (no top-k, top-p, min-p, penalty, grammar or
+    bias: OpenAI's default, the whole vocabulary), computed with numpy on the logits row where llama.cpp sees it,
+    token for token what the chain draws.
+
+    llama.cpp's chain is then penalties, top_k, typical, top_p and min_p that each return at once, ``temp`` (the
+    logits divided in float) and ``dist`` (src/llama-sampler.cpp ``llama_sampler_dist_apply``: ``expf(l - max)`` in
+    float, their running sum in double, the first token whose running sum reaches the sum times a draw of
+    ``std::uniform_real_distribution<double>`` from a ``std::mt19937`` seeded with the seed). Here the same float
+    operations and the same generator (numpy's ``MT19937`` with its legacy seeding is ``mt19937(seed)``, and
+    libstdc++'s ``generate_canonical<double, 53>`` takes two of its 32-bit outputs, the first the low half); the
+    running sum in double is summed by blocks of ``_BLOCK`` first, then run inside the block the draw falls in, so
+    it can differ from the sequential one in its last bits only: the token differs only where the draw falls that
+    close to a boundary between two tokens' shares (6,000 draws of 600 seeds and temperatures on random rows of
+    262,144 logits: every token the chain's). What it saves is llama_sampler_sample's copy of the row into
+    262,144 candidates and its scalar loops: 0.29 against 2.0 ms a token on gemma-3's vocabulary, where sampling
+    took 9% of a sampled token's time in the runner (py-spy)."""
+
+    def __init__(self, temperature: float, seed: int) -> None:
+        import numpy as np
+
+        self._temp = np.float32(temperature)
+        self._bits = np.random.MT19937()
+        self._bits._legacy_seeding(seed)
+        self._x: Any = None
+        """A buffer reused from token to token (a new one of 1 MiB each time costs page faults)."""
+
+    def sample(self, row: Any) -> int:
+        import numpy as np
+
+        n = len(row)
+        if self._x is None or len(self._x) != n:
+            self._x = np.empty(n, dtype=np.float32)
+        x = self._x
+        if self._temp != 1.0:
+            np.divide(row, self._temp, out=x)
+            np.subtract(x, x.max(), out=x)
+        else:
+            np.subtract(row, row.max(), out=x)
+        np.exp(x, out=x)
+        # The running sum by blocks: each block's sum, their running sum, then the sequential sum inside the block
+        # the draw falls in (a whole ``np.cumsum`` in double took 0.76 ms of the 1.0).
+        whole = n - n % _BLOCK
+        blocks = x[:whole].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
+        if whole < n:
+            blocks = np.append(blocks, x[whole:].sum(dtype=np.float64))
+        ends = np.cumsum(blocks)
+        lo, hi = self._bits.random_raw(2)
+        draw = (float(lo) + float(hi) * 4294967296.0) / 18446744073709551616.0
+        if draw >= 1.0:
+            draw = float(np.nextafter(1.0, 0.0))
+        target = float(ends[-1]) * draw
+        b = min(int(np.searchsorted(ends, target, side="left")), len(ends) - 1)
+        start = b * _BLOCK
+        inside = np.cumsum(x[start:start + _BLOCK], dtype=np.float64) + (float(ends[b - 1]) if b else 0.0)
+        return start + min(int(np.searchsorted(inside, target, side="left")), len(inside) - 1)
+
+
+def temperature_sampler(params: GenerationParams, grammar: Any, seed: int) -> TemperatureSampler | None:
+    """A ``TemperatureSampler`` where ``sampler_chain`` would build plain temperature sampling, else None (a top_k
+    of its own, even one of the whole vocabulary, sorts the candidates, and the draw then walks another order)."""
+    if (params.temperature <= 0.0 or grammar is not None or params.logit_bias or params.frequency_penalty
+            or params.presence_penalty or params.top_p < 1.0 or params.top_k > 0 or seed == LLAMA_DEFAULT_SEED):
+        return None
+    return TemperatureSampler(params.temperature, seed)
 
 
 class SavedLogits:
@@ -99,4 +170,5 @@ def logprob_of(logits: Any, k: int, token_bytes: Callable[[int], bytes]) -> Call
     return of
 
 
-__all__ = ["PENALTY_LAST_N_TOKENS", "SavedLogits", "logprob_of", "sampler_chain"]
+__all__ = ["PENALTY_LAST_N_TOKENS", "SavedLogits", "TemperatureSampler", "logprob_of", "sampler_chain",
+           "temperature_sampler"]

@@ -249,3 +249,34 @@ def test_a_draft_model_with_no_guess_counts_as_a_miss_and_pauses_too() -> None:
         p.declined(i)
     assert p.budget(PAUSE_AFTER_MISSES) == 0 and p.budget(PAUSE_AFTER_MISSES - 1 + PAUSE_TOKENS) > 0
     assert (p.drafted, p.accepted, p.length) == (0, 0, DRAFT_START)
+
+
+def test_a_long_match_drafts_at_full_length_from_the_start() -> None:
+    from service.engine.speculation import LONG_MATCH
+
+    p = DraftPolicy(draft_max=40)
+    assert p.budget(0) == DRAFT_START and p.budget(0, LONG_MATCH - 1) == DRAFT_START
+    assert p.budget(0, LONG_MATCH) == 40
+    p.record(1, 40, 3)  # a long draft cut short: short matches start low again, long ones stay at full length
+    assert p.budget(5, 2) == 4 and p.budget(5, LONG_MATCH) == 40
+
+
+def test_the_pool_drafts_a_scopes_earlier_answers_only() -> None:
+    from service.engine.speculation import POOL_MIN_MATCH, NgramPool
+
+    pool = NgramPool(answers=2)
+    answer = list(range(100, 140))
+    pool.add("alice", [1, 2, 3] + answer, 3)
+    d = NgramDrafter(pool=pool, scope="alice")
+    context = answer[:POOL_MIN_MATCH - 1]  # a new request writing the same answer again
+    assert d.draft([7, 7] + context, answer[POOL_MIN_MATCH - 1], 5) == answer[POOL_MIN_MATCH:POOL_MIN_MATCH + 5]
+    assert d.matched >= POOL_MIN_MATCH
+    assert NgramDrafter(pool=pool, scope="bob").draft([7, 7] + context, answer[POOL_MIN_MATCH - 1], 5) == []
+    assert d.draft([7, 100], 101, 5) == []  # a 2-gram: never from the pool
+    own = [100, 101, 102, 103, 104, 105, 9, 9, 100, 101, 102, 103, 104]
+    assert d.draft(own, 105, 3) == [9, 9, 100]  # the sequence's own tokens first
+    for i in range(2):  # the oldest answer leaves once two newer ones are kept
+        pool.add("alice", [50 + i] * 20, 0)
+    assert NgramDrafter(pool=pool, scope="alice").draft([7, 7] + context, answer[POOL_MIN_MATCH - 1], 5) == []
+    pool.clear()
+    assert pool.lookup("alice", (6, *answer[:6]), 3) == []
