@@ -52,7 +52,8 @@ low-level API:
   ``n_batch`` with prompt tokens (oldest request first), in increasing sequence id.
 - **Sampling** (``service.engine.sampling``). Each request has its own sampler chain, built as
   ``Llama._init_sampler`` builds it (penalties, grammar, then greedy at
-  temperature 0, or top_k/typical/top_p/min_p/temp/dist(seed)).
+  temperature 0, or top_k/typical/top_p/min_p/temp/dist(seed)); the argmax at temperature 0 and plain
+  temperature sampling are computed with numpy on the logits row instead, token for token the chain's.
 - **Text.** Incremental UTF-8 decoding, stop strings (``service.engine.text``) held back until they cannot
   start a stop string, log probabilities, EOG handling (``ignore_eos``), and a
   final chunk with the usage, the prompt tokens taken from the cache, and the
