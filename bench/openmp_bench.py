@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import service.engine.llama as llama_engine  # noqa: E402
+import service.engine.llama.scheduler as llama_engine  # noqa: E402
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
 from service.embedded import embedded_model_path  # noqa: E402

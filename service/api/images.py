@@ -300,7 +300,7 @@ def image_url_of(part: dict[str, object]) -> object:
 
 def decode_message_images(messages: list[dict[str, object]], limits: ImageLimits) -> list[dict[str, object]]:
     """The chat's messages with each ``image_url`` part decoded into the engine's ``{"type": "image", "image":
-    ImageInput}`` (``service.engine.prompting``), counted against ``max_images`` before each is decoded. The other
+    ImageInput}`` (``service.text.prompts``), counted against ``max_images`` before each is decoded. The other
     APIs' images arrive here as ``image_url`` parts (Anthropic's base64 blocks, Ollama's ``images``, the Responses
     API's ``input_image`` are converted by their adapters). Blocking: from a worker thread."""
     budget = limits.budget()

@@ -4,7 +4,7 @@ The body is llama-server's (tools/server/server-context.cpp, the infill route of
 llama-cpp-python 0.3.36 vendors): ``input_prefix`` and ``input_suffix`` (required), ``input_extra`` (other files
 as ``{filename, text}``), ``prompt`` (text after the prefix), and /completion's sampling fields (``n_predict`` or
 ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stream``...). The prompt is the FIM
-layout llama-server builds (``service.engine.task_prompts``: repo-level FIM_REP/FIM_SEP context, then FIM_PRE
+layout llama-server builds (``service.text.tasks``: repo-level FIM_REP/FIM_SEP context, then FIM_PRE
 prefix prompt FIM_SUF suffix FIM_MID, truncated as it truncates), made from token ids and generated through the
 one generation path (``service.api.generation.admit``, a completion). The answer is /completion's:
 ``{content, stop, tokens_predicted, tokens_evaluated, tokens_cached, stop_type, stopping_word, timings, ...}``;

@@ -9,7 +9,7 @@ Jina's shape ``document: {text}``, as Jina and Cohere answer ``return_documents`
 
 Only a model whose GGUF declares rank pooling ranks (``{arch}.pooling_type`` 4: its embedding context is made
 with ``LLAMA_POOLING_TYPE_RANK``); any other gets a 400 naming ``model``. Each (query, document) pair is formatted
-as llama-server formats it (``service.engine.task_prompts``), tokenized in the admission pool and scored through
+as llama-server formats it (``service.text.tasks``), tokenized in the admission pool and scored through
 the model's queue like an embedding batch (``LlamaEngine.rerank``), within the same bounds: at most
 ``MAX_DOCUMENTS`` documents, ``GGUF_EMBEDDING_MAX_REQUEST_TOKENS`` tokens in all, each pair within one embedding
 batch (``GGUF_EMBEDDING_TOKENS``).

@@ -324,7 +324,7 @@ class Engine(Protocol):
         ...
 
     def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
-        """Each (query, document) pair's tokens as llama-server formats them (``service.engine.task_prompts``);
+        """Each (query, document) pair's tokens as llama-server formats them (``service.text.tasks``);
         ``BadRequest`` beyond ``max_tokens`` in all."""
         ...
 
@@ -333,7 +333,7 @@ class Engine(Protocol):
         ...
 
     def fim_tokens(self) -> Any:
-        """The vocabulary's FIM token ids (``task_prompts.FimTokens``)."""
+        """The vocabulary's FIM token ids (``service.text.tasks.FimTokens``)."""
         ...
 
     def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,

@@ -20,7 +20,7 @@ from sizing.plan import Plan
 from ..errors import BadRequest, InsufficientMemory, NotReady
 from .base import (Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob,
                    check_limits)
-from .task_prompts import FimTokens
+from ..text.tasks import FimTokens
 from ..chat.format import ChatFormat
 
 FAKE_N_VOCAB = 1000

@@ -588,7 +588,7 @@ class ProcessEngine:
 
     def fim_tokens(self) -> Any:
         """Read at load (the API checks them on the event loop: it never waits)."""
-        from .task_prompts import FimTokens
+        from ..text.tasks import FimTokens
 
         return self._info.get("fim_tokens") or FimTokens()
 

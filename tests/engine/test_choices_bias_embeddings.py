@@ -69,7 +69,7 @@ def test_n_beyond_the_slots_is_refused(engine: LlamaEngine) -> None:
 def test_logit_bias_bans_a_token_of_the_greedy_output(engine: LlamaEngine) -> None:
     greedy = GenerationParams(max_tokens=10, temperature=0.0)
     first = [c for c in engine.complete(PROMPT, greedy, Cancel()) if c.text]
-    banned = engine._tokenize(first[0].text, add_bos=False)  # the first token the model wants
+    banned = engine.prompter.vocab.tokenize(first[0].text, add_bos=False)  # the first token the model wants
     assert len(banned) == 1
     biased = replace(greedy, logit_bias=((banned[0], float("-inf")),))
     again = [c for c in engine.complete(PROMPT, biased, Cancel()) if c.text]

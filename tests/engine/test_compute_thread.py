@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-import service.engine.llama as llama_engine
+import service.engine.llama.scheduler as llama_engine
 from service.engine.base import Cancel, GenerationParams
 from service.engine.llama import LlamaEngine
 from sizing.probe.devices import host_memory

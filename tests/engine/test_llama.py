@@ -200,7 +200,7 @@ def test_a_sliding_window_cache_reuses_only_what_it_still_holds(embedded_model: 
     eng = LlamaEngine()
     eng.load(embedded_model, _plan(embedded_model, 4096, 1))
     try:
-        assert eng._n_swa == 512
+        assert eng.loaded.n_swa == 512
         long = HISTORY * 8  # about 1,700 tokens: the 1,024-cell SWA cache has wrapped
         _, first = _run(eng.complete(long, replace(GREEDY, max_tokens=2), Cancel()))
         assert first.prompt_tokens > 1100

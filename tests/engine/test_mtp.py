@@ -64,7 +64,7 @@ def loaded(mtp_model: str, planned: Plan) -> Iterator[tuple[LlamaEngine, LoadRep
 
 def test_greedy_answers_with_the_mtp_head_are_the_answers_without(loaded: tuple[LlamaEngine, LoadReport]) -> None:
     eng = loaded[0]
-    assert isinstance(eng._draft_runner, MtpRunner)
+    assert isinstance(eng.loaded.runner, MtpRunner)
     (text_off, last_off), (text_on, last_on) = _both(eng, PROMPT, GREEDY)
     assert text_on == text_off and last_on.completion_tokens == last_off.completion_tokens == 40
     assert last_off.drafted_tokens == 0
@@ -76,7 +76,7 @@ def test_a_head_that_guesses_wrong_changes_no_answer(loaded: tuple[LlamaEngine, 
     """Every guess made, however unlikely (``p_min`` 0), and the head's input rows spoiled: most guesses are
     rejected, and the answer is the one without drafts."""
     eng = loaded[0]
-    runner = eng._draft_runner
+    runner = eng.loaded.runner
     assert isinstance(runner, MtpRunner)
     off = _run(eng.complete("Another text, then", replace(GREEDY, speculative=False), Cancel()))
     keep, runner.p_min = runner.p_min, 0.0

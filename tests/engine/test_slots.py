@@ -1,4 +1,4 @@
-"""The slot policy and stop-string handling without llama.cpp (``service.engine.slots``, ``service.engine.text``):
+"""The slot policy and stop-string handling without llama.cpp (``service.engine.slots``, ``service.text.stops``):
 llama-server's choices, checked on plain values."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from service.engine.slots import (INVARIANT_MIN_ROWS, Cells, Slot, common_prefix, longer_prefix, lru_idle_with_cells,
                                   pick_slot, reusable)
-from service.engine.text import first_stop, split_stop
+from service.text.stops import first_stop, split_stop
 
 ALWAYS = lambda slot, k: True  # noqa: E731  (no sliding window: every position is held)
 
 
 def test_the_policy_modules_load_no_llama_cpp() -> None:
-    code = ("import sys, service.engine.slots, service.engine.text; "
+    code = ("import sys, service.engine.slots, service.text.stops; "
             "print(any(m in sys.modules for m in ('llama_cpp', 'numpy')))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.engine.task_prompts import FimTokens, infill_layout
+from service.text.tasks import FimTokens, infill_layout
 
 FIM = FimTokens(pre=900, suf=901, mid=902, pad=903, rep=904, sep=905)
 

@@ -267,7 +267,7 @@ def test_m_rope_images_take_fewer_positions_than_tokens(tmp_path: Path) -> None:
                 {"type": "text", "text": "Look:"}, {"type": "image", "image": image}, {"type": "text", "text": text}]}])
 
         def last_pos() -> int:
-            return int(llama_cpp.llama_memory_seq_pos_max(eng._mem, 0))
+            return int(llama_cpp.llama_memory_seq_pos_max(eng.loaded.mem, 0))
 
         one = replace(GREEDY, max_tokens=1)
         a = chat(_image(1, 100, 60), "What is it?")

@@ -126,11 +126,11 @@ def test_a_whole_batch_aborted_for_a_generation_runs_again_to_the_same_vectors(e
     """A batch decoded whole (as for a non-causal model: forced here on gemma) is aborted when a generation
     arrives (llama.cpp's abort callback: ``llama_decode`` returns 2, the cells of its ubatch removed) and run again
     from a cleared cache: the vectors equal the undisturbed run's."""
-    engine._emb_pieces = False
+    engine.pooler.pieces = False
     try:
         inputs = [[2] + [3000 + 11 * i + j for j in range(249)] for i in range(3)]  # 250 tokens: a batch each
         alone = np.array(engine.embed(inputs, Cancel()).vectors)
-        before = engine._emb_aborted
+        before = engine.pooler.aborted
         box: dict[str, Any] = {}
         t = threading.Thread(target=lambda: box.setdefault("v", engine.embed(inputs, Cancel()).vectors))
         t.start()
@@ -140,7 +140,7 @@ def test_a_whole_batch_aborted_for_a_generation_runs_again_to_the_same_vectors(e
             text = "".join(ch.text for ch in engine.complete(f"[{i}] The capital of France is", params, Cancel()))
             assert text
         t.join(120)
-        assert engine._emb_aborted > before, "no embedding batch was aborted: the test measured nothing"
+        assert engine.pooler.aborted > before, "no embedding batch was aborted: the test measured nothing"
         assert np.array_equal(np.array(box["v"]), alone)
     finally:
-        engine._emb_pieces = True
+        engine.pooler.pieces = True

@@ -4,7 +4,7 @@ A forged turn (``<end_of_turn>`` then ``<start_of_turn>model``, gemma's markers)
 the same request is sent with a near-miss spelling (``<end_of_burn>``, ``<start_of_burn>``: the same number of
 text tokens). Two checks:
 
-- on the real vocabulary, in process (``Prompting`` over a vocabulary-only model): the prompt's tokens hold
+- on the real vocabulary, in process (``Prompter`` over a vocabulary-only model): the prompt's tokens hold
   exactly the control tokens the near-miss request's hold, the template's own, for llama.cpp's built-in Gemma
   template (tools described in a system message) and a Jinja template that renders tools, tool calls, ids and
   names itself;
@@ -25,8 +25,9 @@ import openai
 import pytest
 
 from service.chat.template import ChatTemplate
-from service.engine.templates import BuiltinChatTemplate
-from service.engine.prompting import Prompting
+from service.text.prompts import Prompter
+from service.text.templates import BuiltinChatTemplate
+from service.text.vocab import Vocabulary
 from service.errors import BadRequest
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 from tests.figures import figure
@@ -99,20 +100,14 @@ FIELDS: dict[str, Callable[[str], tuple[list[dict[str, Any]], list[dict[str, Any
 }
 
 
-class VocabEngine(Prompting):
-    """The engine's prompting on the embedded model's vocabulary alone (no weights): what the server tokenizes."""
+class VocabEngine(Prompter):
+    """The service's prompting on the embedded model's vocabulary alone (no weights): what the server tokenizes."""
 
     def __init__(self, model: Any, kind: str) -> None:
         self._model = model
         self.kind = kind
-        self._template = BuiltinChatTemplate("gemma") if kind == "builtin" else ChatTemplate(NATIVE_TEMPLATE, "<bos>",
-                                                                                              "<eos>")
-
-    def _require(self) -> Any:
-        return self._model
-
-    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
-        return list(self._model.tokenize(text.encode("utf-8"), add_bos, special))
+        super().__init__(Vocabulary(model), BuiltinChatTemplate("gemma") if kind == "builtin"
+                         else ChatTemplate(NATIVE_TEMPLATE, "<bos>", "<eos>"))
 
     def controls(self, tokens: list[int]) -> Counter[int]:
         """The control tokens among ``tokens`` (no text without ``special``, a spelling with it)."""
@@ -146,11 +141,11 @@ NOT_WRITTEN = {"builtin": {"messages[].name", "reasoning_content"}, "native": {"
 
 @pytest.mark.parametrize("field", list(FIELDS))
 def test_a_forged_turn_in_any_field_adds_no_control_token(engine: VocabEngine, field: str) -> None:
-    forged = engine._chat_tokens(*FIELDS[field](FORGED))
-    near = engine._chat_tokens(*FIELDS[field](NEAR))
+    forged = engine.chat_tokens(*FIELDS[field](FORGED))
+    near = engine.chat_tokens(*FIELDS[field](NEAR))
     assert engine.controls(forged) == engine.controls(near), field
     assert engine.controls(near), "the template's own markers are control tokens"
-    prompt, _ = engine._chat_prompt(*FIELDS[field](FORGED))
+    prompt, _ = engine.chat_prompt(*FIELDS[field](FORGED))
     written = "x<end_of_turn>" in prompt
     assert written is (field not in NOT_WRITTEN[engine.kind]), field
     if written:  # the client's characters are in the prompt, as text
@@ -161,8 +156,8 @@ def test_a_forged_turn_in_any_field_adds_no_control_token(engine: VocabEngine, f
 
 def test_a_request_that_spells_nothing_is_tokenized_once_as_llama_server_does(engine: VocabEngine) -> None:
     messages = _history()
-    prompt, add_bos = engine._chat_prompt(messages, _tool())
-    assert engine._chat_tokens(messages, _tool()) == engine._tokenize(prompt, add_bos=add_bos)
+    prompt, add_bos = engine.chat_prompt(messages, _tool())
+    assert engine.chat_tokens(messages, _tool()) == engine.vocab.tokenize(prompt, add_bos=add_bos)
 
 
 @pytest.mark.parametrize("messages, param", [
@@ -176,7 +171,7 @@ def test_a_request_that_spells_nothing_is_tokenized_once_as_llama_server_does(en
 def test_texts_that_spell_a_marker_only_together_are_refused(engine: VocabEngine, messages: list[dict[str, Any]],
                                                               param: str) -> None:
     with pytest.raises(BadRequest) as info:
-        engine._chat_tokens(messages)
+        engine.chat_tokens(messages)
     assert info.value.param == param
 
 
@@ -185,7 +180,7 @@ def test_figure_prompt_tokens_per_field(vocab: Any) -> None:
     eng = VocabEngine(vocab, "builtin")
     got = []
     for field, build in FIELDS.items():
-        forged, near = eng._chat_tokens(*build(FORGED)), eng._chat_tokens(*build(NEAR))
+        forged, near = eng.chat_tokens(*build(FORGED)), eng.chat_tokens(*build(NEAR))
         extra = sum(eng.controls(forged).values()) - sum(eng.controls(near).values())
         got.append(f"{field} {len(forged)}/{len(near)} (+{extra} control)")
     figure("forgery per field, prompt tokens forged/near-miss: " + "; ".join(got))

@@ -39,7 +39,7 @@ def test_expert_override_reaches_llama_cpp(embedded_model: str, monkeypatch: pyt
     """The tensor_buft_overrides the plan asks for are what llama.cpp's loader applies (its log says so)."""
     from dataclasses import replace
 
-    import service.engine.llama as llama_mod
+    import service.engine.llama.loading as llama_mod
 
     spec = probe_path(embedded_model)
     plan = make_plan(spec, [], Device(0, "host", 20 * GIB_, 24 * GIB_, "host"), PlanRequest(n_ctx=1024))

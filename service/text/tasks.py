@@ -20,12 +20,10 @@ that llama-cpp-python 0.3.36 vendors):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import BadRequest, ContextLengthExceeded
+from .vocab import FIM_NAMES, Vocabulary
 
-FIM_NAMES = ("pre", "suf", "mid", "pad", "rep", "sep")
-"""The FIM tokens llama.cpp knows (``llama_vocab_fim_pre`` ...); pre, suf and mid are required for infill."""
 FIM_REQUIRED = ("pre", "suf", "mid")
 _SNIPPET = "\n\n--- snippet ---\n\n"
 """llama-server's chunk separator when the vocabulary has no FIM_SEP (``k_chunk_prefix_str``)."""
@@ -74,24 +72,21 @@ class _Specials:
     sep: int
 
 
-class TaskPrompts:
-    """Rerank and infill prompts for an engine that has llama.cpp's vocabulary (a mixin of ``LlamaEngine``)."""
+class TaskPrompter:
+    """Rerank and infill prompts over a vocabulary; ``n_batch`` and ``n_ctx_seq`` are the loaded context's (the
+    infill layout's truncation)."""
 
-    _rerank_template: str | None = None
-    _n_batch: int = 0
-    _n_ctx_seq: int = 0
-
-    def _require(self) -> Any:
-        raise NotImplementedError
+    def __init__(self, vocab: Vocabulary, *, rerank_template: str | None, n_batch: int, n_ctx_seq: int) -> None:
+        self.vocab = vocab
+        self._rerank_template = rerank_template
+        self._n_batch = n_batch
+        self._n_ctx_seq = n_ctx_seq
 
     def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
-        raise NotImplementedError
+        return self.vocab.tokenize(text, add_bos=add_bos, special=special)
 
     def fim_tokens(self) -> FimTokens:
-        import llama_cpp
-
-        vocab = self._require().vocab
-        return FimTokens(*(int(getattr(llama_cpp, f"llama_vocab_fim_{n}")(vocab)) for n in FIM_NAMES))
+        return FimTokens(*(self.vocab.special(f"fim_{n}") for n in FIM_NAMES))
 
     def _plain(self, text: str) -> bool:
         """No control token's spelling in ``text`` (it tokenizes the same with and without parsing them)."""
@@ -121,14 +116,10 @@ class TaskPrompts:
     def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
         """Each (query, document) pair's tokens (see the module docstring), counted as they are made: more than
         ``max_tokens`` in all is a ``BadRequest`` naming ``documents``, before the rest is tokenized."""
-        import llama_cpp
-
-        vocab = self._require().vocab
-        eos, sep = int(llama_cpp.llama_vocab_eos(vocab)), int(llama_cpp.llama_vocab_sep(vocab))
-        specials = _Specials(bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
-                             bool(llama_cpp.llama_vocab_get_add_eos(vocab)),
-                             bool(llama_cpp.llama_vocab_get_add_sep(vocab)), int(llama_cpp.llama_vocab_bos(vocab)),
-                             eos if eos >= 0 else sep, sep)
+        v = self.vocab
+        eos, sep = v.special("eos"), v.special("sep")
+        specials = _Specials(v.adds("bos"), v.adds("eos"), v.adds("sep"), v.special("bos"), eos if eos >= 0 else sep,
+                             sep)
         q = self._tokenize(query, add_bos=False, special=False)
         out: list[list[int]] = []
         total = 0
@@ -146,14 +137,10 @@ class TaskPrompts:
         """An /infill request's prompt (see the module docstring): ``extra`` is (filename, text) pairs; ``prompt``
         is tokenized with control tokens parsed, as llama-server does, the rest as text. ``BadRequest`` naming
         ``model`` when the vocabulary lacks a required FIM token."""
-        import llama_cpp
-
         fim = self.fim_tokens()
         missing = fim.missing()
         if missing:
             raise BadRequest("this model cannot infill: its vocabulary has no " + ", ".join(missing), param="model")
-        vocab = self._require().vocab
-
         def text(t: str) -> list[int]:
             return self._tokenize(t, add_bos=False, special=False)
 
@@ -165,10 +152,10 @@ class TaskPrompts:
             head += text(chunk)
         if fim.sep >= 0:
             head += [fim.sep, *text("filename\n")]
-        add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+        add_bos = self.vocab.adds("bos")
         tokens = infill_layout(fim, extra=head, prefix=text(prefix), suffix=text(suffix),
                                prompt=self._tokenize(prompt, add_bos=False) if prompt else [],
-                               bos=int(llama_cpp.llama_vocab_bos(vocab)) if add_bos else None,
+                               bos=self.vocab.special("bos") if add_bos else None,
                                n_batch=self._n_batch, n_ctx=self._n_ctx_seq, n_predict=max(0, n_predict))
         if len(tokens) >= self._n_ctx_seq:
             raise ContextLengthExceeded(
@@ -198,4 +185,4 @@ def _split_template(template: str, query: str, document: str) -> list[tuple[str,
     return out
 
 
-__all__ = ["FIM_NAMES", "FimTokens", "TaskPrompts", "infill_layout"]
+__all__ = ["FIM_NAMES", "FimTokens", "TaskPrompter", "infill_layout"]

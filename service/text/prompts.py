@@ -1,6 +1,4 @@
-"""Prompts as the engine takes them: text or chat messages to tokens, then a generation.
-
-The engine (``service.engine.llama``) provides how to tokenize and how to generate from tokens.
+"""Prompts as the engine takes them: text or chat messages to tokens (``Prompter``, over a ``Vocabulary``).
 
 Turn markers are the template's, never the client's. A rendered chat prompt is tokenized with control tokens
 parsed (``special``), as llama-server does, but no control token may come from what the client sent: every
@@ -21,20 +19,29 @@ import re
 import uuid
 from typing import Any, Iterable, Iterator
 
-from ..errors import BadRequest
-from .base import Cancel, Chunk, GenerationParams, ImageInput
 from ..chat.format import ChatFormat, detect, prepare
 from ..chat.template import ChatTemplate
+from ..engine.base import ImageInput
+from ..errors import BadRequest
 from .templates import BuiltinChatTemplate
+from .vocab import Vocabulary
 
 
-class Prompting:
-    """Counting, rendering and generating for text prompts and chat messages."""
+class Prompter:
+    """Counting and rendering text prompts and chat messages into tokens.
 
-    _template: ChatTemplate | BuiltinChatTemplate | None = None
-    _format: ChatFormat | None = None
-    _vision: Any = None
-    """The loaded projector (``service.engine.vision.Images``), None where the model takes no images."""
+    ``images``: the projector's image tokens (``Images.tokens``: before, the image's chunk, after), None where the
+    model takes no images."""
+
+    def __init__(self, vocab: Vocabulary, template: ChatTemplate | BuiltinChatTemplate | None,
+                 images: Any = None) -> None:
+        self.vocab = vocab
+        self._template = template
+        self._format: ChatFormat | None = None
+        self._vision = images
+
+    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
+        return self.vocab.tokenize(text, add_bos=add_bos, special=special)
 
     def chat_format(self) -> ChatFormat:
         """The loaded template's tool-call format and thinking tags (``chat_format.detect``), read once."""
@@ -62,23 +69,11 @@ class Prompting:
                 out[m] = toks[0]
         return out
 
-    def _require(self) -> Any:
-        """The loaded llama.cpp model (``llama_cpp._internals.LlamaModel``: its ``vocab``); NotReady without one."""
-        raise NotImplementedError
-
-    def _tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
-        """Tokens of ``text``; ``special``: control-token spellings become control tokens (llama_tokenize's parse_special)."""
-        raise NotImplementedError
-
-    def _generate_tokens(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        raise NotImplementedError
-
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                      spellings: _Spellings | None = None) -> tuple[str, bool]:
         """The rendered prompt and whether BOS is still to add; ``spellings``: swapped for their placeholders in
         what the template is given (after ``prepare``, which writes a past call's arguments decoded and the tools
         as JSON: the spellings are then where the template will find them)."""
-        self._require()
         if self._template is None:
             raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
         shown, native_tools = prepare(messages, tools, self.chat_format())
@@ -95,44 +90,22 @@ class Prompting:
 
     def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A chat's prompt tokens, as ``chat`` evaluates them."""
-        return self._chat_tokens(messages, tools)
+        return self.chat_tokens(messages, tools)
 
     def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return self._tokenize(text, add_bos=add_special, special=parse_special)
 
     def token_pieces(self, tokens: list[int]) -> list[bytes]:
-        self._require()
-        n_vocab = int(self.n_vocab)  # type: ignore[attr-defined]  (the engine's: 0 .. n_vocab - 1)
-        for i, t in enumerate(tokens):
-            if not 0 <= t < n_vocab:
-                raise BadRequest(f"tokens[{i}]: {t} is not a token of this model (0 .. {n_vocab - 1})", param="tokens")
-        return [self._spelt_bytes(t) for t in tokens]
+        return self.vocab.pieces(tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The rendered prompt, each image written as mtmd's marker (``<__media__>``, as llama-server shows it)."""
         marked, _ = _mark_images(messages, lambda k: "<__media__>")
-        return self._chat_prompt(marked, tools)[0]
-
-    def _spelt_bytes(self, token: int) -> bytes:
-        """A token's bytes, a control token's spelling included (``llama_token_to_piece`` with ``special``, sized
-        as llama.cpp's ``common_token_to_piece``: a negative answer is the size the piece needs)."""
-        import ctypes
-
-        import llama_cpp
-
-        vocab = self._require().vocab
-        size = 64
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, True)
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
-        return b""  # pragma: no cover
+        return self.chat_prompt(marked, tools)[0]
 
     def _token_spelling(self, token: int) -> str:
-        """A token's text (``_spelt_bytes``, decoded)."""
-        return self._spelt_bytes(token).decode("utf-8", "replace")
+        """A token's text, a control token's spelling included."""
+        return self.vocab.piece(token).decode("utf-8", "replace")
 
     def _control_spellings(self, text: str) -> list[str]:
         """The control tokens' spellings in ``text``: the tokens ``special`` parses and plain tokenization does not
@@ -153,7 +126,7 @@ class Prompting:
                              "as plain text", param="messages")
         return found
 
-    def _chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The rendered prompt's tokens, no control token from the client's strings (see the module docstring);
         each image part's tokens where the template put its placeholder (``_Images``)."""
         images = _Images(messages)
@@ -165,7 +138,7 @@ class Prompting:
         strings = [*_strings(messages), *_strings(tools), *(s for v in _past_arguments(messages) for s in _strings(v))]
         found = self._control_spellings("\n".join([*strings, *(w for _, w in _junctions(texts))]))
         if not found:  # nothing the client sent spells a control token: one tokenization, as llama-server's
-            prompt, add_bos = self._chat_prompt(messages, tools)
+            prompt, add_bos = self.chat_prompt(messages, tools)
             if not images.found:
                 return self._tokenize(prompt, add_bos=add_bos)
             return self._pieces_tokens([(prompt, False)], add_bos, images)
@@ -174,7 +147,7 @@ class Prompting:
             if spell.pattern.search(where):
                 raise BadRequest(f"{param}: together with the text before it, spells one of the model's control "
                                  "tokens", param=param)
-        prompt, add_bos = self._chat_prompt(messages, tools, spell)
+        prompt, add_bos = self.chat_prompt(messages, tools, spell)
         return self._pieces_tokens(spell.split(prompt), add_bos, images)
 
     def _pieces_tokens(self, pieces: Iterable[tuple[str, bool]], add_bos: bool, images: _Images) -> list[int]:
@@ -200,14 +173,7 @@ class Prompting:
         return tokens
 
     def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-        return len(self._chat_tokens(messages, tools))
-
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._generate_tokens(self._tokenize(prompt, add_bos=True), params, cancel)
-
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
-             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
-        return self._generate_tokens(self._chat_tokens(messages, tools), params, cancel)
+        return len(self.chat_tokens(messages, tools))
 
 
 _EDGE = 64

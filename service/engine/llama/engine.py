@@ -1,0 +1,442 @@
+"""``LlamaEngine``: the ``Engine`` protocol over llama.cpp, assembled from the package's parts at each load.
+
+The parts, each with one job (see the package's docstring): ``loading`` (plan -> llama.cpp objects),
+``scheduler`` (the thread and its loop), ``step`` (one batch), ``slotting`` (slots, prefix reuse, the prompt cache's
+tiers), ``sequences`` (sampling, text, forks, ends), ``drafting`` (n-gram, draft model, MTP), ``pooling``
+(embeddings, rerank); the prompts' tokens come from ``service.text`` over the loaded vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from typing import Any, Iterator
+
+from sizing.plan import Plan
+from sizing.units import MIB
+
+from ...chat.grammar import compile_grammar
+from ...errors import BadRequest, ContextLengthExceeded, NotReady
+from ...text.prompts import Prompter
+from ...text.tasks import FimTokens, TaskPrompter
+from ...text.templates import template_for
+from ...text.vocab import Vocabulary
+from ..base import (Cancel, Chunk, EmbeddingResult, GenerationParams, ImageInput, LoadReport, RerankResult,
+                    check_limits, current_delivery)
+from ..loglines import parse_allocations, projector_allocations
+from ..native import cuda_order
+from ..params import repack_of
+from ..prompt_cache import PromptCache, model_fingerprint, plan_budget
+from ..slots import SLOT_PROMPT_SIMILARITY
+from ..speculation import DRAFT_MAX
+from ..mtp import MtpRunner
+from ..vision import ImageChunk
+from . import loading
+from .drafting import Drafting
+from .loading import Loaded
+from .pooling import Pooler
+from .scheduler import Scheduler
+from .sequences import Sequences
+from .slotting import SlotTable
+from .state import DONE, Sequence
+from .step import BatchStep
+
+log = logging.getLogger("service.engine.llama")
+
+
+class _Load:
+    """One load's parts, made together and dropped together."""
+
+    def __init__(self, loaded: Loaded, engine: "LlamaEngine", pcache: PromptCache) -> None:
+        self.loaded = loaded
+        self.vocab = Vocabulary(loaded.model)
+        self.prompter = Prompter(self.vocab, template_for(self.vocab, engine._template_override), loaded.images)
+        self.tasks = TaskPrompter(self.vocab, rerank_template=loaded.rerank_template, n_batch=loaded.n_batch,
+                                  n_ctx_seq=loaded.n_ctx_seq)
+        self.slots = SlotTable(loaded, pcache, cache_prompt=engine._cache_prompt, similarity=engine._similarity,
+                               batch_invariant=engine._batch_invariant)
+        self.drafting = Drafting(loaded.runner, on=loaded.drafts, draft_max=engine._draft_max)
+        # Markers of the template's tool calls and thinking that are control tokens are written out in the text
+        # (as llama-server's preserved tokens), so that the parsers see them; other control tokens stay silent.
+        preserved = set(self.prompter.chat_format().special.values())
+        self.seqs = Sequences(loaded, self.slots, self.drafting, cache_prompt=engine._cache_prompt,
+                              preserved=preserved)
+        self.step = BatchStep(loaded, self.slots, self.seqs, self.drafting, batch_invariant=engine._batch_invariant)
+        self.scheduler: Scheduler
+        self.pooler = Pooler(loaded.embedding, n_vocab=loaded.n_vocab, n_embd=loaded.n_embd,
+                             n_cls_out=loaded.n_cls_out, on_scheduler=lambda *a, **k: self.scheduler.call(*a, **k))
+        self.scheduler = Scheduler(self.step, self.seqs, self.slots, self.pooler, self.drafting)
+
+
+class LlamaEngine:
+    """llama.cpp behind the ``Engine`` protocol: slots that remember their prompts, decoded in shared batches."""
+
+    def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
+                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, chat_template: str | None = None,
+                 embedding_pooling: str = "mean", prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
+                 prompt_cache_disk_mib: int = 0, speculative: bool = True, draft_max: int = DRAFT_MAX) -> None:
+        """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
+
+        ``cache_prompt``: keep each slot's KV after a request and reuse its common prefix with the next
+        prompt (off: every request is evaluated from an empty sequence).
+
+        ``batch_invariant``: load without the CPU backend's repacked weight layouts (``use_extra_bufts``
+        off). ggml-cpu's repack kernels (ggml/src/ggml-cpu/repack.cpp ``forward_mul_mat``) multiply rows in
+        groups of 4 with a gemm and the rest with a gemv, which round differently: a token's logits then
+        depend on how many other tokens share its batch (0.78 max logit difference measured with 4 rows,
+        gemma-3-270m Q4_K_M), across requests and across the chunks a prompt is evaluated in. Off, a
+        request's tokens do not depend on its neighbours; prompt processing is slower.
+
+        ``chat_template``: a Jinja chat template used instead of the model's (``GGUF_CHAT_TEMPLATE_FILE``).
+        ``embedding_pooling``: the pooling of /v1/embeddings for models whose GGUF declares none (mean, cls,
+        last); the embedding context itself is sized by the plan (``ContextConfig.embedding_tokens``).
+
+        ``prompt_cache_mib``: the ceiling of the host memory idle conversations' KV may hold beyond the slots
+        (``service.engine.prompt_cache``; the load's budget is planned under it; 0: off); ``prompt_cache_dir``:
+        also keep them on disk there, at most ``prompt_cache_disk_mib``.
+
+        ``speculative``: draft up to ``draft_max`` tokens a step from each sequence's own tokens and keep those
+        the model chooses itself (``service.engine.speculation``; off in batch-invariant mode, whose point is
+        that a token's batch does not change it). Drafted rows fit in the logits rows llama.cpp reserves at
+        context creation (one per sequence, ``output_reserve(n_seq_max)``) and in the rows the plan adds for them
+        (``ContextConfig.draft_rows``, reserved at load): a step drafts at most the idle slots' rows and those."""
+        cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
+        self._n_threads = n_threads
+        self._template_override = chat_template
+        self._pooling_fallback = embedding_pooling
+        self._batch_invariant = batch_invariant
+        self._speculative = speculative and not batch_invariant
+        self._draft_max = max(0, draft_max)
+        self._cache_prompt = cache_prompt
+        self._similarity = slot_prompt_similarity
+        self._pc_ceiling = max(0, prompt_cache_mib) * MIB
+        self._pc_dir = prompt_cache_dir
+        self._pc_disk = max(0, prompt_cache_disk_mib) * MIB
+        self._lock = threading.Lock()  # load/unload against each other
+        self._load: _Load | None = None
+
+    # -- what a load holds
+
+    def _now(self) -> _Load:
+        current = self._load
+        if current is None:
+            raise NotReady("no model is loaded")
+        return current
+
+    @property
+    def loaded(self) -> Loaded | None:
+        """The load's llama.cpp objects (None when nothing is loaded): for tests and benches that look inside."""
+        current = self._load
+        return current.loaded if current is not None else None
+
+    @property
+    def prompter(self) -> Prompter:
+        return self._now().prompter
+
+    @property
+    def pooler(self) -> Pooler:
+        return self._now().pooler
+
+    # -- Engine protocol: figures
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens one request may hold: llama.cpp's per-sequence context (``llama_n_ctx_seq``; unified: n_ctx)."""
+        current = self._load
+        return current.loaded.n_ctx_seq if current is not None else 0
+
+    @property
+    def slots(self) -> int:
+        """Sequences decoded together (``n_seq_max``)."""
+        current = self._load
+        return current.loaded.n_slots if current is not None else 0
+
+    @property
+    def n_vocab(self) -> int:
+        current = self._load
+        return current.loaded.n_vocab if current is not None else 0
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        """Prompt tokens given to ``llama_decode`` since load: cached prefixes and forked choices do not count."""
+        current = self._load
+        return current.step.evaluated if current is not None else 0
+
+    @property
+    def kv_cells_used(self) -> int:
+        """Cells holding tokens: running requests' and the cached prompts of idle slots (shared cells once)."""
+        current = self._load
+        return current.slots.cells.used if current is not None else 0
+
+    @property
+    def kv_cells_allocated(self) -> int:
+        current = self._load
+        return current.loaded.n_ctx if current is not None else 0
+
+    @property
+    def running_sequences(self) -> int:
+        current = self._load
+        return current.scheduler.running if current is not None else 0
+
+    @property
+    def prompt_cache_gauges(self) -> dict[str, int]:
+        """What the prompt cache beyond the slots holds and did (``PromptCache.gauges``)."""
+        current = self._load
+        return current.slots.pcache.gauges() if current is not None else PromptCache(0).gauges()
+
+    def check(self, params: GenerationParams) -> None:
+        """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed; token ids of
+        ``logit_bias`` within the vocabulary; no more choices than slots."""
+        compile_grammar(params)
+        check_limits(params, self.n_vocab, self.slots)
+
+    # -- load and unload
+
+    def load(self, path: str, plan: Plan) -> LoadReport:
+        t0 = time.perf_counter()
+        loaded = loading.load(path, plan, n_threads=self._n_threads, batch_invariant=self._batch_invariant,
+                              speculative=self._speculative, pooling_fallback=self._pooling_fallback)
+        elapsed = time.perf_counter() - t0
+        self.unload()
+        with self._lock:
+            try:
+                current = _Load(loaded, self, self._open_prompt_cache(path, plan, loaded))
+            except BaseException:
+                loading.close(loaded)
+                raise
+            self._load = current
+            current.scheduler.start()
+            if loaded.drafts and plan.cfg.draft_rows > 0:
+                # On the scheduler thread: a decode on this one would give it an OpenMP team of its own, which
+                # slowed every later decode of the process by a third (``scheduler``'s "One compute thread").
+                rows = plan.cfg.draft_rows
+                current.drafting.rows = current.scheduler.call(lambda: loading.reserve_draft_rows(loaded, rows))
+        return self._report(path, plan, current, elapsed)
+
+    def _report(self, path: str, plan: Plan, current: _Load, elapsed: float) -> LoadReport:
+        import llama_cpp
+
+        loaded = current.loaded
+        lines, (n_main, n_emb, n_draft, n_mtp) = loaded.lines, loaded.spans
+        pm = plan.estimate.projector if plan.estimate is not None else None
+        allocs, offloaded = parse_allocations(lines[:n_main])
+        why = "batch-invariant mode" if self._batch_invariant else repack_of(plan).reason
+        pc = current.slots.pcache
+        log.info("llama engine: %d slots (%s cache), n_ctx %d (%d per sequence), n_batch %d, threads %d, prompt cache %s "
+                 "(beyond the slots: %d MiB of host memory%s), CPU weight repacking %s (%s)",
+                 loaded.n_slots, "unified" if loaded.cparams.kv_unified else "per-sequence", loaded.n_ctx,
+                 loaded.n_ctx_seq, loaded.n_batch, loaded.n_threads,
+                 "on" if self._cache_prompt else "off", pc.budget_bytes >> 20,
+                 f", {pc.disk_entries} entries on disk in {pc.directory}" if pc.directory else "",
+                 "on" if loaded.use_extra_bufts else "off", why)
+        n_nextn = int(llama_cpp.llama_model_n_layer_nextn(loaded.model.model))
+        mtp = isinstance(loaded.runner, MtpRunner)
+        if n_nextn:
+            log.info("llama engine: the file's %d NextN/MTP block(s) %s", n_nextn,
+                     "draft (MTP), planned beside the model" if mtp else
+                     f"are not loaded ({plan.mtp_refusal or 'no MTP head asked for'}) and not planned")
+        return LoadReport(n_ctx=loaded.n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
+                          load_seconds=elapsed, log_lines=tuple(lines[:n_main]),
+                          embedding_allocations=parse_allocations(lines[n_main:n_emb])[0],
+                          draft_output_bytes=current.drafting.rows * loaded.n_vocab * 4,
+                          draft_allocations=parse_allocations(lines[n_emb:n_draft])[0],
+                          projector_allocations=projector_allocations(lines[n_mtp:], pm.device) if pm is not None else (),
+                          mtp_allocations=parse_allocations(lines[n_draft:n_mtp])[0],
+                          mtp_rows_bytes=loaded.n_embd * loaded.n_batch * 4 if mtp else 0)
+
+    def _open_prompt_cache(self, path: str, plan: Plan, loaded: Loaded) -> PromptCache:
+        """The load's prompt cache beyond the slots: its planned budget, and its folder on disk when one is set."""
+        import llama_cpp
+
+        if not self._cache_prompt:
+            return PromptCache(0)
+        pc = PromptCache(plan_budget(plan, self._pc_ceiling))
+        if self._pc_dir and self._pc_disk > 0:
+            from pathlib import Path
+
+            cparams = loaded.cparams
+            fields = {"model": model_fingerprint(path), "type_k": cparams.type_k, "type_v": cparams.type_v,
+                      "flash_attn": cparams.flash_attn_type, "n_ctx_seq": loaded.n_ctx_seq,
+                      "swa_full": bool(cparams.swa_full), "n_swa": loaded.n_swa, "n_embd": loaded.n_embd,
+                      "llama_cpp": getattr(llama_cpp, "__version__", "")}
+            pm = plan.estimate.projector if plan.estimate is not None else None
+            if pm is not None:  # an image's KV is the projector's embeddings of it
+                fields["projector"] = model_fingerprint(pm.path)
+            try:
+                pc.open_disk(Path(self._pc_dir), fields, self._pc_disk)
+            except OSError as exc:
+                log.warning("prompt cache: %s cannot be used (%s); keeping conversations in memory only",
+                            self._pc_dir, exc)
+                pc.directory = None
+        return pc
+
+    def unload(self) -> None:
+        """Stop the scheduler (requests still queued or running fail with ``NotReady``), free the context."""
+        with self._lock:
+            current, self._load = self._load, None
+            if current is None:
+                return
+            current.scheduler.stop()
+            current.slots.keep_all()  # what the slots hold outlives the context on disk
+            current.slots.pcache.close()
+            current.pooler.close()  # after a running embedding batch
+            loading.close(current.loaded)
+
+    def set_prompt_cache_budget(self, budget_bytes: int) -> None:
+        """Another budget for the prompt cache beyond the slots (residency empties it before it evicts or refuses a
+        model for memory, then gives it what is left): on the scheduler thread, which owns the entries."""
+        current = self._load
+        if current is not None:
+            current.scheduler.call(lambda: current.slots.pcache.set_budget(budget_bytes))
+
+    def forget(self) -> None:
+        """Drop every idle slot's cached prompt, the prompt cache beyond the slots (its files too) and the answers
+        the n-gram drafts look up (the next requests start from empty sequences)."""
+        current = self._load
+        done = threading.Event()
+        if current is not None and current.scheduler.post(done):
+            done.wait()
+
+    # -- embeddings and rerank (``pooling``)
+
+    def embedding_limits(self) -> tuple[int, int]:
+        current = self._load
+        return current.pooler.limits() if current is not None else (0, 0)
+
+    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
+        return self._now().pooler.embed(inputs, cancel)
+
+    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
+        return self._now().pooler.rerank(inputs, cancel)
+
+    def rerank_limit(self) -> int:
+        current = self._load
+        return current.pooler.rerank_limit() if current is not None else 0
+
+    # -- prompts (``service.text`` over the loaded vocabulary)
+
+    def chat_format(self) -> Any:
+        return self._now().prompter.chat_format()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._now().vocab.tokenize(text, add_bos=True, special=False)
+
+    def count_tokens(self, text: str) -> int:
+        return self._now().prompter.count_tokens(text)
+
+    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        return self._now().prompter.count_chat_tokens(messages, tools)
+
+    def max_token_chars(self) -> int:
+        return self._now().vocab.max_token_chars()
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        return self._now().prompter.prompt_tokens(prompt)
+
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._now().prompter.chat_prompt_tokens(messages, tools)
+
+    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self._now().prompter.tokenize_text(text, add_special, parse_special)
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        return self._now().prompter.token_pieces(tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return self._now().prompter.render_chat(messages, tools)
+
+    def fim_tokens(self) -> FimTokens:
+        return self._now().tasks.fim_tokens()
+
+    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
+        return self._now().tasks.rerank_tokens(query, documents, max_tokens)
+
+    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
+                      n_predict: int) -> list[int]:
+        return self._now().tasks.infill_tokens(prefix, suffix, extra, prompt, n_predict)
+
+    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self.generate(self.prompt_tokens(prompt), params, cancel)
+
+    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
+             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
+        return self.generate(self.chat_prompt_tokens(messages, tools), params, cancel)
+
+    # -- generation
+
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        """The chunks of one generation; safe to call (and iterate) from many threads at once."""
+        current = self._now()
+        loaded = current.loaded
+        n_prompt = len(tokens)
+        n_ctx_seq = loaded.n_ctx_seq
+        if n_prompt >= n_ctx_seq:
+            # The service checks this first (``_check_context`` with ``n_ctx``); direct callers get the same error.
+            raise ContextLengthExceeded(
+                f"the prompt has {n_prompt} tokens; a sequence holds {n_ctx_seq} "
+                f"({loaded.n_slots} slots share {loaded.n_ctx} cells)",
+                param="prompt", prompt_tokens=n_prompt, n_ctx=n_ctx_seq,
+            )
+        room = n_ctx_seq - n_prompt
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        if max_new <= 0:
+            yield Chunk(finish_reason="length", prompt_tokens=n_prompt, completion_tokens=0)
+            return
+        grammar = compile_grammar(params)
+        greedy = (params.temperature == 0.0 and grammar is None and params.frequency_penalty == 0.0
+                  and params.presence_penalty == 0.0 and not params.logit_bias)
+        images = self._images_of(loaded, tokens, params.images)
+        deliver = current_delivery()
+        out: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        base_seed = params.seed if params.seed is not None else random.randint(0, 2**31 - 1)
+        reqs = [
+            Sequence(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
+                     grammar=compile_grammar(params) if i else grammar, stops=[s for s in params.stop if s],
+                     greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
+            for i in range(max(1, params.n))
+        ]
+        current.drafting.assign(reqs, params, images=bool(images))
+        shifts: list[tuple[int, int]] = []
+        total = 0
+        for start in sorted(images):
+            image = images[start]
+            if image.n_pos != len(image.run):
+                total += len(image.run) - image.n_pos
+                shifts.append((start + len(image.run), total))
+        for r in reqs:
+            r.images, r.shifts = images, shifts
+        reqs[0].followers = reqs[1:]
+        if not current.scheduler.post(reqs[0]):
+            raise NotReady("the model was unloaded")
+        left = len(reqs)
+        try:
+            while True:
+                item = out.get()
+                if item is DONE:
+                    left -= 1
+                    if not left:
+                        return
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for r in reqs:
+                r.abandoned = True
+
+    @staticmethod
+    def _images_of(loaded: Loaded, tokens: list[int], given: tuple[ImageInput, ...] = ()) -> dict[int, ImageChunk]:
+        """The images of a prompt (runs of negative ids, ``service.engine.vision``) by where each begins; ``given``:
+        the request's images, prepared again where their chunks were dropped."""
+        if not tokens or min(tokens) >= 0:
+            return {}
+        if loaded.images is None:
+            raise BadRequest("this model takes no images: it was loaded without a vision projector (mmproj)",
+                             param="messages")
+        if tokens[-1] < 0:  # the first token is sampled from the logits of a text token
+            raise BadRequest("a prompt may not end with an image", param="messages")
+        return dict(loaded.images.find(tokens, given))

@@ -1,0 +1,269 @@
+"""The generating sequences of one load: admitted into their slots, a token sampled from each row the batch gives
+them (drafts verified), turned into text, stopped, forked into choices, ended; their chunks delivered together.
+
+Sampling (``service.engine.sampling``): each request has its own llama.cpp sampler chain, built as
+``Llama._init_sampler`` builds it, or, at temperature 0 and for plain temperature sampling, the chain's token
+computed with numpy on the logits row. Text: incremental UTF-8 decoding, stop strings (``service.text.stops``)
+held back until they cannot start a stop string, log probabilities, EOG handling (``ignore_eos``), and a final
+chunk with the usage, the prompt tokens taken from the cache, and the measured prompt and decode seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ServiceError
+from ..base import Chunk
+from ..sampling import SavedLogits, logprob_of, sampler_chain, temperature_sampler
+from ..slots import Slot
+from ...text.stops import first_stop, split_stop
+from .state import DONE, Sequence
+
+if TYPE_CHECKING:
+    from .drafting import Drafting
+    from .loading import Loaded
+    from .slotting import SlotTable
+
+
+class Sequences:
+    """The active sequences (admission order) and what they send (owned by the scheduler thread)."""
+
+    def __init__(self, loaded: "Loaded", slots: "SlotTable", drafting: "Drafting", *, cache_prompt: bool,
+                 preserved: set[int]) -> None:
+        self._l = loaded
+        self._slots = slots
+        self._drafting = drafting
+        self._cache_prompt = cache_prompt
+        self._preserved = preserved
+        """Control tokens written out in the text (the template's tool-call and thinking markers)."""
+        self.active: list[Sequence] = []
+        self._outbox: list[tuple[Sequence, Any]] = []
+        """Chunks produced during a scheduler iteration, delivered together at its end (``flush``)."""
+        self._piece: dict[int, bytes] = {}
+        """Token id -> its text bytes (``detokenize([tok])``), filled as tokens are seen: no ctypes call per token."""
+        self._eog: dict[int, bool] = {}
+        """Token id -> ``llama_vocab_is_eog``, filled as tokens are seen."""
+        self._saved = SavedLogits(loaded.n_vocab)
+        """Sampling from saved logits (a cached prompt's, a forked choice's), its candidates array reused."""
+
+    # -- admission
+
+    def admit(self, r: Sequence, slot: Slot) -> None:
+        """Give ``r`` its slot (and its other choices theirs, reserved: they fork once the prompt is evaluated)."""
+        if r.followers:
+            spare = self._slots.spare_for(r, slot)
+            assert spare is not None
+            for f, s in zip(r.followers, spare):
+                self._slots.vacate(s)
+                s.req, f.slot = f, s
+        n_keep = self._slots.admit(r, slot)
+        self._samplers(r)
+        r.t_start = time.perf_counter()
+        self.active.append(r)
+        if n_keep == len(r.tokens):  # the whole prompt and its logits were cached: sample now
+            r.first_logits = slot.logits
+            self.on_logits(r, -1, None)
+
+    def _samplers(self, r: Sequence) -> None:
+        """The request's sampling: the argmax (``greedy``), numpy's temperature draw, or llama.cpp's chain."""
+        if not r.greedy:
+            r.temperature = temperature_sampler(r.params, r.grammar, r.seed)
+        if r.temperature is None:
+            r.sampler = sampler_chain(self._l.model, self._l.n_vocab, r.params, r.grammar, r.seed)
+
+    # -- a row's token
+
+    def on_logits(self, r: Sequence, idx: int, ctx: Any) -> None:
+        """Sample this sequence's next token (from batch row ``idx``, or the saved logits) and turn it into text."""
+        import llama_cpp
+        import numpy as np
+
+        saved, r.first_logits = r.first_logits, None
+        row = saved
+        forking = bool(r.followers) and not r.t_first
+        if row is None and (r.greedy or r.temperature is not None or r.params.logprobs is not None or forking
+                            or (not r.t_first and self._cache_prompt)):
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, idx), shape=(self._l.n_vocab,))
+        if forking:
+            self._fork(r, row)
+        if saved is None and not r.t_first and self._cache_prompt:
+            # The prompt's logits, kept with the slot for the same prompt again (a copy: the context reuses the buffer).
+            slot = r.slot
+            assert slot is not None
+            slot.logits, slot.logits_at = row.copy(), len(slot.tokens)
+        lp = logprob_of(row, r.params.logprobs, self.token_bytes) if r.params.logprobs is not None else None
+        if r.greedy:
+            # The chain is penalties (all zero: a no-op, llama-sampler.cpp ``llama_sampler_penalties_apply``) then
+            # greedy (the first largest logit): argmax over the row, without llama_sampler_sample copying all
+            # n_vocab candidates (0.4 ms a token for gemma-3's 262,144, measured; 3% at 75 tokens/s).
+            tok = int(np.argmax(row))
+        elif r.temperature is not None:
+            tok = r.temperature.sample(row)
+        elif saved is not None:
+            tok = self._saved.sample(r.sampler, saved)
+        else:
+            tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
+        now = time.perf_counter()
+        if not r.t_first:
+            r.t_first = now
+        r.t_last = now
+        eog = self._eog.get(tok)
+        if eog is None:
+            eog = self._eog[tok] = bool(llama_cpp.llama_vocab_is_eog(self._l.vocab, tok))
+        if eog and not r.params.ignore_eos:
+            self.finish(r, "stop")
+            return
+        r.n_out += 1
+        if lp is not None:
+            r.pending_lp.append(lp(tok))
+        r.pending += r.decoder.decode(self.token_bytes(tok))
+        if r.stops:
+            text = r.pending
+            emit, r.pending, stopped = split_stop(text, r.stops)
+            if stopped:
+                r.stop_sequence = first_stop(text, r.stops)
+        else:
+            emit, r.pending, stopped = r.pending, "", False
+        if emit:
+            self._send(r, Chunk(text=emit, logprobs=tuple(r.pending_lp)))
+            r.pending_lp = []
+        if stopped:
+            self.finish(r, "stop", stopped=True)
+        elif r.n_out >= r.max_new_tokens:
+            self.finish(r, "length")
+        else:
+            r.next_token = tok
+
+    def verify(self, r: Sequence, ctx: Any) -> None:
+        """The rows of a drafted step: each samples as a step of its own would (the sampler chain, or the argmax),
+        and a drafted token stands while it is the token sampled from the row before it; the first that is not
+        ends the step, the sampled token becoming the next step's input. One draw of the sampler per token kept,
+        as without the draft: the answer, its seed's included, is the one non-speculative decoding gives (to the
+        rounding of rows computed together), several tokens a step."""
+        slot = r.slot
+        assert slot is not None and r.next_token is not None and r.policy is not None
+        draft, r.draft = r.draft, []
+        self._slots.grow(slot, [r.next_token])
+        r.next_token = None
+        r.unverified = True
+        idx = r.batch_logits_idx
+        kept = 0
+        for i in range(len(draft) + 1):
+            self.on_logits(r, idx + i, ctx)
+            if r.slot is None or i == len(draft) or r.next_token != draft[i]:
+                break  # ended (its release dropped the unverified positions), or the draft was not chosen
+            kept += 1
+            self._slots.grow(slot, [r.next_token])  # already in the KV: its row is the next one
+            r.next_token = None
+        r.policy.record(r.n_out, len(draft), kept)
+        if r.unverified:
+            self._slots.drop_tail(slot, r.pos(len(slot.tokens)))
+            r.unverified = False
+
+    def _fork(self, r: Sequence, logits: Any) -> None:
+        """The other choices of ``r``'s prompt, now evaluated: each slot reserved for them gets the prompt's KV
+        (``SlotTable.fork_into``) and samples its first token from the prompt's logits. No prompt token is
+        evaluated twice."""
+        src = r.slot
+        assert src is not None
+        followers, r.followers = r.followers, []
+        for f in followers:
+            slot = f.slot
+            assert slot is not None
+            self._slots.fork_into(src, slot, r.pos(len(src.tokens)))
+            f.n_cached = r.n_cached
+            self._samplers(f)
+            f.t_start = r.t_start
+            f.first_logits = logits.copy()
+            self.active.append(f)
+            self.on_logits(f, -1, None)
+
+    def token_bytes(self, tok: int) -> bytes:
+        """``detokenize([tok])``: a function of the token id alone, so computed once per id."""
+        piece = self._piece.get(tok)
+        if piece is None:
+            piece = self._piece[tok] = bytes(self._l.model.detokenize([tok], special=tok in self._preserved))
+        return piece
+
+    # -- ends
+
+    def _release(self, r: Sequence, *, keep: bool = True) -> None:
+        """End ``r``'s hold on its slot; the slot keeps its tokens for the next request unless ``keep`` is off."""
+        import llama_cpp
+
+        slot = r.slot
+        if slot is not None:
+            unverified = r.pos(len(slot.tokens)) if r.unverified else None  # drafted positions past the kept tokens
+            r.unverified = False
+            self._slots.release(slot, keep=keep, unverified_from=unverified)
+            r.slot = None
+        if r.sampler is not None:
+            llama_cpp.llama_sampler_free(r.sampler)
+            r.sampler = None
+        if r in self.active:
+            self.active.remove(r)
+
+    def finish(self, r: Sequence, finish: str, *, stopped: bool = False) -> None:
+        """The last chunks: flush the decoder (unless a stop string ended the text), then reason, usage, timings."""
+        followers, r.followers = r.followers, []
+        for f in followers:  # choices that never forked (cancelled during the prompt) end with it
+            self.finish(f, finish)
+        if finish != "cancelled" and r.slot is not None:
+            self._drafting.answer_ended(r, r.slot.tokens)
+        self._release(r)
+        if not stopped:
+            r.pending += r.decoder.decode(b"", final=True)
+            if r.pending or r.pending_lp:
+                self._send(r, Chunk(text=r.pending, logprobs=tuple(r.pending_lp)))
+        self._send(r, Chunk(
+            finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,
+            stop_sequence=r.stop_sequence,
+            drafted_tokens=r.policy.drafted if r.policy else 0, accepted_tokens=r.policy.accepted if r.policy else 0,
+            prompt_seconds=(r.t_first - r.t_start) if r.t_first else 0.0,
+            decode_seconds=(r.t_last - r.t_first) if r.n_out > 1 else 0.0,
+        ))
+        self._send(r, DONE)
+
+    def fail(self, r: Sequence, err: ServiceError) -> None:
+        followers, r.followers = r.followers, []
+        for f in followers:
+            self.fail(f, err)
+        self._release(r, keep=False)
+        self._send(r, err)
+        self._send(r, DONE)
+
+    # -- delivery
+
+    def _send(self, r: Sequence, item: Any) -> None:
+        if r.index and isinstance(item, Chunk):
+            item = dataclasses.replace(item, index=r.index)
+        self._outbox.append((r, item))
+
+    def flush(self) -> None:
+        """Deliver the iteration's chunks, after all of its sampling and just before the next ``llama_decode``.
+
+        Each ``put`` wakes a consumer thread, which then wants the GIL. Woken in the middle of the step, they
+        took it whenever the scheduler released it for a ctypes call (every sample, detokenize, EOG test)
+        and the scheduler waited for each of them to give it back; woken here, they run while
+        ``llama_decode`` (which releases the GIL) computes.
+
+        A delivery with a ``flush`` (the runner process's: ``child.Child._flush_step``) is called once after the
+        iteration's chunks were handed to it, before any request's end is put: it writes them all at once."""
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            ends: list[tuple[Sequence, Any]] = []
+            flushes: dict[Any, None] = {}
+            for r, item in out:
+                if r.deliver is not None and item is not DONE:
+                    r.deliver(item)
+                    f = getattr(r.deliver, "flush", None)
+                    if f is not None:
+                        flushes[f] = None
+                else:
+                    ends.append((r, item))
+            for f in flushes:
+                f()
+            for r, item in ends:
+                r.out.put(item)

@@ -1,0 +1,296 @@
+"""The slots of one load and what their KV cells hold: which slot a request gets, how much of its prompt the slot
+(or another slot, or the prompt cache beyond the slots) already holds, and the prompts that leave a slot.
+
+The policy is ``service.engine.slots`` (pure, llama-server's ``get_available_slot`` and ``update_slots``); here it
+is applied to llama.cpp's sequences (``llama_memory_seq_rm`` / ``seq_cp``, ``llama_state_seq_get/set_data``), with
+the prompt cache's tiers (``service.engine.prompt_cache``: host memory, then disk, written behind).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache
+from ..slots import Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot, reusable
+
+if TYPE_CHECKING:
+    from .loading import Loaded
+    from .state import Sequence
+
+log = logging.getLogger(__name__)
+
+WRITE_BEHIND_BUSY_S = 2.0
+"""A finished turn waits this long for an idle moment before it is written behind between two steps."""
+
+
+class SlotTable:
+    """The slots, the cells they hold, and the prompt cache beyond them (owned by the scheduler thread)."""
+
+    def __init__(self, loaded: "Loaded", pcache: PromptCache, *, cache_prompt: bool, similarity: float,
+                 batch_invariant: bool) -> None:
+        self._l = loaded
+        self.pcache = pcache
+        self.slots = [Slot(i) for i in range(loaded.n_slots)]
+        self.cells = Cells()
+        self._cache_prompt = cache_prompt
+        self._similarity = similarity
+        self._batch_invariant = batch_invariant
+        self._uses = 0
+        self.unwritten: dict[int, float] = {}
+        """Slots whose prompt changed since it was last written to the disk (``write_behind``): when their last
+        request ended (``time.monotonic``)."""
+
+    # -- which slot, and what of the prompt it keeps
+
+    def pick(self, r: "Sequence") -> Slot | None:
+        return pick_slot(self.slots, r.tokens, similarity=self._similarity,
+                         reuse=self._cache_prompt and r.params.cache_prompt, scope=r.params.cache_scope)
+
+    def spare_for(self, r: "Sequence", slot: Slot) -> list[Slot] | None:
+        """Slots for ``r``'s other choices beside ``slot`` (least recently used first), or None while too few are
+        idle."""
+        spare = sorted((s for s in self.slots if s.req is None and s is not slot), key=lambda s: (s.last_used, s.id))
+        return spare[:len(r.followers)] if len(spare) >= len(r.followers) else None
+
+    def swa_holds(self, slot: Slot, n_keep: int) -> bool:
+        """Whether the sequence still holds the KV a token at position ``n_keep`` attends to.
+
+        A sliding-window layer's token at position ``p1`` attends to ``p0`` unless ``p1 - p0 >= n_swa``
+        (``is_masked_swa``, standard type), so the token at ``n_keep`` needs every position from
+        ``n_keep - n_swa + 1`` on. The SWA cache reuses a cell once it is masked for the position after the
+        sequence's last (src/llama-kv-cache.cpp ``find_slot``: ``seq_pos_max + 1``), which is exactly what the next
+        token needs: a sequence continued where it ended always holds it. llama-server's test (``update_slots``,
+        ``pos_min < pos_next - n_swa``) is two positions stricter, and refused that continuation whenever the
+        window had been trimmed (every next chat turn of a 1,800-token conversation once four of them shared the
+        cache; found by bench/prompt_cache_bench.py); what this one allows is checked token for token against a
+        cold evaluation (tests/engine/test_prompt_cache.py). Models without SWA hold every position (``pos_min``
+        0)."""
+        import llama_cpp
+
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
+        return self._window_holds(pos_min, n_keep)
+
+    def _window_holds(self, pos_min: int, n_keep: int) -> bool:
+        return 0 <= pos_min <= max(0, n_keep - self._l.n_swa + 1)
+
+    def _reusable(self, slot: Slot, tokens: list[int], scope: str) -> int:
+        if slot.scope != scope:  # another tenant's prefix: never shared (a timing side channel)
+            return 0
+        return reusable(slot, tokens, batch_invariant=self._batch_invariant, holds=self.swa_holds)
+
+    def _entry_usable(self, entry: Entry, tokens: list[int]) -> int:
+        """As ``_reusable`` for a cached prompt: its sliding-window cells as they were when it was saved."""
+        return reusable(entry, tokens, batch_invariant=self._batch_invariant,
+                        holds=lambda e, k: self._window_holds(e.pos_min, k))
+
+    def admit(self, r: "Sequence", slot: Slot) -> int:
+        """Give ``r`` the slot: keep the longest usable common prefix of its KV (the slot's, another slot's, or a
+        cached prompt's), drop the rest; how many tokens of the prompt are kept."""
+        import llama_cpp
+
+        n_keep = 0
+        scope = r.params.cache_scope
+        pc = self.pcache
+        if self._cache_prompt and r.params.cache_prompt:
+            n_keep = self._reusable(slot, r.tokens, scope)
+            src, n_src = None, n_keep
+            if self._l.unified and self._l.n_slots > 1:
+                src, n_src = longer_prefix(self.slots, slot, r.tokens, n_keep,
+                                           lambda s, t: self._reusable(s, t, scope))
+            # A restore copies the whole state back: worth it for MIN_TOKENS or more, beyond what the slots hold.
+            entry, n_entry = (pc.best(r.tokens, scope, self._entry_usable, max(n_src, PROMPT_CACHE_MIN_TOKENS - 1))
+                              if pc.entries else (None, n_src))
+            if entry is not None and self._restore(slot, entry):
+                n_keep = n_entry
+                pc.stats.restored_tokens += n_entry
+            elif src is not None:
+                self.vacate(slot)
+                llama_cpp.llama_memory_seq_cp(self._l.mem, src.id, slot.id, 0, r.pos(n_src))
+                slot.tokens = src.tokens[:n_src]
+                slot.cells = self.cells.share(src.cells[:n_src])
+                slot.n_canon = min(src.n_canon, n_src)
+                slot.logits, slot.logits_at = (src.logits, src.logits_at) if src.logits_at <= n_src else (None, 0)
+                n_keep = n_src
+            if pc.enabled and entry is None and 2 * n_keep < len(r.tokens):  # most of it evaluated
+                pc.stats.misses += 1
+            n_keep = r.image_bound(n_keep)
+        self._keep_slot(slot, n_keep)
+        self.truncate(slot, n_keep, r.pos(n_keep))
+        slot.scope = scope
+        slot.req, r.slot = r, slot
+        r.n_cached = n_keep
+        return n_keep
+
+    def fork_into(self, src: Slot, slot: Slot, n_pos: int) -> None:
+        """``slot`` holds ``src``'s prompt (a choice forked from it): with a unified cache the cells gain a sequence
+        id, per-sequence streams are copied whole (the leader's stream holding exactly the prompt)."""
+        import llama_cpp
+
+        self.clear(slot)
+        if self._l.unified:
+            llama_cpp.llama_memory_seq_cp(self._l.mem, src.id, slot.id, 0, n_pos)
+            slot.cells = self.cells.share(src.cells)
+        else:
+            llama_cpp.llama_memory_seq_cp(self._l.mem, src.id, slot.id, -1, -1)
+            slot.cells = self.cells.new(len(src.tokens))
+        slot.tokens = list(src.tokens)
+        slot.scope = src.scope
+        slot.n_canon = src.n_canon
+
+    # -- cells that change
+
+    def truncate(self, slot: Slot, n_keep: int, pos: int | None = None) -> None:
+        """Drop the slot's tokens from index ``n_keep`` on, their cells from position ``pos`` (default ``n_keep``:
+        they differ past M-RoPE images) on (``llama_memory_seq_rm`` of the tail)."""
+        import llama_cpp
+
+        if n_keep < len(slot.tokens) or n_keep == 0:
+            llama_cpp.llama_memory_seq_rm(self._l.mem, slot.id, n_keep if pos is None else pos, -1)
+            self.cells.drop(slot.cells[n_keep:])
+            del slot.tokens[n_keep:]
+            del slot.cells[n_keep:]
+        slot.n_canon = min(slot.n_canon, n_keep)
+        if slot.logits_at > n_keep:
+            slot.logits, slot.logits_at = None, 0
+
+    def clear(self, slot: Slot) -> None:
+        self.truncate(slot, 0)
+
+    def grow(self, slot: Slot, tokens: list[int]) -> None:
+        """``tokens`` were decoded into the slot's sequence after what it holds."""
+        slot.tokens.extend(tokens)
+        slot.cells.extend(self.cells.new(len(tokens)))
+
+    def drop_tail(self, slot: Slot, pos: int) -> None:
+        """Positions from ``pos`` on that are not the slot's tokens (rejected drafts, a failed batch's)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_rm(self._l.mem, slot.id, pos, -1)
+
+    def release(self, slot: Slot, *, keep: bool, unverified_from: int | None) -> None:
+        """End a request's hold on ``slot``; the slot keeps its tokens for the next request unless ``keep`` is off.
+        ``unverified_from``: the position from which drafted positions are not the sequence's."""
+        if unverified_from is not None:
+            self.drop_tail(slot, unverified_from)
+        if not (keep and self._cache_prompt):
+            self.clear(slot)
+        elif self.pcache.directory is not None:
+            self.unwritten[slot.id] = time.monotonic()
+        self._uses += 1
+        slot.last_used = self._uses
+        slot.req = None
+
+    def victim(self) -> Slot | None:
+        """The idle slot holding cells a full unified cache gives up first (``try_clear_idle_slots``), if any."""
+        return lru_idle_with_cells(self.slots) if self._l.unified else None
+
+    def forget(self) -> None:
+        """Every idle slot's cached prompt and the prompt cache beyond the slots, its files too."""
+        for s in self.slots:
+            if s.req is None:
+                self.clear(s)
+        self.pcache.clear()
+
+    # -- the prompt cache beyond the slots
+
+    def _keep_slot(self, slot: Slot, n_keep: int) -> None:
+        """Before the slot drops tokens past ``n_keep``: its prompt into the prompt cache beyond the slots, when it
+        loses enough to be worth a restore (``MIN_TOKENS``: not the last tokens of a turn a new prompt rewrites)."""
+        if self.pcache.enabled and len(slot.tokens) - n_keep >= PROMPT_CACHE_MIN_TOKENS:
+            self._save(slot)
+
+    def vacate(self, slot: Slot) -> None:
+        """Empty the slot for another prompt, its own kept in the prompt cache first (``_keep_slot``)."""
+        self._keep_slot(slot, 0)
+        self.clear(slot)
+
+    def keep_all(self) -> None:
+        """At unload, with a disk folder: what the slots hold outlives the context on disk."""
+        if self.pcache.directory is not None:
+            for slot in self.slots:
+                self._keep_slot(slot, 0)
+
+    def write_behind(self, *, busy: bool = False) -> bool:
+        """One idle slot's prompt that changed since it was last written goes to the disk folder: its state copied
+        out of llama.cpp here (a memcpy of the sequence's cells: 2.4 ms for gemma-3-270m's 1,600-token, 12 MiB
+        state), written and fsynced by the cache's writer thread. A killed server (SIGKILL, the OOM killer, a lost
+        node) then loses only the turns in flight, where before a slot's prompt reached the disk only when another
+        took the slot or at unload.
+
+        When the scheduler is idle (nothing active, waiting or deferred); ``busy``: between two steps, only for a
+        slot whose turn ended ``WRITE_BEHIND_BUSY_S`` ago with no idle moment since, so that steady traffic cannot
+        keep a finished turn off the disk (it costs that step one copy). One slot a call and one write at a time:
+        the scheduler looks at its inbox between two, and at most one state waits for the disk. True: a slot was
+        written (look at the inbox before blocking)."""
+        pc = self.pcache
+        if not self.unwritten or pc.directory is None:
+            self.unwritten.clear()
+            return False
+        if pc.writing:
+            return False
+        due = time.monotonic() - WRITE_BEHIND_BUSY_S
+        for sid, ended in sorted(self.unwritten.items(), key=lambda kv: kv[1]):
+            if busy and ended > due:
+                return False
+            del self.unwritten[sid]
+            slot = self.slots[sid]
+            if slot.req is None and pc.needs(slot.tokens, slot.scope, memory=False):  # a taken slot: after it
+                self._save(slot, memory=False)
+                return True
+        return False
+
+    def _save(self, slot: Slot, *, memory: bool = True) -> None:
+        """The slot's prompt into the prompt cache (``memory`` off: to its disk folder only, ``write_behind``)."""
+        import llama_cpp
+
+        pc = self.pcache
+        if not pc.needs(slot.tokens, slot.scope, memory=memory):
+            return
+        ctx = self._l.ctx.ctx
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, slot.id))
+        if size <= 0 or not pc.takes(size):
+            return
+        state = bytearray(size)  # llama.cpp writes into it: no copy
+        buf = (ctypes.c_uint8 * size).from_buffer(state)
+        n = int(llama_cpp.llama_state_seq_get_data(ctx, buf, size, slot.id))
+        del buf  # the bytearray may not change size while a ctypes view holds it
+        if n != size:
+            log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's state; not kept", n, size, slot.id)
+            return
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
+        pc.put(slot.tokens, state, scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon, memory=memory)
+
+    def _restore(self, slot: Slot, entry: Entry) -> bool:
+        """Put a cached prompt back into the slot (the slot's own prompt kept first); False: it could not be."""
+        import llama_cpp
+
+        pc = self.pcache
+        self.vacate(slot)
+        n = len(entry.tokens)
+        while self._l.unified and self.cells.used + n > self._l.n_ctx:  # room, as a full cache makes it
+            victim = lru_idle_with_cells([s for s in self.slots if s is not slot])
+            if victim is None:
+                break
+            self.vacate(victim)
+        state = pc.take(entry)
+        if state is None:
+            return False
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        got = int(llama_cpp.llama_state_seq_set_data(self._l.ctx.ctx, buf, len(state), slot.id))
+        del buf
+        if got != len(state):
+            llama_cpp.llama_memory_seq_rm(self._l.mem, slot.id, -1, -1)
+            pc.stats.restore_failed += 1
+            log.warning("prompt cache: llama.cpp took %d of %d bytes of a %d-token prompt back; evaluated cold",
+                        got, len(state), n)
+            return False
+        slot.tokens = list(entry.tokens)
+        slot.cells = self.cells.new(n)
+        slot.n_canon = entry.n_canon
+        slot.logits, slot.logits_at = None, 0
+        slot.scope = entry.scope
+        pc.stats.hits += 1
+        return True
