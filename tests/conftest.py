@@ -12,6 +12,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+"""Read by libgomp when llama.cpp loads, here and in every process the tests start. Two pytest workers each run
+llama.cpp's OpenMP team on the same 2 cores, and by default each team's idle threads spin (300,000 rounds) through
+the other's work: two engine tests run side by side took 152 s against 15 s one after the other (AMX host,
+2026-12-05; a whole 2-worker suite 52 minutes in CI). With 2,000 rounds the pair takes 23 s, and one test alone
+5.2 s against 4.7 s (OMP_WAIT_POLICY=PASSIVE: 18 s, but 9.0 s alone)."""
+
 import httpx
 import pytest
 
