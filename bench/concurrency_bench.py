@@ -171,16 +171,17 @@ def main() -> None:
             runners[svc] = lambda n: together(n, http_client(args.service_url, args.max_tokens, None))
             modes = [m for m in modes if m == "server"]
         from service.engine.llama import LlamaEngine
+        from service.text.served import ServedModel
 
         if "single" in modes:
-            eng = LlamaEngine(n_threads=args.threads)
+            eng = ServedModel.of(LlamaEngine(n_threads=args.threads))
             eng.load(path, plan(1))
             stack.callback(eng.unload)
             lock = threading.Lock()
             together(1, engine_client(eng, replace(params, max_tokens=8), lock))  # warm-up
             runners["single"] = lambda n: together(n, engine_client(eng, params, lock))
         if "batched" in modes:
-            beng = LlamaEngine(n_threads=args.threads, batch_invariant=args.batch_invariant)
+            beng = ServedModel.of(LlamaEngine(n_threads=args.threads, batch_invariant=args.batch_invariant))
             beng.load(path, plan(slots))
             stack.callback(beng.unload)
             together(1, engine_client(beng, replace(params, max_tokens=8), None))

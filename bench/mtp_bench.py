@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.calibrate import Calibrator  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
+from service.text.served import ServedModel
 from service.planning import LoadOptions, Planner  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from sizing.probe import probe_path  # noqa: E402
@@ -50,7 +51,7 @@ def main() -> None:
         finally:
             cal.close()
         assert plan.cfg.mtp, plan.mtp_refusal
-        eng = LlamaEngine()
+        eng = ServedModel.of(LlamaEngine())
         eng.load(path, plan)
         try:
             params = GenerationParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, cache_prompt=False)

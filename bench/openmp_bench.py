@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import service.engine.llama.scheduler as llama_engine  # noqa: E402
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
+from service.text.served import ServedModel
 from service.embedded import embedded_model_path  # noqa: E402
 from sizing.plan import PlanRequest, make_plan  # noqa: E402
 from sizing.probe import host_memory, probe_path  # noqa: E402
@@ -56,7 +57,7 @@ def main() -> None:
     path = embedded_model_path()
     plan = make_plan(probe_path(path), [], host_memory(), PlanRequest(n_ctx=4096, n_seq_max=4, min_ctx=256))
     idle_s = llama_engine.SCHEDULER_IDLE_EXIT_S + 0.5
-    a = LlamaEngine(n_threads=args.threads)
+    a = ServedModel.of(LlamaEngine(n_threads=args.threads))
     a.load(path, plan)
     tokens_per_s(a, 8)
     b: LlamaEngine | None = None
@@ -65,7 +66,7 @@ def main() -> None:
 
     def with_b(kept: bool) -> LlamaEngine:
         LlamaEngine._park = (lambda self, inbox: False) if kept else park  # type: ignore[method-assign]
-        eng = LlamaEngine(n_threads=args.threads)
+        eng = ServedModel.of(LlamaEngine(n_threads=args.threads))
         eng.load(path, plan)
         tokens_per_s(eng, 8)  # B's thread computes once: its OpenMP team exists
         time.sleep(idle_s)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.cpu import host_repack  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
+from service.text.served import ServedModel
 from service.embedded import embedded_model_path  # noqa: E402
 from sizing.probe import host_memory, probe_path  # noqa: E402
 from sizing.testing.fixtures import FixtureShape, write_fixture  # noqa: E402
@@ -75,7 +76,7 @@ def main() -> None:
         sides = [False]
     engines = {}
     for on in sides:
-        eng = LlamaEngine()
+        eng = ServedModel.of(LlamaEngine())
         plan = make_plan(spec, [], host_memory(), PlanRequest(n_ctx=4096, min_ctx=256, n_seq_max=1, cpu_repack=on))
         report = eng.load(path, plan)
         engines[on] = eng

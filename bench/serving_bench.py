@@ -134,6 +134,7 @@ class InProcess:
 
     def __init__(self, model: str) -> None:
         from service.engine.llama import LlamaEngine
+        from service.text.served import ServedModel
         from service.planning import LoadOptions, plan_request
         from service.settings import Settings
         from sizing.probe.devices import host_memory
@@ -142,7 +143,7 @@ class InProcess:
 
         settings = Settings()
         plan = make_plan(probe_path(model), [], host_memory(), plan_request(settings, LoadOptions()))
-        self.engine = LlamaEngine(cache_prompt=settings.cache_prompt)
+        self.engine = ServedModel.of(LlamaEngine(cache_prompt=settings.cache_prompt))
         self.engine.load(model, plan)
 
     def one_client(self, tokens: int) -> Run:

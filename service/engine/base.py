@@ -1,7 +1,10 @@
-"""The engine protocol: what the HTTP layer needs from a model runtime.
+"""The engine protocol: what a model's runner does, in token ids, and the values that cross to and from it.
 
-Values only here; ``service.engine.llama`` is the llama.cpp implementation (one
-engine: continuous batching over slots that keep their prompts' KV) and
+``Engine`` is narrow on purpose: it takes prompt token ids, sampling parameters, images and cache keys, and returns
+token ids and figures (vLLM's engine core takes token ids only). The vocabulary, the chat template, tokenizing,
+detokenizing and stop strings belong to the API process (``service.text``: ``ServedModel`` puts a model's text
+and its engine together for the routes). ``service.engine.llama`` is the llama.cpp implementation (continuous
+batching over slots that keep their prompts' KV), ``service.engine.process`` the same behind a runner process, and
 ``service.engine.fake`` a small fake for the paths a CPU cannot reach.
 """
 
@@ -34,6 +37,40 @@ class Allocation:
 
 
 @dataclass(frozen=True)
+class EngineLimits:
+    """What a loaded engine holds, fixed until the next load (read by the API without asking the runner)."""
+
+    n_ctx: int = 0
+    """Tokens one request may hold: llama.cpp's per-sequence context."""
+    slots: int = 0
+    """Sequences decoded together: the most choices (``n``) one request may ask for."""
+    n_vocab: int = 0
+    """Token ids are 0 .. n_vocab - 1."""
+    n_batch: int = 0
+    kv_cells_allocated: int = 0
+    """KV cache cells the context holds in all (every sequence's stream)."""
+    embedding: tuple[int, int] = (0, 0)
+    """(n_embd, tokens one embedding batch holds); (0, 0) when embeddings are off."""
+    rerank: int = 0
+    """Tokens one (query, document) input may hold; 0 when the model cannot rank."""
+    images: bool = False
+    """The model takes images (a vision projector was loaded with it: ``Engine.image_tokens``)."""
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """What a loaded engine holds and did now (a metrics scrape reads it)."""
+
+    kv_cells_used: int = 0
+    """KV cache cells holding tokens (running requests' and the prompts idle slots keep for reuse)."""
+    running_sequences: int = 0
+    prompt_tokens_evaluated: int = 0
+    """Prompt tokens fed to the model since load (cached prefixes and forked choices are not evaluated)."""
+    prompt_cache: dict[str, int] = field(default_factory=dict)
+    """The prompt cache beyond the slots (``PromptCache.gauges``)."""
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """The result of a load: the real n_ctx and the allocations beside the plan."""
 
@@ -62,6 +99,8 @@ class LoadReport:
     mtp_rows_bytes: int = 0
     """What the main context's output buffer grows by for the hidden rows the MTP head reads (one F32 row of
     ``n_embd`` per batch token: ``llama_context::output_reserve``), host memory, not in ``allocations``."""
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    """What the loaded engine holds (``Engine.limits`` from now on)."""
 
 
 def scope_of(api_key: str | None, salt: str | None) -> str:
@@ -156,10 +195,25 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class TokenScore:
+    """A sampled token's log probability and its most likely alternatives, as ids (natural log): what the runner
+    returns; ``service.text`` spells them (``TokenLogprob``)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One step of a generation: text, and when finished the reason and usage."""
+    """One step of a generation: from the engine its token ids, to the routes their text (``service.text``'s
+    ``TextStream`` turns the one into the other); when finished the reason and usage."""
 
     text: str = ""
+    tokens: tuple[int, ...] = ()
+    """The engine's: the tokens sampled (the final chunk of a choice has none)."""
+    scores: tuple[TokenScore, ...] = ()
+    """The engine's: one per token when log probabilities were asked for."""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -169,7 +223,8 @@ class Chunk:
     index: int = 0
     """The choice this chunk belongs to (``GenerationParams.n`` > 1)."""
     stop_sequence: str | None = field(default=None, compare=False)
-    """Final chunk: the stop string that ended the generation (None: an end-of-generation token, the limit)."""
+    """Final chunk: the stop string that ended the generation (None: an end-of-generation token, the limit; set in
+    the API process, which finds them)."""
     cached_tokens: int = field(default=0, compare=False)
     """Final chunk: prompt tokens whose KV came from the cache instead of being evaluated (OpenAI
     ``usage.prompt_tokens_details.cached_tokens``). Not part of a chunk's identity, as the timings."""
@@ -220,11 +275,12 @@ def direct_delivery(deliver: Callable[[Any], None]) -> Iterator[None]:
     generation iterator then only returns at the end. One thread wake-up a token instead of two
     (service/runner.py). A ``deliver`` with a ``flush`` attribute is flushed after each batch of chunks it was
     handed (``LlamaEngine._flush``). Engines that do not look (the fake) yield as usual."""
+    before = getattr(_delivery, "fn", None)
     _delivery.fn = deliver
     try:
         yield
     finally:
-        _delivery.fn = None
+        _delivery.fn = before
 
 
 def current_delivery() -> Callable[[Any], None] | None:
@@ -235,11 +291,33 @@ def current_delivery() -> Callable[[Any], None] | None:
 @dataclass
 class Cancel:
     """Set by the HTTP layer when the client goes away; checked between tokens. ``on_set`` callbacks carry it
-    further (to a runner process: ``service.engine.process``)."""
+    further (to a runner process: ``service.engine.process``). ``end(index)`` ends one choice only (a stop string
+    the API process found in it), ``on_end`` carries that."""
 
     event: threading.Event = field(default_factory=threading.Event)
     _callbacks: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    ended: set[int] = field(default_factory=set)
+    """Choices ended early by the API process (their stop string)."""
+    _end_callbacks: list[Callable[[int], None]] = field(default_factory=list, repr=False)
+
+    def end(self, index: int) -> None:
+        """End choice ``index`` only (the others go on)."""
+        with self._lock:
+            if index in self.ended:
+                return
+            self.ended.add(index)
+            callbacks = list(self._end_callbacks)
+        for fn in callbacks:
+            fn(index)
+
+    def on_end(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(index)`` for each choice ended from now on (and at once for those ended already)."""
+        with self._lock:
+            self._end_callbacks.append(fn)
+            done = sorted(self.ended)
+        for i in done:
+            fn(i)
 
     def set(self) -> None:
         with self._lock:
@@ -262,126 +340,51 @@ class Cancel:
 
 
 class Engine(Protocol):
-    """A loaded model that generates. ``complete``/``chat`` may be called from as many threads at once as the
-    engine has slots (the runner's workers); load and unload run alone."""
+    """A model's runner: loads a plan, then generates from token ids. ``generate`` may be called from as many
+    threads at once as the engine has slots (the queue's workers); load and unload run alone. Eleven members: a new
+    capability that the API process can do (text, templates, prompts) is not one of them."""
 
     @property
-    def n_ctx(self) -> int: ...
-
-    @property
-    def kv_cells_used(self) -> int:
-        """KV cache cells holding tokens now (running requests' and the prompts idle slots keep for reuse)."""
-        ...
-
-    @property
-    def kv_cells_allocated(self) -> int:
-        """KV cache cells the context holds in all (every sequence's stream; 0 when nothing is loaded)."""
-        ...
-
-    @property
-    def running_sequences(self) -> int:
-        """Sequences being decoded (or their prompts evaluated) now."""
-        ...
-
-    @property
-    def n_vocab(self) -> int:
-        """Token ids are 0 .. n_vocab - 1 (logit_bias, token-id inputs are checked against it)."""
-        ...
-
-    @property
-    def slots(self) -> int:
-        """Sequences decoded together: the most choices (``n``) one request may ask for."""
-        ...
-
-    @property
-    def prompt_tokens_evaluated(self) -> int:
-        """Prompt tokens fed to the model since load (cached prefixes and forked choices are not evaluated)."""
-        ...
-
-    def check(self, params: GenerationParams) -> None:
-        """Raise ``BadRequest`` for parameters this engine cannot honour (before any byte is sent)."""
-        ...
-
-    def chat_format(self) -> Any:
-        """The loaded template's ``ChatFormat`` (tool-call format, thinking tags; ``service.chat.format``)."""
-        ...
-
-    def embedding_limits(self) -> tuple[int, int]:
-        """(n_embd, tokens one embedding batch holds); (0, 0) when embeddings are off."""
-        ...
-
-    def tokenize(self, text: str) -> list[int]:
-        """Tokens of ``text`` as embeddings take it (BOS added, control-token spellings as text)."""
-        ...
-
-    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
-        """Pooled, normalised embeddings of token lists (each within ``embedding_limits``)."""
-        ...
-
-    def rerank_limit(self) -> int:
-        """Tokens one (query, document) input may hold; 0 when the model cannot rank (its GGUF declares no rank
-        pooling, or embeddings are off)."""
-        ...
-
-    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
-        """Each (query, document) pair's tokens as llama-server formats them (``service.text.tasks``);
-        ``BadRequest`` beyond ``max_tokens`` in all."""
-        ...
-
-    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> "RerankResult":
-        """The relevance score of each input of ``rerank_tokens`` (each within ``rerank_limit``)."""
-        ...
-
-    def fim_tokens(self) -> Any:
-        """The vocabulary's FIM token ids (``service.text.tasks.FimTokens``)."""
-        ...
-
-    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
-                      n_predict: int) -> list[int]:
-        """An /infill request's prompt tokens (llama-server's FIM layout and truncation); ``BadRequest`` naming
-        ``model`` without FIM tokens."""
+    def limits(self) -> EngineLimits:
+        """What the loaded engine holds (zeros when nothing is loaded)."""
         ...
 
     def load(self, path: str, plan: Plan) -> LoadReport: ...
 
     def unload(self) -> None: ...
 
-    def count_tokens(self, text: str) -> int: ...
-
-    def max_token_chars(self) -> int:
-        """The most characters one token of the vocabulary spells (0: unknown): a text of more than
-        ``n_ctx * max_token_chars()`` characters cannot fit the context (``service.api.admission``)."""
-        ...
-
-    def prompt_tokens(self, prompt: str) -> list[int]:
-        """A completion prompt's tokens, as ``complete`` evaluates them (BOS added, control tokens parsed)."""
-        ...
-
-    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """A chat's rendered prompt's tokens, as ``chat`` evaluates them (every client span tokenized as text)."""
-        ...
-
-    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        """/tokenize: ``text``'s tokens; ``add_special``: BOS (and what else the model adds), ``parse_special``:
-        control-token spellings become control tokens (llama_tokenize's two flags)."""
-        ...
-
-    def token_pieces(self, tokens: list[int]) -> list[bytes]:
-        """Each token's bytes, control tokens spelt (/detokenize, /tokenize's pieces); ``BadRequest`` naming
-        ``tokens`` for an id outside the vocabulary (llama.cpp would abort on one)."""
-        ...
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat prompt the model's template renders for ``messages`` (and ``tools``): /apply-template."""
+    def check(self, params: GenerationParams) -> None:
+        """Raise ``BadRequest`` for parameters this engine cannot honour (before any byte is sent): a grammar that
+        does not compile, ``logit_bias`` ids outside the vocabulary, more choices than slots."""
         ...
 
     def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        """A generation from prompt tokens (``prompt_tokens`` / ``chat_prompt_tokens``)."""
+        """A generation from prompt tokens (image runs included, ``image_tokens``): chunks of sampled token ids,
+        then each choice's final chunk (finish reason, usage, timings). Stop strings are the API process's: it
+        ends a choice with ``cancel.end``."""
         ...
 
-    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int: ...
+    def image_tokens(self, image: ImageInput, param: str) -> tuple[list[int], list[int], list[int]]:
+        """An image's tokens for a prompt (the projector's: before, the image's run of negative ids, after);
+        ``BadRequest`` naming ``param`` for a model that takes no images or an image it cannot take."""
+        ...
 
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]: ...
+    def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
+        """Pooled, normalised embeddings of token lists (each within ``limits.embedding``)."""
+        ...
 
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
-             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]: ...
+    def rerank(self, inputs: list[list[int]], cancel: Cancel) -> "RerankResult":
+        """The relevance score of each (query, document) input (each within ``limits.rerank``)."""
+        ...
+
+    def gauges(self) -> EngineGauges:
+        """What it holds and did now."""
+        ...
+
+    def set_prompt_cache_budget(self, budget_bytes: int) -> None:
+        """Another host-memory budget for the prompt cache beyond the slots."""
+        ...
+
+    def forget(self) -> None:
+        """Drop every idle slot's cached prompt and the prompt cache beyond the slots."""
+        ...

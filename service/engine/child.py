@@ -5,9 +5,11 @@ descriptor ``FD`` and talks to it in small pickled messages (``multiprocessing.c
 style of vLLM's engine-core client and Ollama's runner (the house style's process boundaries):
 
     parent -> child   ("init", engine_kwargs, log_level, name)     first, once
-                      ("call", id, method, args)                   load, check, tokenize, count, embed, rerank, forget
-                      ("gen", id, method, args)                    complete, chat, generate: a stream of chunks
+                      ("call", id, method, args)                   load, check, image_tokens, embed, rerank, forget,
+                                                                   set_prompt_cache_budget
+                      ("gen", id, "generate", args)                a stream of chunks of token ids
                       ("cancel", id)                               the client left (``Cancel.set`` upstream)
+                      ("end", id, index)                           one choice ended (a stop string, ``Cancel.end``)
                       ("stats", id)                                the gauges a metrics scrape reads
                       ("exit",)                                    unload and end
     child -> parent   ("ok", id, value) | ("err", id, error)       a call's result
@@ -41,11 +43,9 @@ from .base import Cancel, Chunk, direct_delivery
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"load", "check", "set_prompt_cache_budget", "tokenize", "count_tokens", "count_chat_tokens", "embed", "forget", "prompt_tokens",
-                   "chat_prompt_tokens", "max_token_chars", "tokenize_text", "token_pieces", "render_chat", "rerank_tokens", "rerank",
-                   "infill_tokens"})
+CALLS = frozenset({"load", "check", "image_tokens", "embed", "rerank", "forget", "set_prompt_cache_budget"})
 """Engine methods a "call" may name (nothing else of the engine is reachable from the socket)."""
-GENERATIONS = frozenset({"complete", "chat", "generate"})
+GENERATIONS = frozenset({"generate"})
 CANCELLABLE = frozenset({"embed", "rerank"})
 """Calls that take a ``Cancel`` as their last argument (it is made here, set by a "cancel" message)."""
 MAX_THREADS = 64
@@ -138,16 +138,16 @@ class Child:
                 log.info("the API process went away: exiting")
                 os._exit(0)
             kind = msg[0]
-            if kind == "cancel":
+            if kind in ("cancel", "end"):
                 with self._cancels_lock:
                     cancel = self._cancels.get(msg[1])
                 if cancel is not None:
-                    cancel.set()
+                    if kind == "cancel":
+                        cancel.set()
+                    else:
+                        cancel.end(msg[2])
             elif kind == "stats":
-                e = self.engine
-                self.send(("ok", msg[1], {"kv_cells_used": e.kv_cells_used, "running_sequences": e.running_sequences,
-                                          "prompt_tokens_evaluated": e.prompt_tokens_evaluated,
-                                          "prompt_cache": e.prompt_cache_gauges}))
+                self.send(("ok", msg[1], self.engine.gauges()))
             elif kind == "call":
                 _, cid, method, args = msg
                 cancel = self._cancel_for(cid) if method in CANCELLABLE else None
@@ -174,14 +174,9 @@ class Child:
         finally:
             self._done(cid)
 
-    def _load(self, path: str, plan: Any) -> tuple[Any, dict[str, Any]]:
-        """The load's report, and what the API process reads without asking again (fixed until the next load)."""
-        e = self.engine
-        report = e.load(path, plan)
-        info = {"n_ctx": e.n_ctx, "kv_cells_allocated": e.kv_cells_allocated, "slots": e.slots, "n_vocab": e.n_vocab,
-                "embedding_limits": e.embedding_limits(), "chat_format": e.chat_format(), "pid": os.getpid(),
-                "rerank_limit": e.rerank_limit(), "fim_tokens": e.fim_tokens()}
-        return report, info
+    def _load(self, path: str, plan: Any) -> Any:
+        """The load's report (its ``limits``: what the API process reads without asking again)."""
+        return self.engine.load(path, plan)
 
     def _generate(self, cid: int, method: str, args: tuple[Any, ...], cancel: Cancel) -> None:
         def deliver(item: Any) -> None:  # from the engine's scheduler thread; written at its flush
@@ -195,12 +190,7 @@ class Child:
             if method not in GENERATIONS:
                 raise EngineFailure(f"the runner has no generation {method!r}")
             with direct_delivery(deliver):
-                if method == "chat":
-                    messages, params, tools = args
-                    chunks = self.engine.chat(messages, params, cancel, tools)
-                else:  # complete(prompt, params, cancel), generate(tokens, params, cancel)
-                    chunks = getattr(self.engine, method)(*args, cancel)
-                for chunk in chunks:
+                for chunk in self.engine.generate(*args, cancel):
                     self.send(("chunk", cid, chunk))
         except BaseException as exc:  # the request's error; the runner goes on
             self._flush_step()  # what was delivered goes first

@@ -1,6 +1,6 @@
-"""A small fake engine: the ``Engine`` protocol without llama.cpp, for the paths a CPU cannot reach.
+"""A small fake engine: the ``Engine`` protocol without llama.cpp, for the paths a CPU cannot reach, and its text.
 
-Tokens are whitespace-separated words (plus one BOS); the output is a
+Tokens are whitespace-separated words (plus one BOS: ``FakeText``, the API process's side); the output is a
 deterministic function of the seed; each token takes ``token_delay_s``. A
 fault can be armed at the engine boundary: ``oom_after_tokens`` makes the next
 generation fail the way ``LlamaEngine`` reports a failed ``llama_decode``
@@ -13,20 +13,30 @@ from __future__ import annotations
 import random
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Iterator
 
 from sizing.plan import Plan
 
-from ..errors import BadRequest, InsufficientMemory, NotReady
-from .base import (Allocation, Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, TokenLogprob,
-                   check_limits)
-from ..text.tasks import FimTokens
 from ..chat.format import ChatFormat
+from ..errors import BadRequest, InsufficientMemory, NotReady
+from ..text.tasks import FimTokens
+from .base import (Allocation, Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
+                   LoadReport, RerankResult, TokenScore, check_limits)
 
 FAKE_N_VOCAB = 1000
 FAKE_N_EMBD = 8
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
+WORD_ID = 10
+"""The token id of ``WORDS[0]`` (the others follow)."""
+BYTE_ID = 700
+"""The token id of byte 0 (byte ``b`` is ``BYTE_ID + b``): what a test scripts an answer of any text with."""
+
+
+def byte_tokens(text: str) -> tuple[int, ...]:
+    """``text`` as the fake's byte tokens."""
+    return tuple(BYTE_ID + b for b in text.encode())
 
 
 class FakeEngine:
@@ -95,15 +105,21 @@ class FakeEngine:
     def prompt_tokens_evaluated(self) -> int:
         return self._evaluated
 
-    def chat_format(self) -> ChatFormat:
-        return ChatFormat()
+    @property
+    def limits(self) -> EngineLimits:
+        if not self._n_ctx:
+            return EngineLimits()
+        return EngineLimits(n_ctx=self._n_ctx, slots=self.slots, n_vocab=FAKE_N_VOCAB, n_batch=512,
+                            kv_cells_allocated=self._n_ctx, embedding=(FAKE_N_EMBD, 512),
+                            rerank=512 if self.ranks else 0)
 
-    def embedding_limits(self) -> tuple[int, int]:
-        return (FAKE_N_EMBD, 512) if self._n_ctx else (0, 0)
+    def gauges(self) -> EngineGauges:
+        return EngineGauges(kv_cells_used=self._cells, running_sequences=1 if self.running.is_set() else 0,
+                            prompt_tokens_evaluated=self._evaluated, prompt_cache=self.prompt_cache_gauges)
 
-    def tokenize(self, text: str) -> list[int]:
-        self._require()
-        return [1] + [sum(w.encode()) % FAKE_N_VOCAB for w in text.split()]
+    def text_for(self, path: str, limits: EngineLimits) -> "FakeText":
+        """This fake's text (``ServedModel``'s: a word a token), in place of a vocab-only load of the file."""
+        return FakeText(self)
 
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         self._require()
@@ -117,15 +133,6 @@ class FakeEngine:
             out.append(tuple(x / norm for x in v))
         return EmbeddingResult(vectors=tuple(out), prompt_tokens=sum(len(t) for t in inputs))
 
-    def rerank_limit(self) -> int:
-        return 512 if self.ranks and self._n_ctx else 0
-
-    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
-        out = [self.tokenize(query) + self.tokenize(d)[1:] for d in documents]
-        if sum(map(len, out)) > max_tokens:
-            raise BadRequest(f"documents: more than {max_tokens} tokens in all", param="documents")
-        return out
-
     def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
         self._require()
         if not self.ranks:
@@ -133,15 +140,11 @@ class FakeEngine:
         scores = tuple(len(set(toks[1:])) / len(toks) for toks in inputs)
         return RerankResult(scores=scores, prompt_tokens=sum(len(t) for t in inputs))
 
-    def fim_tokens(self) -> FimTokens:
-        return self.fim
+    def image_tokens(self, image: ImageInput, param: str) -> tuple[list[int], list[int], list[int]]:
+        raise BadRequest(f"{param}: this model takes no images", param=param)
 
-    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
-                      n_predict: int) -> list[int]:
-        if self.fim.missing():
-            raise BadRequest("this model cannot infill: " + ", ".join(self.fim.missing()), param="model")
-        f = self.fim
-        return [f.pre, *self.tokenize(prefix)[1:], *self.tokenize(prompt)[1:], f.suf, *self.tokenize(suffix)[1:], f.mid]
+    def forget(self) -> None:
+        self.prompt_cache_bytes = 0
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         if self.load_delay_s:
@@ -176,8 +179,76 @@ class FakeEngine:
             raise BadRequest("empty grammar", param="response_format")
         check_limits(params, FAKE_N_VOCAB, self.slots)
 
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        return self._generate(len(tokens), params, cancel)
+
+    def _generate(self, n_prompt: int, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
+        """One choice after another (``n``): the prompt counted once, each choice seeded ``seed + i``."""
+        self._evaluated += n_prompt
+        for i in range(max(1, params.n)):
+            seed = None if params.seed is None else params.seed + i
+            for c in self._one(n_prompt, params, cancel, seed, i):
+                yield c if not i else replace(c, index=i)
+
+    def _one(self, n_prompt: int, params: GenerationParams, cancel: Cancel, seed: int | None,
+             index: int) -> Iterator[Chunk]:
+        self.generations += 1
+        rng = random.Random(seed if seed is not None else random.randrange(1 << 30))
+        max_new = self._n_ctx - n_prompt if params.max_tokens is None else min(params.max_tokens, self._n_ctx - n_prompt)
+        oom, self.oom_after_tokens = self.oom_after_tokens, None
+        self._cells = n_prompt
+        self.running.set()
+        n_out = 0
+        finish = "length"
+        try:
+            while n_out < max_new:
+                if cancel.cancelled or index in cancel.ended:
+                    self.cancelled += 1
+                    finish = "cancelled"
+                    break
+                if oom is not None and n_out >= oom:
+                    self._cells = 0  # the failed request's memory is released
+                    raise InsufficientMemory(
+                        f"out of memory on {self.device} during generation (llama_decode returned -2) with "
+                        f"{n_prompt} prompt tokens and max_tokens {params.max_tokens}",
+                        device=self.device, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
+                    )
+                if self.token_delay_s:
+                    time.sleep(self.token_delay_s)
+                tok = WORD_ID + WORDS.index(rng.choice(WORDS))
+                n_out += 1
+                self._cells += 1
+                scores = (TokenScore(tok, -1.0, ((tok, -1.0),) * (params.logprobs or 0)),) \
+                    if params.logprobs is not None else ()
+                yield Chunk(tokens=(tok,), scores=scores)
+        finally:
+            self.running.clear()
+        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out)
+
+
+class FakeText:
+    """The fake's text (``service.text.model.ModelText``): a word a token; what it generates is ``WORDS``."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+
+    def close(self) -> None:
+        pass
+
+    def chat_format(self) -> ChatFormat:
+        return ChatFormat()
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1] + [sum(w.encode()) % FAKE_N_VOCAB for w in text.split()]
+
+    def token_bytes(self, token: int) -> bytes:
+        if WORD_ID <= token < WORD_ID + len(WORDS):
+            return (WORDS[token - WORD_ID] + " ").encode()
+        if BYTE_ID <= token < BYTE_ID + 256:
+            return bytes((token - BYTE_ID,))
+        return f"<{token}>".encode()
+
     def count_tokens(self, text: str) -> int:
-        self._require()
         return 1 + len(text.split())
 
     def _chat_text(self, messages: list[dict[str, Any]]) -> str:
@@ -192,12 +263,14 @@ class FakeEngine:
     def prompt_tokens(self, prompt: str) -> list[int]:
         return self.tokenize(prompt)
 
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenize(self._chat_text(messages))
+
     def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         toks = self.tokenize(text)
         return toks if add_special else toks[1:]
 
     def token_pieces(self, tokens: list[int]) -> list[bytes]:
-        self._require()
         for i, t in enumerate(tokens):
             if not 0 <= t < FAKE_N_VOCAB:
                 raise BadRequest(f"tokens[{i}]: {t} is not a token of this model (0 .. {FAKE_N_VOCAB - 1})",
@@ -207,58 +280,18 @@ class FakeEngine:
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return self._chat_text(messages)
 
-    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.tokenize(self._chat_text(messages))
+    def fim_tokens(self) -> FimTokens:
+        return self._engine.fim
 
-    def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._generate(len(tokens), params, cancel)
+    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
+        out = [self.tokenize(query) + self.tokenize(d)[1:] for d in documents]
+        if sum(map(len, out)) > max_tokens:
+            raise BadRequest(f"documents: more than {max_tokens} tokens in all", param="documents")
+        return out
 
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._generate(self.count_tokens(prompt), params, cancel)
-
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
-             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
-        return self._generate(self.count_chat_tokens(messages), params, cancel)
-
-    def _generate(self, n_prompt: int, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        """One choice after another (``n``): the prompt counted once, each choice seeded ``seed + i``."""
-        self._evaluated += n_prompt
-        for i in range(max(1, params.n)):
-            seed = None if params.seed is None else params.seed + i
-            for c in self._one(n_prompt, params, cancel, seed):
-                yield c if not i else Chunk(text=c.text, finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
-                                            completion_tokens=c.completion_tokens, logprobs=c.logprobs, index=i)
-
-    def _one(self, n_prompt: int, params: GenerationParams, cancel: Cancel, seed: int | None) -> Iterator[Chunk]:
-        self.generations += 1
-        rng = random.Random(seed if seed is not None else random.randrange(1 << 30))
-        max_new = self._n_ctx - n_prompt if params.max_tokens is None else min(params.max_tokens, self._n_ctx - n_prompt)
-        oom, self.oom_after_tokens = self.oom_after_tokens, None
-        self._cells = n_prompt
-        self.running.set()
-        n_out = 0
-        finish = "length"
-        try:
-            while n_out < max_new:
-                if cancel.cancelled:
-                    self.cancelled += 1
-                    finish = "cancelled"
-                    break
-                if oom is not None and n_out >= oom:
-                    self._cells = 0  # the failed request's memory is released
-                    raise InsufficientMemory(
-                        f"out of memory on {self.device} during generation (llama_decode returned -2) with "
-                        f"{n_prompt} prompt tokens and max_tokens {params.max_tokens}",
-                        device=self.device, prompt_tokens=n_prompt, max_tokens=params.max_tokens,
-                    )
-                if self.token_delay_s:
-                    time.sleep(self.token_delay_s)
-                word = rng.choice(WORDS) + " "
-                n_out += 1
-                self._cells += 1
-                lp = (TokenLogprob(word, -1.0, tuple(word.encode()), ((word, -1.0),) * (params.logprobs or 0)),) \
-                    if params.logprobs is not None else ()
-                yield Chunk(text=word, logprobs=lp)
-        finally:
-            self.running.clear()
-        yield Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_out)
+    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
+                      n_predict: int) -> list[int]:
+        f = self._engine.fim
+        if f.missing():
+            raise BadRequest("this model cannot infill: " + ", ".join(f.missing()), param="model")
+        return [f.pre, *self.tokenize(prefix)[1:], *self.tokenize(prompt)[1:], f.suf, *self.tokenize(suffix)[1:], f.mid]

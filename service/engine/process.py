@@ -41,8 +41,8 @@ from sizing.plan import Plan
 
 from ..chat.grammar import grammar_source
 from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
-from .base import (Cancel, Chunk, EmbeddingResult, GenerationParams, LoadReport, RerankResult, check_limits,
-                   current_delivery)
+from .base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
+                   LoadReport, RerankResult, check_limits, current_delivery)
 from .native import child_env
 
 log = logging.getLogger(__name__)
@@ -168,14 +168,15 @@ class _Channel:
             raise item
         return item
 
-    def generate(self, method: str, args: tuple[Any, ...], cancel: Cancel) -> Iterator[Chunk]:
+    def generate(self, args: tuple[Any, ...], cancel: Cancel) -> Iterator[Chunk]:
         cid, p = self.open(stream=True, deliver=current_delivery())
         try:
-            self.send(("gen", cid, method, args))
+            self.send(("gen", cid, "generate", args))
         except BaseException:
             self.forget(cid)
             raise
         cancel.on_set(lambda: self.try_send(("cancel", cid)))
+        cancel.on_end(lambda index: self.try_send(("end", cid, index)))
         return self._chunks(cid, p)
 
     def _chunks(self, cid: int, p: _Pending) -> Iterator[Chunk]:
@@ -304,7 +305,7 @@ class ProcessEngine:
         self._ch: _Channel | None = None
         self._path: str | None = None
         self._plan: Plan | None = None
-        self._info: dict[str, Any] = {}
+        self._limits = EngineLimits()
         self._state = "unloaded"
         """unloaded, loading, loaded, restarting, failed."""
         self._ready = threading.Event()
@@ -315,7 +316,7 @@ class ProcessEngine:
         self.last_exit: str | None = None
         self.failure: str | None = None
         self._listener: Listener | None = None
-        self._stats: dict[str, int] = {}
+        self._stats = EngineGauges()
 
     def watch(self, name: str, listener: Listener) -> None:
         """Name the model (in errors and logs) and tell ``listener`` of deaths, restarts and the final failure."""
@@ -349,9 +350,9 @@ class ProcessEngine:
     def _spawn(self) -> _Channel:
         return _Channel(self.name, self._kwargs, self._log_level, self._ended)
 
-    def _load_on(self, ch: _Channel, path: str, plan: Plan) -> tuple[LoadReport, dict[str, Any]]:
+    def _load_on(self, ch: _Channel, path: str, plan: Plan) -> LoadReport:
         try:
-            report, info = ch.call("load", (path, plan))
+            report: LoadReport = ch.call("load", (path, plan))
         except RunnerDied:
             ch.reap()
             tail = ch.last_lines()
@@ -360,7 +361,7 @@ class ProcessEngine:
         except BaseException:
             ch.stop()
             raise
-        return report, info
+        return report
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         """Start a runner and load ``path`` with ``plan`` in it (a loaded one is replaced)."""
@@ -370,26 +371,26 @@ class ProcessEngine:
             self._ready.clear()
         try:
             ch = self._spawn()
-            report, info = self._load_on(ch, path, plan)
+            report = self._load_on(ch, path, plan)
         except BaseException:
             with self._lock:
                 self._state = "unloaded"
                 self._ready.set()
             raise
         with self._lock:
-            self._ch, self._info, self._path, self._plan = ch, info, path, plan
+            self._ch, self._limits, self._path, self._plan = ch, report.limits, path, plan
             self._state = "loaded"
             self._deaths.clear()
             self._ready.set()
         log.info("model %s runs in runner process %d", self.name, ch.pid)
-        return report  # type: ignore[no-any-return]
+        return report
 
     def unload(self) -> None:
         """Stop the runner (its requests end with ``NotReady``) and return once the OS has reaped it."""
         with self._lock:
             ch, self._ch = self._ch, None
             self._state = "unloaded"
-            self._info = {}
+            self._limits = EngineLimits()
             self._ready.set()
         if ch is not None:
             ch.stop()
@@ -438,7 +439,7 @@ class ProcessEngine:
                 path, plan = self._path, self._plan
             try:
                 ch = self._spawn()
-                _, info = self._load_on(ch, path, plan)
+                limits = self._load_on(ch, path, plan).limits
             except Exception as exc:
                 reason = exc.message if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"
                 log.error("restarting the runner of %s failed: %s", self.name, reason)
@@ -448,7 +449,7 @@ class ProcessEngine:
                     stale = ch
                 else:
                     stale = None
-                    self._ch, self._info = ch, info
+                    self._ch, self._limits = ch, limits
                     self._state = "loaded"
                     self.restarts += 1
                     self._ready.set()
@@ -489,22 +490,10 @@ class ProcessEngine:
     # -- the Engine protocol
 
     @property
-    def n_ctx(self) -> int:
-        return int(self._info.get("n_ctx", 0))
+    def limits(self) -> EngineLimits:
+        return self._limits
 
-    @property
-    def kv_cells_allocated(self) -> int:
-        return int(self._info.get("kv_cells_allocated", 0))
-
-    @property
-    def slots(self) -> int:
-        return int(self._info.get("slots", 0))
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self._info.get("n_vocab", 0))
-
-    def _gauges(self) -> dict[str, int]:
+    def gauges(self) -> EngineGauges:
         """The runner's gauges now (one round trip); the last ones read while it is restarting."""
         ch = self._ch
         if ch is not None and ch.dead is None and self._state == "loaded":
@@ -514,32 +503,6 @@ class ProcessEngine:
                 pass
         return self._stats
 
-    @property
-    def kv_cells_used(self) -> int:
-        return int(self._gauges().get("kv_cells_used", 0))
-
-    @property
-    def running_sequences(self) -> int:
-        return int(self._gauges().get("running_sequences", 0))
-
-    @property
-    def prompt_tokens_evaluated(self) -> int:
-        return int(self._gauges().get("prompt_tokens_evaluated", 0))
-
-    @property
-    def prompt_cache_gauges(self) -> dict[str, int]:
-        return dict(self._gauges().get("prompt_cache", {}))  # type: ignore[call-overload]
-
-    def chat_format(self) -> Any:
-        """The loaded template's format, read at load (the API reads it on the event loop: it never waits)."""
-        fmt = self._info.get("chat_format")
-        if fmt is None:
-            raise NotReady("no model is loaded")
-        return fmt
-
-    def embedding_limits(self) -> tuple[int, int]:
-        return tuple(self._info.get("embedding_limits", (0, 0)))  # type: ignore[return-value]
-
     def check(self, params: GenerationParams) -> None:
         """Here without a grammar (the vocabulary's size and the slots are known since the load): one round trip
         to the runner less before a plain request's first token; a grammar compiles in the runner, which keeps it
@@ -548,59 +511,16 @@ class ProcessEngine:
             self._channel().call("check", (params,))
         else:
             self._channel()  # a runner that is not serving raises here, as its call would
-            check_limits(params, self.n_vocab, self.slots)
+            check_limits(params, self._limits.n_vocab, self._limits.slots)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._channel().call("tokenize", (text,))  # type: ignore[no-any-return]
-
-    def count_tokens(self, text: str) -> int:
-        return int(self._channel().call("count_tokens", (text,)))
-
-    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-        return int(self._channel().call("count_chat_tokens", (messages, tools)))
-
-    def max_token_chars(self) -> int:
-        got = self._info.get("max_token_chars")
-        if got is None:  # computed by the runner on first use (a walk over the vocabulary), then kept
-            got = self._info["max_token_chars"] = int(self._channel().call("max_token_chars", ()))
-        return int(got)
-
-    def prompt_tokens(self, prompt: str) -> list[int]:
-        return self._channel().call("prompt_tokens", (prompt,))  # type: ignore[no-any-return]
-
-    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self._channel().call("chat_prompt_tokens", (messages, tools))  # type: ignore[no-any-return]
-
-    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        return self._channel().call("tokenize_text", (text, add_special, parse_special))  # type: ignore[no-any-return]
-
-    def token_pieces(self, tokens: list[int]) -> list[bytes]:
-        return self._channel().call("token_pieces", (tokens,))  # type: ignore[no-any-return]
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return self._channel().call("render_chat", (messages, tools))  # type: ignore[no-any-return]
+    def image_tokens(self, image: ImageInput, param: str) -> tuple[list[int], list[int], list[int]]:
+        return self._channel().call("image_tokens", (image, param))  # type: ignore[no-any-return]
 
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         return self._channel().call("embed", (inputs,), cancel)  # type: ignore[no-any-return]
 
-    def rerank_limit(self) -> int:
-        return int(self._info.get("rerank_limit", 0))
-
-    def fim_tokens(self) -> Any:
-        """Read at load (the API checks them on the event loop: it never waits)."""
-        from ..text.tasks import FimTokens
-
-        return self._info.get("fim_tokens") or FimTokens()
-
-    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
-        return self._channel().call("rerank_tokens", (query, documents, max_tokens))  # type: ignore[no-any-return]
-
     def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
         return self._channel().call("rerank", (inputs,), cancel)  # type: ignore[no-any-return]
-
-    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
-                      n_predict: int) -> list[int]:
-        return self._channel().call("infill_tokens", (prefix, suffix, extra, prompt, n_predict))  # type: ignore[no-any-return]
 
     def set_prompt_cache_budget(self, budget_bytes: int) -> None:
         if self._state == "loaded":
@@ -609,12 +529,5 @@ class ProcessEngine:
     def forget(self) -> None:
         self._channel().call("forget", ())
 
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._channel().generate("complete", (prompt, params), cancel)
-
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
-             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
-        return self._channel().generate("chat", (messages, params, tools), cancel)
-
     def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self._channel().generate("generate", (tokens, params), cancel)
+        return self._channel().generate((tokens, params), cancel)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Callable
 
-from .base import GenerationParams, TokenLogprob
+from .base import GenerationParams, TokenScore
 from .grammar_sampler import grammar_sampler
 
 PENALTY_LAST_N_TOKENS = 64
@@ -149,26 +149,25 @@ class SavedLogits:
         return tok
 
 
-def logprob_of(logits: Any, k: int, token_bytes: Callable[[int], bytes]) -> Callable[[int], TokenLogprob]:
-    """A function of the sampled token: its log-softmax over ``logits`` (one row), and the top ``k`` alternatives
-    (``token_bytes``: a token's text)."""
+def scores_of(logits: Any, k: int) -> Callable[[int], TokenScore]:
+    """A function of the sampled token: its log-softmax over ``logits`` (one row), and the top ``k`` alternatives by
+    id (their texts are the API process's: ``service.text``)."""
     import numpy as np
 
     x = logits.astype(np.float64)
     m = x.max()
     lse = m + np.log(np.exp(x - m).sum())
-    top: tuple[tuple[str, float], ...] = ()
+    top: tuple[tuple[int, float], ...] = ()
     if k > 0:
         ids = np.argpartition(-x, k)[:k]
         ids = ids[np.argsort(-x[ids])]
-        top = tuple((token_bytes(int(i)).decode("utf-8", "replace"), float(x[i] - lse)) for i in ids)
+        top = tuple((int(i), float(x[i] - lse)) for i in ids)
 
-    def of(tok: int) -> TokenLogprob:
-        piece = token_bytes(tok)
-        return TokenLogprob(piece.decode("utf-8", "replace"), float(x[tok] - lse), tuple(piece), top)
+    def of(tok: int) -> TokenScore:
+        return TokenScore(tok, float(x[tok] - lse), top)
 
     return of
 
 
-__all__ = ["PENALTY_LAST_N_TOKENS", "SavedLogits", "TemperatureSampler", "logprob_of", "sampler_chain",
+__all__ = ["PENALTY_LAST_N_TOKENS", "SavedLogits", "TemperatureSampler", "scores_of", "sampler_chain",
            "temperature_sampler"]

@@ -16,7 +16,7 @@ def default_engine(settings: Settings) -> Engine:
     runner process of its own (``GGUF_RUNNER_PROCESS``, ``service.engine.process``) or in this one."""
     kwargs: dict[str, Any] = dict(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
                                   slot_prompt_similarity=settings.slot_prompt_similarity,
-                                  chat_template=settings.chat_template(), embedding_pooling=settings.embedding_pooling,
+                                  embedding_pooling=settings.embedding_pooling,
                                   batch_invariant=settings.batch_invariant, prompt_cache_mib=settings.prompt_cache_mib,
                                   prompt_cache_dir=settings.prompt_cache_dir,
                                   prompt_cache_disk_mib=settings.prompt_cache_disk_mib,

@@ -62,6 +62,7 @@ from ..options import LoadOptions, merged
 from ..planning import Placed, Planner, SetPlan
 from ..runner import Runner
 from ..settings import Settings
+from ..text.served import ServedModel, text_factory
 from .engines import EngineFactory
 from .refusals import raise_refusal
 from .state import Lease, ModelState
@@ -428,8 +429,8 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         """A fresh engine and runner for ``state``, and the load (raises what the engine raised)."""
         assert state.path is not None
         slots = max(1, plan.cfg.n_seq_max)
-        engine = self._engine_factory(self.settings.model_copy(update={
-            "parallel": slots, "batch_invariant": state.batch_invariant}))
+        engine = ServedModel(self._engine_factory(self.settings.model_copy(update={
+            "parallel": slots, "batch_invariant": state.batch_invariant})), text_factory(self.settings.chat_template()))
         watch = getattr(engine, "watch", None)
         if watch is not None:  # a runner process: its deaths, restarts and final failure come back here
             loop = asyncio.get_running_loop()

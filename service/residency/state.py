@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sizing.plan import Holding, Plan
 
-from ..engine.base import Engine, LoadReport
+from ..engine.base import LoadReport
 from ..models import ModelEntry
 from ..runner import Runner
+from ..text.served import ServedModel
 
 if TYPE_CHECKING:
     from .manager import ModelManager
@@ -40,7 +41,7 @@ class ModelState:
     entry: ModelEntry | None = None
     batch_invariant: bool = False
     """Its engine runs batch-invariant (the load's options over the model's over the settings': the plan's)."""
-    engine: Engine | None = None
+    engine: ServedModel | None = None
     runner: Runner | None = None
     pinned: bool = False
     keep_alive_s: float = math.inf
@@ -82,7 +83,7 @@ class Lease:
         assert state.engine is not None and state.runner is not None
         self._manager = manager
         self.state = state
-        self.engine: Engine = state.engine
+        self.engine: ServedModel = state.engine
         self.runner: Runner = state.runner
         self.keep_alive_s: float | None = None
         """This request's keep_alive (None: the model's)."""

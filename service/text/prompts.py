@@ -30,7 +30,7 @@ from .vocab import Vocabulary
 class Prompter:
     """Counting and rendering text prompts and chat messages into tokens.
 
-    ``images``: the projector's image tokens (``Images.tokens``: before, the image's chunk, after), None where the
+    ``images``: an image's tokens (the engine's ``image_tokens``: before, the image's run, after), None where the
     model takes no images."""
 
     def __init__(self, vocab: Vocabulary, template: ChatTemplate | BuiltinChatTemplate | None,
@@ -152,7 +152,7 @@ class Prompter:
 
     def _pieces_tokens(self, pieces: Iterable[tuple[str, bool]], add_bos: bool, images: _Images) -> list[int]:
         """The tokens of a prompt in pieces ((the template's text, False), (a client's spelling, True)), each image
-        placeholder in the template's text replaced by the image's tokens (the projector's: ``Images.tokens``)."""
+        placeholder in the template's text replaced by the image's tokens (the engine's: ``image_tokens``)."""
         tokens: list[int] = []
         seen: set[int] = set()
         for text, client in pieces:
@@ -164,8 +164,8 @@ class Prompter:
                 param, image = images.found[k]
                 if add_bos and not tokens:
                     tokens += self._tokenize("", add_bos=True)
-                before, chunk, after = self._vision.tokens(image, param)
-                tokens += [*before, *chunk.run, *after]
+                before, run, after = self._vision(image, param)
+                tokens += [*before, *run, *after]
                 seen.add(k)
         if len(seen) != len(images.found):
             missing = next(images.found[k][0] for k in range(len(images.found)) if k not in seen)

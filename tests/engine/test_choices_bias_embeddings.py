@@ -10,6 +10,7 @@ import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.errors import BadRequest, ContextLengthExceeded
 from sizing.probe.devices import host_memory
 from sizing.probe import probe_path
@@ -24,7 +25,7 @@ PROMPT = "The keeper of the lighthouse wrote in his log every evening. He noted 
 def engine(embedded_model: str):  # type: ignore[no-untyped-def]
     plan = make_plan(probe_path(embedded_model), [], host_memory(),
                      PlanRequest(n_ctx=1024, n_seq_max=4, kv_unified=True, min_ctx=256, embedding_tokens=128))
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, plan)
     yield eng
     eng.unload()
@@ -69,7 +70,7 @@ def test_n_beyond_the_slots_is_refused(engine: LlamaEngine) -> None:
 def test_logit_bias_bans_a_token_of_the_greedy_output(engine: LlamaEngine) -> None:
     greedy = GenerationParams(max_tokens=10, temperature=0.0)
     first = [c for c in engine.complete(PROMPT, greedy, Cancel()) if c.text]
-    banned = engine.prompter.vocab.tokenize(first[0].text, add_bos=False)  # the first token the model wants
+    banned = engine.text.vocab.tokenize(first[0].text, add_bos=False)  # the first token the model wants
     assert len(banned) == 1
     biased = replace(greedy, logit_bias=((banned[0], float("-inf")),))
     again = [c for c in engine.complete(PROMPT, biased, Cancel()) if c.text]
@@ -116,7 +117,7 @@ def test_the_plan_sizes_the_embedding_context_as_llama_cpp_allocates_it(embedded
                      PlanRequest(n_ctx=1024, n_seq_max=4, kv_unified=True, min_ctx=256, embedding_tokens=tokens))
     est = plan.estimate
     assert est is not None and est.embedding is not None
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     try:
         report = eng.load(embedded_model, plan)
     finally:
@@ -140,7 +141,7 @@ def test_n_choices_with_per_sequence_streams_copy_the_prompt(embedded_model: str
     (``llama_memory_seq_cp`` across streams), still evaluated once; each choice equals a single run of its seed."""
     plan = make_plan(probe_path(embedded_model), [], host_memory(),
                      PlanRequest(n_ctx=2048, n_seq_max=4, kv_unified=False, min_ctx=256))
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, plan)
     try:
         params = GenerationParams(max_tokens=10, temperature=0.9, seed=21, n=3, cache_prompt=False, ignore_eos=True)

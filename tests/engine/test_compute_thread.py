@@ -14,6 +14,7 @@ import pytest
 import service.engine.llama.scheduler as llama_engine
 from service.engine.base import Cancel, GenerationParams
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from sizing.probe.devices import host_memory
 from sizing.probe import probe_path
 from sizing.plan.planner import PlanRequest, make_plan
@@ -26,7 +27,7 @@ GREEDY = GenerationParams(max_tokens=8, temperature=0.0, cache_prompt=False)
 def _load(path: str, embedding_tokens: int = 0) -> LlamaEngine:
     plan = make_plan(probe_path(path), [], host_memory(),
                      PlanRequest(n_ctx=1024, n_seq_max=2, kv_unified=True, min_ctx=256, embedding_tokens=embedding_tokens))
-    eng = LlamaEngine(n_threads=2)
+    eng = ServedModel.of(LlamaEngine(n_threads=2))
     eng.load(path, plan)
     return eng
 

@@ -79,8 +79,9 @@ def test_a_load_on_this_host_uses_no_amx_buffer_by_default(embedded_model: str) 
     decodes; elsewhere the same assertions hold trivially for AMX and the load decodes with its repacked weights."""
     from service.engine.base import Cancel, GenerationParams
     from service.engine.llama import LlamaEngine
+    from service.text.served import ServedModel
 
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     report = eng.load(embedded_model, _plan(embedded_model, PlanRequest(n_seq_max=2, kv_unified=True)))
     try:
         assert not any(a.device == "AMX" for a in report.allocations)

@@ -13,6 +13,7 @@ import pytest
 from service.engine.base import Cancel, Chunk
 from service.engine.draft import VocabularyMismatch
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.residency.views import allocation_rows
 from sizing.memory.draft import DraftModel
 from sizing.plan.device import MIB
@@ -38,7 +39,7 @@ def _plan(path: str, draft: str, slots: int = 2) -> Plan:
 def loaded(embedded_model: str) -> Iterator[tuple[LlamaEngine, Plan, object]]:
     plan = _plan(embedded_model, embedded_model)
     assert plan.draft is not None, plan.draft_refusal
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     report = eng.load(embedded_model, plan)
     yield eng, plan, report
     eng.unload()
@@ -100,7 +101,7 @@ def test_the_draft_models_memory_is_what_the_plan_predicted(loaded: tuple[LlamaE
 
 def test_a_draft_of_another_vocabulary_is_refused_at_load(embedded_model: str, tmp_path: object) -> None:
     other = write_fixture("tiny-llama", str(tmp_path), shape=TINY_LLAMA)
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     with pytest.raises(VocabularyMismatch) as err:
         eng.load(embedded_model, _plan(embedded_model, other, slots=1))
     assert "does not share the model's vocabulary" in err.value.message and other in err.value.message

@@ -12,6 +12,7 @@ import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.engine.slots import INVARIANT_MIN_ROWS, common_prefix
 from service.errors import ContextLengthExceeded, InsufficientMemory
 from sizing.probe.devices import host_memory
@@ -56,14 +57,15 @@ def _concurrently(fns: list[Any]) -> list[Any]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a request still ran after 600 s: the scheduler is stuck"
     return out
 
 
 @pytest.fixture(scope="module")
 def invariant(embedded_model: str) -> Iterator[LlamaEngine]:
     """4 slots of 512 tokens, batch-invariant weights (no repacked CPU layouts)."""
-    eng = LlamaEngine(batch_invariant=True)
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True))
     eng.load(embedded_model, _plan(embedded_model, 2048, 4))
     yield eng
     eng.unload()
@@ -72,7 +74,7 @@ def invariant(embedded_model: str) -> Iterator[LlamaEngine]:
 @pytest.fixture(scope="module")
 def unified(embedded_model: str) -> Iterator[LlamaEngine]:
     """The defaults' shape: 4 slots sharing one unified cache of 4096 cells, repacked weights."""
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, _plan(embedded_model, 4096, 4, unified=True))
     yield eng
     eng.unload()
@@ -93,7 +95,7 @@ def test_one_slot_gives_what_four_unified_slots_give_one_request_at_a_time(embed
     """``parallel = 1`` is the same engine: token for token, with usage counts, a stop string and a seed."""
     params = [COLD, replace(COLD, stop=("\n",)), replace(COLD, temperature=0.9, seed=7)]
     got = [_run(unified.complete(PROMPTS[2], p, Cancel())) for p in params]
-    single = LlamaEngine()
+    single = ServedModel.of(LlamaEngine())
     single.load(embedded_model, _plan(embedded_model, 4096, 1))
     try:
         assert single.n_ctx == 4096 and single.slots == 1
@@ -197,10 +199,10 @@ def test_a_sliding_window_cache_reuses_only_what_it_still_holds(embedded_model: 
     """gemma-3's sliding-window layers keep n_swa (512) positions; with swa_full off the SWA cache has
     512 + n_ubatch cells for one sequence and reuses cells beyond the window. A prompt that continues the
     cached one reuses all of it; one that leaves it earlier than the SWA cells still held starts over."""
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, _plan(embedded_model, 4096, 1))
     try:
-        assert eng.loaded.n_swa == 512
+        assert eng.engine.loaded.n_swa == 512
         long = HISTORY * 8  # about 1,700 tokens: the 1,024-cell SWA cache has wrapped
         _, first = _run(eng.complete(long, replace(GREEDY, max_tokens=2), Cancel()))
         assert first.prompt_tokens > 1100
@@ -216,7 +218,7 @@ def test_a_sliding_window_cache_reuses_only_what_it_still_holds(embedded_model: 
 
 
 def test_prompt_cache_off_keeps_nothing(embedded_model: str) -> None:
-    eng = LlamaEngine(cache_prompt=False)
+    eng = ServedModel.of(LlamaEngine(cache_prompt=False))
     eng.load(embedded_model, _plan(embedded_model, 2048, 2, unified=True))
     try:
         for _ in range(2):
@@ -290,7 +292,7 @@ def test_a_prompt_longer_than_its_slot_fails_typed_while_others_finish(invariant
 def test_a_full_unified_cache_clears_idle_slots_then_fails_the_request_that_does_not_fit(embedded_model: str) -> None:
     """llama_decode returns 1 (no KV slot): idle slots' cached prompts go first; with none left, that request
     gets InsufficientMemory and the other finishes."""
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, _plan(embedded_model, 512, 2, unified=True))
     try:
         assert eng.n_ctx == 512  # unified: each sequence may use every cell, together they share them
@@ -332,7 +334,7 @@ def test_a_long_prompt_is_abandoned_mid_evaluation_when_its_client_leaves(embedd
     itself (llama_decode returns 2), not only the tokens after it; the engine serves on."""
     import time
 
-    eng = LlamaEngine(cache_prompt=False)
+    eng = ServedModel.of(LlamaEngine(cache_prompt=False))
     eng.load(embedded_model, _plan(embedded_model, 2048, 1))
     try:
         prompt = "the quick brown fox jumps over the lazy dog " * 56  # 505 tokens: one 512-token batch, abortable
@@ -353,23 +355,30 @@ def test_a_long_prompt_is_abandoned_mid_evaluation_when_its_client_leaves(embedd
         eng.unload()
 
 
-def test_greedy_argmax_equals_the_sampler_chain(embedded_model: str, unified: LlamaEngine) -> None:
+def test_greedy_argmax_equals_the_sampler_chain(embedded_model: str, unified: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy requests without penalties or grammar take the logits' argmax instead of llama_sampler_sample:
     the same tokens as the chain (penalties at zero, then greedy)."""
-
-    class Chain(LlamaEngine):
-        def _on_logits(self, r: Any, idx: int, ctx: Any, active: Any) -> None:
-            r.greedy = False
-            super()._on_logits(r, idx, ctx, active)
+    from service.engine.llama.sequences import Sequences
 
     params = replace(COLD, max_tokens=40)
     fast = [list(unified.complete(p, params, Cancel())) for p in PROMPTS[:2]]
-    chain = Chain()
+    chained: list[bool] = []
+    samplers = Sequences._samplers
+
+    def chain_only(self: Sequences, r: Any) -> None:
+        r.greedy = False
+        samplers(self, r)
+        chained.append(r.sampler is not None)
+
+    monkeypatch.setattr(Sequences, "_samplers", chain_only)
+    chain = ServedModel.of(LlamaEngine())
     chain.load(embedded_model, _plan(embedded_model, 4096, 4, unified=True))
     try:
         slow = [list(chain.complete(p, params, Cancel())) for p in PROMPTS[:2]]
     finally:
         chain.unload()
+    assert chained == [True, True]  # both ran llama.cpp's chain, not the argmax
     assert fast == slow
 
 

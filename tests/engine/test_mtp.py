@@ -12,6 +12,7 @@ import pytest
 from service.engine.base import Cancel, GenerationParams, LoadReport
 from service.engine.calibrate import Calibrator
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.engine.mtp import MtpRunner
 from service.planning import LoadOptions, Planner
 from service.residency.views import allocation_rows
@@ -56,7 +57,7 @@ def planned(mtp_model: str) -> Plan:
 @pytest.fixture(scope="module")
 def loaded(mtp_model: str, planned: Plan) -> Iterator[tuple[LlamaEngine, LoadReport]]:
     assert planned.cfg.mtp, planned.mtp_refusal
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     report = eng.load(mtp_model, planned)
     yield eng, report
     eng.unload()
@@ -64,7 +65,7 @@ def loaded(mtp_model: str, planned: Plan) -> Iterator[tuple[LlamaEngine, LoadRep
 
 def test_greedy_answers_with_the_mtp_head_are_the_answers_without(loaded: tuple[LlamaEngine, LoadReport]) -> None:
     eng = loaded[0]
-    assert isinstance(eng.loaded.runner, MtpRunner)
+    assert isinstance(eng.engine.loaded.runner, MtpRunner)
     (text_off, last_off), (text_on, last_on) = _both(eng, PROMPT, GREEDY)
     assert text_on == text_off and last_on.completion_tokens == last_off.completion_tokens == 40
     assert last_off.drafted_tokens == 0
@@ -76,7 +77,7 @@ def test_a_head_that_guesses_wrong_changes_no_answer(loaded: tuple[LlamaEngine, 
     """Every guess made, however unlikely (``p_min`` 0), and the head's input rows spoiled: most guesses are
     rejected, and the answer is the one without drafts."""
     eng = loaded[0]
-    runner = eng.loaded.runner
+    runner = eng.engine.loaded.runner
     assert isinstance(runner, MtpRunner)
     off = _run(eng.complete("Another text, then", replace(GREEDY, speculative=False), Cancel()))
     keep, runner.p_min = runner.p_min, 0.0
@@ -117,7 +118,7 @@ def test_the_nextn_block_and_the_mtp_context_are_allocated(mtp_model: str, loade
     count), and the MTP context has a KV cache of the NextN layer alone: half the main context's per layer."""
     spec = probe_path(mtp_model)
     report = loaded[1]
-    plain = LlamaEngine()
+    plain = ServedModel.of(LlamaEngine())
     try:
         without = plain.load(mtp_model, _plan(mtp_model, mtp=False))
     finally:

@@ -15,6 +15,7 @@ import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.engine.prompt_cache import MAGIC, SUFFIX, PromptCache, budget, scope_of
 from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
@@ -49,7 +50,7 @@ def cold(embedded_model: str) -> dict[str, str]:
     rows as a whole prompt does (``INVARIANT_MIN_ROWS``, measured on AVX2 and on the AMX hosts' builds); on an AMD
     EPYC (AVX-512, its own -march=native build) no tail of 1 to 96 rows gave a cold evaluation's logits bit for
     bit, and the texts parted at A2's third token."""
-    eng = LlamaEngine(batch_invariant=True)
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True))
     eng.load(embedded_model, _plan(embedded_model))
     try:
         out = {"A2": _run(eng, A2, COLD)[0]}
@@ -63,8 +64,8 @@ def cold(embedded_model: str) -> dict[str, str]:
 
 
 def _engine(path: str, tmp: Path | None = None, mib: int = 64, cache_type: str = "f16") -> LlamaEngine:
-    eng = LlamaEngine(batch_invariant=True, prompt_cache_mib=mib, prompt_cache_dir=str(tmp) if tmp else None,
-                      prompt_cache_disk_mib=256)
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True, prompt_cache_mib=mib, prompt_cache_dir=str(tmp) if tmp else None,
+                      prompt_cache_disk_mib=256))
     eng.load(path, _plan(path, cache_type))
     return eng
 
@@ -220,7 +221,7 @@ def test_a_trimmed_window_continues_exactly_where_it_ended(embedded_model: str) 
     gives what a cold evaluation gives; so does a turn that rewrites its last tokens (reused as far as the window
     still holds what they attend to: llama.cpp trims it only when it needs the cells)."""
     long = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. ") * 75
-    eng = LlamaEngine(batch_invariant=True)
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True))
     eng.load(embedded_model, _plan(embedded_model))
     try:
         text, first = _run(eng, long)

@@ -37,7 +37,7 @@ class Delivering:
         self.flush = flush
         self.raises = raises
 
-    def complete(self, prompt: str, params: GenerationParams, cancel: Any) -> Iterator[Chunk]:
+    def generate(self, tokens: list[int], params: GenerationParams, cancel: Any) -> Iterator[Chunk]:
         deliver = current_delivery()
         assert deliver is not None
         for item in self.items:
@@ -58,7 +58,7 @@ def _generation(items: list[Any], **engine: Any) -> list[tuple[float, tuple[Any,
     runner = HeldSender(child_conn, Delivering(items, **engine))
     got: list[tuple[float, tuple[Any, ...]]] = []
     t0 = time.monotonic()
-    runner._generate(1, "complete", ("a prompt", GenerationParams()), Cancel())
+    runner._generate(1, "generate", ([2, 9259], GenerationParams()), Cancel())
     while not got or got[-1][1][0] != "end":
         assert conn.poll(10), f"the runner stopped sending; so far {got}"
         msg = pickle.loads(conn.recv_bytes())

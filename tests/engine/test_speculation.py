@@ -11,6 +11,7 @@ import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.engine.speculation import DRAFT_START, PAUSE_AFTER_MISSES, PAUSE_TOKENS, DraftPolicy, NgramDrafter
 from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
@@ -93,7 +94,7 @@ def _plan(path: str, slots: int, draft_rows: int = 0) -> Plan:
 
 @pytest.fixture(scope="module")
 def engine(embedded_model: str) -> Iterator[LlamaEngine]:
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, _plan(embedded_model, 4))
     yield eng
     eng.unload()
@@ -206,7 +207,7 @@ def test_one_slot_drafts_only_into_the_rows_its_plan_holds(embedded_model: str, 
     for planned in (0, 6):
         plan = _plan(embedded_model, 1, planned)
         assert plan.estimate is not None and plan.estimate.host.draft_bytes == planned * 262144 * 4
-        eng = LlamaEngine()
+        eng = ServedModel.of(LlamaEngine())
         report = eng.load(embedded_model, plan)
         try:
             rows.clear()

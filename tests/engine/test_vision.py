@@ -16,6 +16,7 @@ import pytest
 
 from service.engine.base import Cancel, Chunk, GenerationParams, ImageInput
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.engine.speculation import NgramDrafter
 from service.engine.vision import image_run
 from service.errors import BadRequest
@@ -68,7 +69,7 @@ def _plan(model: str, projector: Projector | None, slots: int = 2) -> Plan:
 def loaded(embedded_model: str, projector_path: str) -> Iterator[tuple[LlamaEngine, Plan, Any]]:
     figures = {("CPU", fa): mib_to_bytes(measure_projector(projector_path, fa).compute_mib["CPU"]) for fa in (True, False)}
     plan = _plan(embedded_model, Projector(probe_projector(projector_path), figures=figures))
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     report = eng.load(embedded_model, plan)
     yield eng, plan, report
     eng.unload()
@@ -155,7 +156,7 @@ def test_refusals(loaded: tuple[LlamaEngine, Plan, Any], embedded_model: str) ->
     forged = [t if t >= 0 else -5 for t in tokens]
     with pytest.raises(BadRequest, match="does not have"):
         list(eng.generate(forged, GREEDY, Cancel()))
-    plain = LlamaEngine()
+    plain = ServedModel.of(LlamaEngine())
     plain.load(embedded_model, _plan(embedded_model, None, slots=1))
     try:
         with pytest.raises(BadRequest, match="takes no images") as info:
@@ -196,7 +197,7 @@ def pixtral(embedded_model: str, tmp_path_factory: pytest.TempPathFactory) -> It
     cap = measured[True].image_max_tokens
     figures = {("CPU", fa): mib_to_bytes(m.compute_mib["CPU"]) for fa, m in measured.items()}
     plan = _plan(embedded_model, Projector(probe_projector(path), figures=figures, image_max_tokens=cap), slots=1)
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     report = eng.load(embedded_model, plan)
     yield eng, plan, report
     eng.unload()
@@ -259,7 +260,7 @@ def test_m_rope_images_take_fewer_positions_than_tokens(tmp_path: Path) -> None:
     plan = make_plan(probe_path(model), [], host_memory(),
                      PlanRequest(n_ctx=2048, n_seq_max=1, min_ctx=256, cpu_repack=False,
                                  projector=Projector(probe_projector(str(proj)))))
-    eng = LlamaEngine(chat_template=CHATML)
+    eng = ServedModel.of(LlamaEngine(), chat_template=CHATML)
     eng.load(model, plan)
     try:
         def chat(image: ImageInput, text: str) -> list[int]:
@@ -267,7 +268,7 @@ def test_m_rope_images_take_fewer_positions_than_tokens(tmp_path: Path) -> None:
                 {"type": "text", "text": "Look:"}, {"type": "image", "image": image}, {"type": "text", "text": text}]}])
 
         def last_pos() -> int:
-            return int(llama_cpp.llama_memory_seq_pos_max(eng.loaded.mem, 0))
+            return int(llama_cpp.llama_memory_seq_pos_max(eng.engine.loaded.mem, 0))
 
         one = replace(GREEDY, max_tokens=1)
         a = chat(_image(1, 100, 60), "What is it?")

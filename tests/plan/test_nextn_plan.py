@@ -13,6 +13,7 @@ import pytest
 
 from service.engine.base import Cancel, GenerationParams
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from sizing.memory.placement import Placement
 from sizing.plan.device import MIB, Device
 from sizing.plan.planner import PlanRequest, make_plan
@@ -35,7 +36,7 @@ def test_a_real_load_allocates_what_the_plan_counts_without_the_nextn_block(tmp_
     est = plan.estimate
     assert est is not None
     assert est.host.weights_bytes == spec.loaded_weights_bytes == spec.weights_bytes - spec.nextn_weights_bytes
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     with caplog.at_level(logging.INFO, logger="service.engine.llama"):
         report = eng.load(path, plan)
     assert "the file's 1 NextN/MTP block(s) are not loaded" in caplog.text

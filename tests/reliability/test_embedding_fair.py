@@ -111,12 +111,13 @@ def test_the_total_token_limit_is_a_400_naming_input(svc: Any) -> None:
 @pytest.fixture(scope="module")
 def engine(embedded_model: str) -> Iterator[Any]:
     from service.engine.llama import LlamaEngine
+    from service.text.served import ServedModel
     from sizing.plan import PlanRequest, make_plan
     from sizing.probe import host_memory, probe_path
 
     plan = make_plan(probe_path(embedded_model), [], host_memory(),
                      PlanRequest(n_ctx=1024, n_seq_max=2, kv_unified=True, min_ctx=256, embedding_tokens=256))
-    eng = LlamaEngine()
+    eng = ServedModel.of(LlamaEngine())
     eng.load(embedded_model, plan)
     yield eng
     eng.unload()
@@ -126,11 +127,11 @@ def test_a_whole_batch_aborted_for_a_generation_runs_again_to_the_same_vectors(e
     """A batch decoded whole (as for a non-causal model: forced here on gemma) is aborted when a generation
     arrives (llama.cpp's abort callback: ``llama_decode`` returns 2, the cells of its ubatch removed) and run again
     from a cleared cache: the vectors equal the undisturbed run's."""
-    engine.pooler.pieces = False
+    engine.engine.pooler.pieces = False
     try:
         inputs = [[2] + [3000 + 11 * i + j for j in range(249)] for i in range(3)]  # 250 tokens: a batch each
         alone = np.array(engine.embed(inputs, Cancel()).vectors)
-        before = engine.pooler.aborted
+        before = engine.engine.pooler.aborted
         box: dict[str, Any] = {}
         t = threading.Thread(target=lambda: box.setdefault("v", engine.embed(inputs, Cancel()).vectors))
         t.start()
@@ -140,7 +141,7 @@ def test_a_whole_batch_aborted_for_a_generation_runs_again_to_the_same_vectors(e
             text = "".join(ch.text for ch in engine.complete(f"[{i}] The capital of France is", params, Cancel()))
             assert text
         t.join(120)
-        assert engine.pooler.aborted > before, "no embedding batch was aborted: the test measured nothing"
+        assert engine.engine.pooler.aborted > before, "no embedding batch was aborted: the test measured nothing"
         assert np.array_equal(np.array(box["v"]), alone)
     finally:
-        engine.pooler.pieces = True
+        engine.engine.pooler.pieces = True

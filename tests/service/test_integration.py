@@ -14,6 +14,7 @@ from sizing.probe import probe_path
 from sizing.plan.planner import PlanRequest, make_plan
 from sizing.plan.residency import available
 from service.engine.llama import LlamaEngine
+from service.text.served import ServedModel
 from service.engine.params import plan_params
 from tests.conftest import EMBEDDED_NAME
 from tests.prom import value
@@ -50,7 +51,7 @@ def test_expert_override_reaches_llama_cpp(embedded_model: str, monkeypatch: pyt
         return replace(mp, cpu_overrides=(r"^blk\.(0|1)\.ffn_up",)), cp
 
     monkeypatch.setattr(llama_mod, "plan_params", with_overrides)
-    engine = LlamaEngine()
+    engine = ServedModel.of(LlamaEngine())
     try:
         report = engine.load(embedded_model, plan)
     finally:

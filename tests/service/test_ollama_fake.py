@@ -164,13 +164,13 @@ def test_delete_unloads_the_model_first(fake_factory, embedded_model, tmp_path):
 def _scripted(text: str):  # type: ignore[no-untyped-def]
     """A fake engine whose every answer is ``text``, in pieces of a few characters (the model's tokens)."""
     from service.engine.base import Chunk
-    from service.engine.fake import FakeEngine
+    from service.engine.fake import FakeEngine, byte_tokens
 
     class Scripted(FakeEngine):
-        def _one(self, n_prompt, params, cancel, seed):  # type: ignore[no-untyped-def]
+        def _one(self, n_prompt, params, cancel, seed, index):  # type: ignore[no-untyped-def]
             pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
             for p in pieces:
-                yield Chunk(text=p)
+                yield Chunk(tokens=byte_tokens(p))
             yield Chunk(finish_reason="stop", prompt_tokens=n_prompt, completion_tokens=len(pieces))
 
     return Scripted()

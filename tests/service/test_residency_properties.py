@@ -153,7 +153,7 @@ def _check_state(m: ModelManager, engines: list[FakeEngine], gpus: list[Device])
     loaded = m.loaded()
     assert sum(1 for e in engines if e.report is not None) == len(loaded), "exactly the loaded models hold an engine"
     for x in loaded:
-        eng = x.engine
+        eng = x.engine.engine  # the runner's engine under the API process's text (service.text.served)
         assert isinstance(eng, FakeEngine) and eng.report is not None
         described = m.describe(x)
         assert described is not None

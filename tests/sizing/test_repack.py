@@ -89,6 +89,7 @@ def test_predicted_equals_what_llama_cpp_allocates_and_its_dry_run_reports(embed
     from service.engine.calibrate import Calibrator
     from service.engine.cpu import host_repack
     from service.engine.llama import LlamaEngine
+    from service.text.served import ServedModel
     from service.engine.params import plan_params
     from service.residency import allocation_rows
 
@@ -99,7 +100,7 @@ def test_predicted_equals_what_llama_cpp_allocates_and_its_dry_run_reports(embed
         plan = make_plan(probe_path(embedded_model), [], HOST, req)
         assert plan.estimate is not None
         predicted = {k: round(v / MIB, 2) for k, v in allocation_rows(plan.estimate).items()}
-        eng = LlamaEngine()
+        eng = ServedModel.of(LlamaEngine())
         report = eng.load(embedded_model, plan)
         eng.unload()
         allocated = {a.device: round(a.total_bytes / MIB, 2) for a in report.allocations}

@@ -40,10 +40,11 @@ class Drafting:
         a prompt with one drafts from its own tokens."""
         if not (self.on and params.speculative):
             return
-        # Only a greedy request drafts from the pool: a draft's rows are computed in one batch, whose rounding can
-        # move a sampled token, and a seeded request asked twice must answer the same (the second would draft from
-        # the first's answer where the first drafted nothing: seeded stream-against-whole checks failed so).
-        pool = self.answers if params.temperature == 0 else None
+        # Only a greedy request without a grammar drafts from the pool: a draft's rows are computed in one batch,
+        # whose rounding can move a sampled token or a grammar's pick between near-equal logits, and a request asked
+        # twice must answer the same (the second would draft from the first's answer where the first drafted
+        # nothing: seeded and JSON stream-against-whole checks failed so).
+        pool = self.answers if reqs and reqs[0].greedy else None
         for r in reqs:
             r.drafter = (self.runner if not images else None) or NgramDrafter(pool=pool, scope=params.cache_scope)
             r.policy = DraftPolicy(draft_max=self._draft_max)

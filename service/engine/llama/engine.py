@@ -2,8 +2,8 @@
 
 The parts, each with one job (see the package's docstring): ``loading`` (plan -> llama.cpp objects),
 ``scheduler`` (the thread and its loop), ``step`` (one batch), ``slotting`` (slots, prefix reuse, the prompt cache's
-tiers), ``sequences`` (sampling, text, forks, ends), ``drafting`` (n-gram, draft model, MTP), ``pooling``
-(embeddings, rerank); the prompts' tokens come from ``service.text`` over the loaded vocabulary.
+tiers), ``sequences`` (sampling, forks, ends), ``drafting`` (n-gram, draft model, MTP), ``pooling`` (embeddings,
+rerank). Token ids in and out: prompts and text are the API process's (``service.text``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,8 @@ from sizing.units import MIB
 
 from ...chat.grammar import compile_grammar
 from ...errors import BadRequest, ContextLengthExceeded, NotReady
-from ...text.prompts import Prompter
-from ...text.tasks import FimTokens, TaskPrompter
-from ...text.templates import template_for
-from ...text.vocab import Vocabulary
-from ..base import (Cancel, Chunk, EmbeddingResult, GenerationParams, ImageInput, LoadReport, RerankResult,
-                    check_limits, current_delivery)
+from ..base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
+                    LoadReport, RerankResult, check_limits, current_delivery)
 from ..loglines import parse_allocations, projector_allocations
 from ..native import cuda_order
 from ..params import repack_of
@@ -53,18 +49,10 @@ class _Load:
 
     def __init__(self, loaded: Loaded, engine: "LlamaEngine", pcache: PromptCache) -> None:
         self.loaded = loaded
-        self.vocab = Vocabulary(loaded.model)
-        self.prompter = Prompter(self.vocab, template_for(self.vocab, engine._template_override), loaded.images)
-        self.tasks = TaskPrompter(self.vocab, rerank_template=loaded.rerank_template, n_batch=loaded.n_batch,
-                                  n_ctx_seq=loaded.n_ctx_seq)
         self.slots = SlotTable(loaded, pcache, cache_prompt=engine._cache_prompt, similarity=engine._similarity,
                                batch_invariant=engine._batch_invariant)
         self.drafting = Drafting(loaded.runner, on=loaded.drafts, draft_max=engine._draft_max)
-        # Markers of the template's tool calls and thinking that are control tokens are written out in the text
-        # (as llama-server's preserved tokens), so that the parsers see them; other control tokens stay silent.
-        preserved = set(self.prompter.chat_format().special.values())
-        self.seqs = Sequences(loaded, self.slots, self.drafting, cache_prompt=engine._cache_prompt,
-                              preserved=preserved)
+        self.seqs = Sequences(loaded, self.slots, self.drafting, cache_prompt=engine._cache_prompt)
         self.step = BatchStep(loaded, self.slots, self.seqs, self.drafting, batch_invariant=engine._batch_invariant)
         self.scheduler: Scheduler
         self.pooler = Pooler(loaded.embedding, n_vocab=loaded.n_vocab, n_embd=loaded.n_embd,
@@ -76,8 +64,7 @@ class LlamaEngine:
     """llama.cpp behind the ``Engine`` protocol: slots that remember their prompts, decoded in shared batches."""
 
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
-                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, chat_template: str | None = None,
-                 embedding_pooling: str = "mean", prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
+                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, embedding_pooling: str = "mean", prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
                  prompt_cache_disk_mib: int = 0, speculative: bool = True, draft_max: int = DRAFT_MAX) -> None:
         """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
 
@@ -91,7 +78,6 @@ class LlamaEngine:
         gemma-3-270m Q4_K_M), across requests and across the chunks a prompt is evaluated in. Off, a
         request's tokens do not depend on its neighbours; prompt processing is slower.
 
-        ``chat_template``: a Jinja chat template used instead of the model's (``GGUF_CHAT_TEMPLATE_FILE``).
         ``embedding_pooling``: the pooling of /v1/embeddings for models whose GGUF declares none (mean, cls,
         last); the embedding context itself is sized by the plan (``ContextConfig.embedding_tokens``).
 
@@ -106,7 +92,6 @@ class LlamaEngine:
         (``ContextConfig.draft_rows``, reserved at load): a step drafts at most the idle slots' rows and those."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
-        self._template_override = chat_template
         self._pooling_fallback = embedding_pooling
         self._batch_invariant = batch_invariant
         self._speculative = speculative and not batch_invariant
@@ -134,65 +119,39 @@ class LlamaEngine:
         return current.loaded if current is not None else None
 
     @property
-    def prompter(self) -> Prompter:
-        return self._now().prompter
-
-    @property
     def pooler(self) -> Pooler:
         return self._now().pooler
 
     # -- Engine protocol: figures
 
     @property
-    def n_ctx(self) -> int:
-        """Tokens one request may hold: llama.cpp's per-sequence context (``llama_n_ctx_seq``; unified: n_ctx)."""
+    def limits(self) -> EngineLimits:
         current = self._load
-        return current.loaded.n_ctx_seq if current is not None else 0
+        if current is None:
+            return EngineLimits()
+        loaded = current.loaded
+        return EngineLimits(n_ctx=loaded.n_ctx_seq, slots=loaded.n_slots, n_vocab=loaded.n_vocab,
+                            n_batch=loaded.n_batch, kv_cells_allocated=loaded.n_ctx,
+                            embedding=current.pooler.limits(), rerank=current.pooler.rerank_limit(),
+                            images=loaded.images is not None)
 
-    @property
-    def slots(self) -> int:
-        """Sequences decoded together (``n_seq_max``)."""
+    def gauges(self) -> EngineGauges:
+        """Cells holding tokens (running requests' and the cached prompts of idle slots, shared cells once), the
+        sequences of the last step, prompt tokens given to ``llama_decode`` since load (cached prefixes and forked
+        choices do not count), the prompt cache beyond the slots."""
         current = self._load
-        return current.loaded.n_slots if current is not None else 0
-
-    @property
-    def n_vocab(self) -> int:
-        current = self._load
-        return current.loaded.n_vocab if current is not None else 0
-
-    @property
-    def prompt_tokens_evaluated(self) -> int:
-        """Prompt tokens given to ``llama_decode`` since load: cached prefixes and forked choices do not count."""
-        current = self._load
-        return current.step.evaluated if current is not None else 0
-
-    @property
-    def kv_cells_used(self) -> int:
-        """Cells holding tokens: running requests' and the cached prompts of idle slots (shared cells once)."""
-        current = self._load
-        return current.slots.cells.used if current is not None else 0
-
-    @property
-    def kv_cells_allocated(self) -> int:
-        current = self._load
-        return current.loaded.n_ctx if current is not None else 0
-
-    @property
-    def running_sequences(self) -> int:
-        current = self._load
-        return current.scheduler.running if current is not None else 0
-
-    @property
-    def prompt_cache_gauges(self) -> dict[str, int]:
-        """What the prompt cache beyond the slots holds and did (``PromptCache.gauges``)."""
-        current = self._load
-        return current.slots.pcache.gauges() if current is not None else PromptCache(0).gauges()
+        if current is None:
+            return EngineGauges(prompt_cache=PromptCache(0).gauges())
+        return EngineGauges(kv_cells_used=current.slots.cells.used, running_sequences=current.scheduler.running,
+                            prompt_tokens_evaluated=current.step.evaluated,
+                            prompt_cache=current.slots.pcache.gauges())
 
     def check(self, params: GenerationParams) -> None:
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed; token ids of
         ``logit_bias`` within the vocabulary; no more choices than slots."""
         compile_grammar(params)
-        check_limits(params, self.n_vocab, self.slots)
+        limits = self.limits
+        check_limits(params, limits.n_vocab, limits.slots)
 
     # -- load and unload
 
@@ -239,7 +198,7 @@ class LlamaEngine:
             log.info("llama engine: the file's %d NextN/MTP block(s) %s", n_nextn,
                      "draft (MTP), planned beside the model" if mtp else
                      f"are not loaded ({plan.mtp_refusal or 'no MTP head asked for'}) and not planned")
-        return LoadReport(n_ctx=loaded.n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
+        return LoadReport(limits=self.limits, n_ctx=loaded.n_ctx_seq, allocations=allocs, offloaded_layers=offloaded,
                           load_seconds=elapsed, log_lines=tuple(lines[:n_main]),
                           embedding_allocations=parse_allocations(lines[n_main:n_emb])[0],
                           draft_output_bytes=current.drafting.rows * loaded.n_vocab * 4,
@@ -303,68 +262,23 @@ class LlamaEngine:
 
     # -- embeddings and rerank (``pooling``)
 
-    def embedding_limits(self) -> tuple[int, int]:
-        current = self._load
-        return current.pooler.limits() if current is not None else (0, 0)
-
     def embed(self, inputs: list[list[int]], cancel: Cancel) -> EmbeddingResult:
         return self._now().pooler.embed(inputs, cancel)
 
     def rerank(self, inputs: list[list[int]], cancel: Cancel) -> RerankResult:
         return self._now().pooler.rerank(inputs, cancel)
 
-    def rerank_limit(self) -> int:
-        current = self._load
-        return current.pooler.rerank_limit() if current is not None else 0
+    # -- images
 
-    # -- prompts (``service.text`` over the loaded vocabulary)
-
-    def chat_format(self) -> Any:
-        return self._now().prompter.chat_format()
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._now().vocab.tokenize(text, add_bos=True, special=False)
-
-    def count_tokens(self, text: str) -> int:
-        return self._now().prompter.count_tokens(text)
-
-    def count_chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-        return self._now().prompter.count_chat_tokens(messages, tools)
-
-    def max_token_chars(self) -> int:
-        return self._now().vocab.max_token_chars()
-
-    def prompt_tokens(self, prompt: str) -> list[int]:
-        return self._now().prompter.prompt_tokens(prompt)
-
-    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self._now().prompter.chat_prompt_tokens(messages, tools)
-
-    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        return self._now().prompter.tokenize_text(text, add_special, parse_special)
-
-    def token_pieces(self, tokens: list[int]) -> list[bytes]:
-        return self._now().prompter.token_pieces(tokens)
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return self._now().prompter.render_chat(messages, tools)
-
-    def fim_tokens(self) -> FimTokens:
-        return self._now().tasks.fim_tokens()
-
-    def rerank_tokens(self, query: str, documents: list[str], max_tokens: int) -> list[list[int]]:
-        return self._now().tasks.rerank_tokens(query, documents, max_tokens)
-
-    def infill_tokens(self, prefix: str, suffix: str, extra: list[tuple[str, str]], prompt: str,
-                      n_predict: int) -> list[int]:
-        return self._now().tasks.infill_tokens(prefix, suffix, extra, prompt, n_predict)
-
-    def complete(self, prompt: str, params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
-        return self.generate(self.prompt_tokens(prompt), params, cancel)
-
-    def chat(self, messages: list[dict[str, Any]], params: GenerationParams, cancel: Cancel,
-             tools: list[dict[str, Any]] | None = None) -> Iterator[Chunk]:
-        return self.generate(self.chat_prompt_tokens(messages, tools), params, cancel)
+    def image_tokens(self, image: ImageInput, param: str) -> tuple[list[int], list[int], list[int]]:
+        """An image's tokens (the projector's: before, its run, after); the chunk stays with the projector, found
+        again by the run's ids when a prompt holds them (``Images.find``)."""
+        images = self._now().loaded.images
+        if images is None:
+            raise BadRequest(f"{param}: this model takes no images (it was loaded without a vision projector: "
+                             "mmproj)", param=param)
+        before, chunk, after = images.tokens(image, param)
+        return list(before), list(chunk.run), list(after)
 
     # -- generation
 
@@ -395,8 +309,7 @@ class LlamaEngine:
         base_seed = params.seed if params.seed is not None else random.randint(0, 2**31 - 1)
         reqs = [
             Sequence(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
-                     grammar=compile_grammar(params) if i else grammar, stops=[s for s in params.stop if s],
-                     greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
+                     grammar=compile_grammar(params) if i else grammar, greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
             for i in range(max(1, params.n))
         ]
         current.drafting.assign(reqs, params, images=bool(images))

@@ -1,11 +1,12 @@
 """The generating sequences of one load: admitted into their slots, a token sampled from each row the batch gives
-them (drafts verified), turned into text, stopped, forked into choices, ended; their chunks delivered together.
+them (drafts verified), forked into choices, ended; their chunks delivered together.
 
 Sampling (``service.engine.sampling``): each request has its own llama.cpp sampler chain, built as
 ``Llama._init_sampler`` builds it, or, at temperature 0 and for plain temperature sampling, the chain's token
-computed with numpy on the logits row. Text: incremental UTF-8 decoding, stop strings (``service.text.stops``)
-held back until they cannot start a stop string, log probabilities, EOG handling (``ignore_eos``), and a final
-chunk with the usage, the prompt tokens taken from the cache, and the measured prompt and decode seconds.
+computed with numpy on the logits row. What goes out is token ids (their scores where log probabilities were asked
+for), EOG handled (``ignore_eos``), and a final chunk with the usage, the prompt tokens taken from the cache, and the
+measured prompt and decode seconds. Text and stop strings are the API process's (``service.text.stream``): a choice
+it stops arrives here as ended (``Cancel.end``) and finishes ``cancelled``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import ServiceError
 from ..base import Chunk
-from ..sampling import SavedLogits, logprob_of, sampler_chain, temperature_sampler
+from ..sampling import SavedLogits, sampler_chain, scores_of, temperature_sampler
 from ..slots import Slot
-from ...text.stops import first_stop, split_stop
 from .state import DONE, Sequence
 
 if TYPE_CHECKING:
@@ -30,19 +30,14 @@ if TYPE_CHECKING:
 class Sequences:
     """The active sequences (admission order) and what they send (owned by the scheduler thread)."""
 
-    def __init__(self, loaded: "Loaded", slots: "SlotTable", drafting: "Drafting", *, cache_prompt: bool,
-                 preserved: set[int]) -> None:
+    def __init__(self, loaded: "Loaded", slots: "SlotTable", drafting: "Drafting", *, cache_prompt: bool) -> None:
         self._l = loaded
         self._slots = slots
         self._drafting = drafting
         self._cache_prompt = cache_prompt
-        self._preserved = preserved
-        """Control tokens written out in the text (the template's tool-call and thinking markers)."""
         self.active: list[Sequence] = []
         self._outbox: list[tuple[Sequence, Any]] = []
         """Chunks produced during a scheduler iteration, delivered together at its end (``flush``)."""
-        self._piece: dict[int, bytes] = {}
-        """Token id -> its text bytes (``detokenize([tok])``), filled as tokens are seen: no ctypes call per token."""
         self._eog: dict[int, bool] = {}
         """Token id -> ``llama_vocab_is_eog``, filled as tokens are seen."""
         self._saved = SavedLogits(loaded.n_vocab)
@@ -76,7 +71,7 @@ class Sequences:
     # -- a row's token
 
     def on_logits(self, r: Sequence, idx: int, ctx: Any) -> None:
-        """Sample this sequence's next token (from batch row ``idx``, or the saved logits) and turn it into text."""
+        """Sample this sequence's next token (from batch row ``idx``, or the saved logits) and send it."""
         import llama_cpp
         import numpy as np
 
@@ -93,7 +88,7 @@ class Sequences:
             slot = r.slot
             assert slot is not None
             slot.logits, slot.logits_at = row.copy(), len(slot.tokens)
-        lp = logprob_of(row, r.params.logprobs, self.token_bytes) if r.params.logprobs is not None else None
+        score = scores_of(row, r.params.logprobs) if r.params.logprobs is not None else None
         if r.greedy:
             # The chain is penalties (all zero: a no-op, llama-sampler.cpp ``llama_sampler_penalties_apply``) then
             # greedy (the first largest logit): argmax over the row, without llama_sampler_sample copying all
@@ -116,22 +111,8 @@ class Sequences:
             self.finish(r, "stop")
             return
         r.n_out += 1
-        if lp is not None:
-            r.pending_lp.append(lp(tok))
-        r.pending += r.decoder.decode(self.token_bytes(tok))
-        if r.stops:
-            text = r.pending
-            emit, r.pending, stopped = split_stop(text, r.stops)
-            if stopped:
-                r.stop_sequence = first_stop(text, r.stops)
-        else:
-            emit, r.pending, stopped = r.pending, "", False
-        if emit:
-            self._send(r, Chunk(text=emit, logprobs=tuple(r.pending_lp)))
-            r.pending_lp = []
-        if stopped:
-            self.finish(r, "stop", stopped=True)
-        elif r.n_out >= r.max_new_tokens:
+        self._send(r, Chunk(tokens=(tok,), scores=(score(tok),) if score is not None else ()))
+        if r.n_out >= r.max_new_tokens:
             self.finish(r, "length")
         else:
             r.next_token = tok
@@ -180,13 +161,6 @@ class Sequences:
             self.active.append(f)
             self.on_logits(f, -1, None)
 
-    def token_bytes(self, tok: int) -> bytes:
-        """``detokenize([tok])``: a function of the token id alone, so computed once per id."""
-        piece = self._piece.get(tok)
-        if piece is None:
-            piece = self._piece[tok] = bytes(self._l.model.detokenize([tok], special=tok in self._preserved))
-        return piece
-
     # -- ends
 
     def _release(self, r: Sequence, *, keep: bool = True) -> None:
@@ -205,21 +179,16 @@ class Sequences:
         if r in self.active:
             self.active.remove(r)
 
-    def finish(self, r: Sequence, finish: str, *, stopped: bool = False) -> None:
-        """The last chunks: flush the decoder (unless a stop string ended the text), then reason, usage, timings."""
+    def finish(self, r: Sequence, finish: str) -> None:
+        """The last chunk: reason, usage, timings."""
         followers, r.followers = r.followers, []
         for f in followers:  # choices that never forked (cancelled during the prompt) end with it
             self.finish(f, finish)
         if finish != "cancelled" and r.slot is not None:
             self._drafting.answer_ended(r, r.slot.tokens)
         self._release(r)
-        if not stopped:
-            r.pending += r.decoder.decode(b"", final=True)
-            if r.pending or r.pending_lp:
-                self._send(r, Chunk(text=r.pending, logprobs=tuple(r.pending_lp)))
         self._send(r, Chunk(
             finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,
-            stop_sequence=r.stop_sequence,
             drafted_tokens=r.policy.drafted if r.policy else 0, accepted_tokens=r.policy.accepted if r.policy else 0,
             prompt_seconds=(r.t_first - r.t_start) if r.t_first else 0.0,
             decode_seconds=(r.t_last - r.t_first) if r.n_out > 1 else 0.0,

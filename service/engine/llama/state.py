@@ -5,14 +5,13 @@ Values and their own small rules only: no llama.cpp calls here.
 
 from __future__ import annotations
 
-import codecs
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..base import Cancel, GenerationParams, TokenLogprob
+from ..base import Cancel, GenerationParams
 from ..slots import Slot
 from ..speculation import DraftPolicy
 from ..vision import ImageChunk
@@ -84,10 +83,6 @@ class Sequence:
     temperature: Any = None
     """``sampling.TemperatureSampler`` for plain temperature sampling."""
     n_out: int = 0
-    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-    stops: list[str] = field(default_factory=list)
-    pending: str = ""
-    pending_lp: list[TokenLogprob] = field(default_factory=list)
     batch_take: int = 0
     batch_logits_idx: int = -1
     t_start: float = 0.0
@@ -98,7 +93,6 @@ class Sequence:
     followers: "list[Sequence]" = field(default_factory=list)
     """The other choices of the same prompt: each has a slot reserved and forks from this one's KV and logits
     once its prompt is evaluated (``Sequences.fork``)."""
-    stop_sequence: str | None = None
     seed: int = 0
     drafter: Any = None
     """Self-speculation (``service.engine.speculation.NgramDrafter``), or the plan's draft model or MTP head
@@ -125,7 +119,8 @@ class Sequence:
 
     @property
     def gone(self) -> bool:
-        return self.abandoned or self.cancel.cancelled
+        """The client left, stopped reading, or the API process ended this choice (a stop string it found)."""
+        return self.abandoned or self.cancel.cancelled or self.index in self.cancel.ended
 
     def pos(self, index: int) -> int:
         """The position of the token at ``index`` of the sequence: its index, less what the M-RoPE images before it
