@@ -96,6 +96,9 @@ class GenerationRequest(BaseModel):
     temperature: float = _float(1.0, ge=0.0, le=2.0)
     top_p: float = _float(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1 << 20, description="llama.cpp server extension: keep the k most likely tokens (0: all).")
+    min_p: float = _float(0.0, ge=0.0, le=1.0)
+    """llama.cpp server extension: drop tokens less likely than min_p times the most likely (0: none; OpenAI's
+    whole vocabulary, where llama-server defaults to 0.05)."""
     frequency_penalty: float = _float(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = _float(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
@@ -173,7 +176,7 @@ class GenerationRequest(BaseModel):
             top_p=self.top_p, stop=stop, seed=None if self.seed == -1 else self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logprobs=self.logprobs_n(), json_schema=json_schema, json_object=json_object, ignore_eos=self.ignore_eos,
-            cache_prompt=self.cache_prompt, logit_bias=self.bias(), n=self.n, top_k=self.top_k,
+            cache_prompt=self.cache_prompt, logit_bias=self.bias(), n=self.n, top_k=self.top_k, min_p=self.min_p,
             speculative=self.speculative,
         )
 

@@ -122,6 +122,8 @@ class GenerationParams:
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely (0: keep all)."""
     stop: tuple[str, ...] = ()
     seed: int | None = None
     frequency_penalty: float = 0.0

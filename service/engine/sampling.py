@@ -22,7 +22,7 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
 def sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: Any, seed: int) -> Any:
     """A sampler chain built as llama-cpp-python 0.3.36 ``Llama._init_sampler`` builds it for these arguments
-    (top_k 0, min_p 0, typical 1, repeat_penalty 1). The caller frees it (``llama_sampler_free``)."""
+    (top_k 0 unless asked, typical 1, repeat_penalty 1). The caller frees it (``llama_sampler_free``)."""
     import llama_cpp
 
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -49,7 +49,7 @@ def sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: A
         add(llama_cpp.llama_sampler_init_top_k(params.top_k))
         add(llama_cpp.llama_sampler_init_typical(1.0, 1))
         add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-        add(llama_cpp.llama_sampler_init_min_p(0.0, 1))
+        add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
         add(llama_cpp.llama_sampler_init_temp(temp))
         add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
@@ -117,7 +117,7 @@ def temperature_sampler(params: GenerationParams, grammar: Any, seed: int) -> Te
     """A ``TemperatureSampler`` where ``sampler_chain`` would build plain temperature sampling, else None (a top_k
     of its own, even one of the whole vocabulary, sorts the candidates, and the draw then walks another order)."""
     if (params.temperature <= 0.0 or grammar is not None or params.logit_bias or params.frequency_penalty
-            or params.presence_penalty or params.top_p < 1.0 or params.top_k > 0 or seed == LLAMA_DEFAULT_SEED):
+            or params.presence_penalty or params.top_p < 1.0 or params.top_k > 0 or params.min_p > 0.0 or seed == LLAMA_DEFAULT_SEED):
         return None
     return TemperatureSampler(params.temperature, seed)
 

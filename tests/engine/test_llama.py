@@ -247,6 +247,21 @@ def test_four_concurrent_greedy_generations_match_sequential_runs(invariant: Lla
     assert invariant.running_sequences == 0
 
 
+def test_min_p_from_the_wire_keeps_only_the_likeliest_token(unified: Any) -> None:
+    """A sampling parameter end to end (issue 46: the wire model, GenerationParams, the sampler chain): min_p 1
+    keeps only the most likely token, so a hot seeded sample is the greedy answer; min_p 0 samples the vocabulary."""
+    from service.api.openai_wire import CompletionRequest
+
+    def ask(**body: Any) -> str:
+        params = CompletionRequest.model_validate({"prompt": PROMPTS[1], "max_tokens": 24, "seed": 7,
+                                                   "speculative": False, **body}).params()
+        return _run(unified.complete(PROMPTS[1], replace(params, cache_prompt=False), Cancel()))[0]
+
+    greedy = ask(temperature=0.0)
+    assert ask(temperature=1.8, min_p=1.0) == greedy
+    assert ask(temperature=1.8) != greedy  # the seed and temperature alone do not give it
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(invariant: LlamaEngine) -> None:
     seeded = GenerationParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, cache_prompt=False)
     alone = _run(invariant.complete(PROMPTS[1], seeded, Cancel()))[0]
