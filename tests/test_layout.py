@@ -46,7 +46,7 @@ def modules_under(rel: str) -> list[str]:
 @lru_cache(maxsize=1)
 def _imports() -> dict[str, list[tuple[str, str, bool, str]]]:
     """Per project module, for every import in it: (the module imported: ``X.Y`` for ``from X import Y`` when Y is a
-    module, else X; the name, or "" for a module; whether at module level; the module written after ``from``)."""
+    module, else X; the name, or "" for a module; whether at module level, ``if TYPE_CHECKING:`` included; the module written after ``from``)."""
     files = {m: ROOT / (m.replace(".", "/") + ".py") for top in ("sizing", "service") for m in modules_under(top)}
     for m in list(files):
         if not files[m].exists():
@@ -57,6 +57,9 @@ def _imports() -> dict[str, list[tuple[str, str, bool, str]]]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         is_pkg = path.name == "__init__.py"
         top_level = {id(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+        for n in tree.body:  # imports for the type checker only are edges too: they hide circles otherwise
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                top_level |= {id(m) for m in ast.walk(n) if isinstance(m, (ast.Import, ast.ImportFrom))}
         found: list[tuple[str, str, bool, str]] = []
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -118,9 +121,36 @@ def test_no_module_imports_another_modules_underscore_names() -> None:
     assert not bad, "\n".join(bad)
 
 
+THIRD_PARTY_PRIVATE = {"os._exit", "llama_cpp.llama_cpp._lib", "self._bits._legacy_seeding", "transport._pool"}
+"""Underscore members of other packages the product reads, each for a reason given where it is read."""
+
+
+def test_no_module_reads_another_modules_underscore_members() -> None:
+    """``x._name`` on anything but ``self`` or ``cls`` only where the module itself defines ``_name`` (a method,
+    an attribute it assigns, a function): a part that needs another's state asks through a public member."""
+    bad = []
+    for top in ("sizing", "service"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            own: set[str] = set()
+            for n in ast.walk(tree):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    own.add(n.name)
+                elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                    own.add(n.attr)
+                elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    own.add(n.id)
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__") \
+                        and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")) \
+                        and n.attr not in own and ast.unparse(n) not in THIRD_PARTY_PRIVATE:
+                    bad.append(f"{path.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_circles() -> None:
-    """Module-level imports between project modules form no cycle (imports inside functions are how a module
-    defers a heavy dependency, and are not edges here)."""
+    """Module-level imports between project modules, those for the type checker included, form no cycle (imports
+    inside functions are how a module defers a heavy dependency, and are not edges here)."""
     graph = {mod: {t for t, _, top, _ in imports if top and t in _imports() and t != mod}
              for mod, imports in _imports().items()}
     index: dict[str, int] = {}

@@ -15,13 +15,13 @@ The grammar engine is llguidance (PyPI ``llguidance``, the library llama.cpp its
   50 ms per token for this vocabulary; llguidance computes the token mask in well under a
   millisecond (figures in docs/reliability.md).
 
-Before a request is queued, the API runs ``_compile`` on the request's grammar (``grammar_source``) in
+Before a request is queued, the API runs ``compile_source`` on the request's grammar (``grammar_source``) in
 a compilation process (``grammar_worker``): it checks the schema against fixed bounds (size, depth,
 nodes, and every count keyword such as ``maxItems`` or ``minLength``), turns it into an llguidance
 grammar and validates it; any failure, a time-out or the memory limit is ``BadRequest`` naming the
 reason, a 400 before any byte is streamed. Only a grammar that compiled there reaches the engine,
 whose ``compile_grammar`` (in ``check`` and at generation, in the runner process) runs the same
-``_compile`` under the same ``LLParserLimits``: the work the worker finished within the budget.
+``compile_source`` under the same ``LLParserLimits``: the work the worker finished within the budget.
 Results are cached by their text, so the engine's second call costs a dictionary look-up.
 The engine's side (llguidance's matcher over llama.cpp's vocabulary, as a sampler) is
 ``service.engine.grammar_sampler``; this module imports neither llama.cpp nor the web framework.
@@ -294,7 +294,7 @@ def _intersected_refs(schema: Any) -> set[str]:
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(kind: str, text: str) -> Grammar:
+def compile_source(kind: str, text: str) -> Grammar:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -335,7 +335,7 @@ def _compile(kind: str, text: str) -> Grammar:
 
 
 def grammar_source(params: GenerationParams) -> tuple[str, str] | None:
-    """The request's grammar as ``_compile`` takes it, ``(kind, text)``; None without one."""
+    """The request's grammar as ``compile_source`` takes it, ``(kind, text)``; None without one."""
     if params.json_schema is not None:
         return ("json_schema", params.json_schema)
     if params.json_object:
@@ -356,7 +356,7 @@ def compile_grammar(params: GenerationParams) -> Grammar | None:
     compiled (``grammar_worker``); a request's grammar is compiled there first.
     """
     source = grammar_source(params)
-    return _compile(*source) if source is not None else None
+    return compile_source(*source) if source is not None else None
 
 
 # -- per-model tokenizer (llguidance's view of the vocabulary) ---------------------------------------------

@@ -13,7 +13,7 @@ How:
 - a *zygote*, ``python -m service.chat.grammar_worker``, started with the first grammar: single-threaded, with
   llguidance and ``grammar`` imported, it forks one process per compilation (a few milliseconds). It exits when
   its parent does (the control socket's end of file, or ``PR_SET_PDEATHSIG``), killing its compilations;
-- a compilation process runs ``grammar._compile``, the very code and ``LLParserLimits`` the engine runs at
+- a compilation process runs ``grammar.compile_source``, the very code and ``LLParserLimits`` the engine runs at
   admission, under ``RLIMIT_AS`` (its address space at the fork plus the lane's memory: past it an allocation
   fails and the process ends), ``RLIMIT_CPU`` (a backstop should the parent's kill never come), no core file,
   ``nice`` 19 once in the slow lane (generation keeps the CPU it needs), and dies with the zygote. It answers
@@ -142,7 +142,7 @@ def _compile_here(sock: socket.socket) -> None:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     job = json.loads(_recv_exact(sock, n))
     try:
-        grammar._compile(job["kind"], job["text"])
+        grammar.compile_source(job["kind"], job["text"])
         answer: dict[str, Any] = {"ok": True}
     except Refusal as exc:
         answer = {"ok": False, "message": exc.message, "param": exc.param}
@@ -592,7 +592,7 @@ class GrammarCompiler:
                 return None
             if value.get("memory"):
                 return memory
-            if value.get("message"):  # grammar._compile's own refusal, already naming its field
+            if value.get("message"):  # grammar.compile_source's own refusal, already naming its field
                 return (str(value["message"]), value.get("param") or param)
             return (f"{param}: the grammar cannot be compiled: {value.get('error')}", param)
         if got == "exit":

@@ -78,7 +78,7 @@ def _wants_room(placed: Placed) -> bool:
     return bool(placed.evict or placed.busy or placed.plan.refusal is not None) and not placed.count_limited
 
 
-class ModelManager(SwapScheduler, KeepAliveTimers):
+class ModelManager(SwapScheduler):
     """Owns the loaded models (each with its engine and runner), their states and plans, and the load lock."""
 
     def __init__(self, settings: Settings, registry: Registry, engines: Union[EngineFactory, Engine],
@@ -109,7 +109,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         self._residency = 0
         """Counts loads and unloads: a swap that waits is placed again when it changed."""
         self._closed = False
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self.timers = KeepAliveTimers(self._unload_idle, self._kick)
         self.loads = 0
         """Engine loads done (each model load, restores included): what load-on-demand counts."""
         self.swaps = 0
@@ -153,7 +153,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
             return "failed", self.last_failed.error
         return "no model", None
 
-    def _holdings(self, states: Sequence[ModelState] | None = None) -> list[Holding]:
+    def holdings(self, states: Sequence[ModelState] | None = None) -> list[Holding]:
         out = []
         for s in self.loaded() if states is None else states:
             h = s.holding()
@@ -162,7 +162,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         return out
 
     def _kept_estimates(self) -> list[Any]:
-        return [h.estimate for h in self._holdings()]
+        return [h.estimate for h in self.holdings()]
 
     def inventory(self) -> tuple[list[Device], Device]:
         """The devices as read now (live or declared), before any resident is counted. Blocking (NVML)."""
@@ -196,7 +196,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
     async def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Placed]:
         """Where a load of ``name`` would go beside the loaded models, and whom it would evict; nothing is
         loaded or unloaded. Off the event loop (probing, llama.cpp's dry runs where the plan is calibrated)."""
-        holdings = self._holdings()
+        holdings = self.holdings()
         return await asyncio.to_thread(self._place, name, opts, holdings, False)
 
     def _place(self, name: str, opts: LoadOptions, holdings: Sequence[Holding], force: bool
@@ -211,7 +211,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
     async def plan_remote(self, location: str, opts: LoadOptions, run: Callable[..., Any] | None = None) -> Placed:
         """Where a model that is not here would go (an http(s) URL or ``hf://owner/repo/file.gguf``, read by its
         header only), beside the loaded models. ``run`` runs the blocking probe (the remote probes' threads)."""
-        holdings = self._holdings()
+        holdings = self.holdings()
 
         def work() -> Placed:
             from sizing.errors import RemoteError
@@ -234,7 +234,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
                        beside_residents: bool = False) -> SetPlan:
         """Whether these models fit together (``Planner.plan_set``): on the devices as they would be with none of
         the loaded models, or beside them all (``beside_residents``)."""
-        holdings = self._holdings()
+        holdings = self.holdings()
 
         def work() -> SetPlan:
             resolved = []
@@ -282,13 +282,13 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         shrunk = emptied = False
         try:
             for attempt in range(3):
-                holdings = self._holdings()
+                holdings = self.holdings()
                 _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
                 if not shrunk and _wants_room(placed):
                     shrunk = True
                     emptied = await self._shrink_prompt_caches(key)
                     if emptied:  # their memory first, then a model's
-                        holdings = self._holdings()
+                        holdings = self.holdings()
                         _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
                 if swap is not None and placed.busy:  # wait for the fewest of them that make room
                     _, forced = await asyncio.to_thread(self._place, key, opts, holdings, True)
@@ -418,7 +418,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         state.load_s = state.loaded_at - t0 - waited
         self._residency += 1
         self.models[key] = state
-        self._idle(state, keep_alive_s)
+        self.timers.idle(state, keep_alive_s)
         assert state.report is not None
         log.info("loaded %s: n_ctx %d in %.2f s; llama.cpp allocated %s", key, state.report.n_ctx,
                  state.report.load_seconds,
@@ -462,6 +462,19 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
             st.timer.cancel()
         st.runner, st.timer, st.expires_at = None, None, None
 
+    async def _unload_idle(self, st: ModelState) -> None:
+        """A keep_alive timer fired (``KeepAliveTimers``): unload ``st`` if it is still idle and expired."""
+        async with self._load_lock:
+            if self.models.get(st.name) is not st or not st.serving or st.busy or st.expires_at is None \
+                    or st.expires_at > time.time() + 0.05:
+                return
+            idle_s = time.monotonic() - st.last_used
+            try:
+                await self._unload_state(st, force=False, wait_s=self.settings.load_wait_s,
+                                         why=f"keep_alive: idle {idle_s:.1f} s")
+            except ServiceError as exc:  # a request came in meanwhile: it stays
+                log.info("keep_alive unload of %s skipped: %s", st.name, exc.message)
+
     async def _restore(self, previous: ModelState) -> None:
         """Reload a model that a failed load unloaded, with its plan, so the service keeps what it served."""
         if previous.path is None or previous.plan is None:
@@ -478,7 +491,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         state.load_s = state.loaded_at - t0
         self._residency += 1
         self.models[previous.name] = state
-        self._idle(state, None)
+        self.timers.idle(state, None)
 
     def _put_back(self, key: str, previous: ModelState | None) -> None:
         if previous is not None:
@@ -585,7 +598,7 @@ class ModelManager(SwapScheduler, KeepAliveTimers):
         name = self.route(requested)
         st = self.models.get(name)
         if st is not None and st.serving and self._admits(st):
-            return Lease(self, st)
+            return Lease(st, self.timers.released)
         if not self.settings.load_on_demand and name not in self._reloading and not (st is not None and st.serving):
             if st is not None and st.state in ("loading", "unloading"):
                 raise NotReady(f"model '{name}' is {st.state}; retry shortly", param="model", retry_after_s=2,

@@ -10,7 +10,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Callable, Literal
 
 from sizing.plan import Holding, Plan
 
@@ -19,8 +19,6 @@ from ..models import ModelEntry
 from ..runner import Runner
 from ..text.served import ServedModel
 
-if TYPE_CHECKING:
-    from .manager import ModelManager
 
 State = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
 
@@ -79,9 +77,10 @@ class Lease:
     """A request's hold on a loaded model: busy (never evicted) until ``release``, which the runner calls when the
     generation ends (or the route, when the request ends before it was queued). Idempotent."""
 
-    def __init__(self, manager: "ModelManager", state: ModelState) -> None:
+    def __init__(self, state: ModelState, on_release: Callable[[ModelState, float | None], None]) -> None:
+        """``on_release``: told once, with this request's keep_alive, when the lease ends (the keep-alive timers)."""
         assert state.engine is not None and state.runner is not None
-        self._manager = manager
+        self._on_release = on_release
         self.state = state
         self.engine: ServedModel = state.engine
         self.runner: Runner = state.runner
@@ -105,4 +104,4 @@ class Lease:
         if self._released:
             return
         self._released = True
-        self._manager._released(self.state, self.keep_alive_s)
+        self._on_release(self.state, self.keep_alive_s)

@@ -84,18 +84,29 @@ class SwapScheduler:
         with at most half the time spent swapping), at most a quarter of the wait limit."""
         return min(st.load_s, self.settings.load_on_demand_wait_s / 4)
 
-    def _asked_by(self, name: str) -> list[str]:
+    def queues(self) -> list["WaitQueue"]:
+        """The queues of requests waiting to be admitted, a model each (a copy)."""
+        return list(self._queues.values())
+
+    def queue_of(self, name: str) -> "WaitQueue | None":
+        return self._queues.get(name)
+
+    def is_reloading(self, name: str) -> bool:
+        """A reload is replacing ``name`` now."""
+        return name in self._reloading
+
+    def asked_by(self, name: str) -> list[str]:
         """The models whose waiting requests need ``name``'s memory (their swap waits for it to be idle)."""
         return [q.name for q in self._queues.values() if q.name != name and name in q.blocked_on and q.live()]
 
-    def _yields(self, st: ModelState) -> bool:
+    def yields(self, st: ModelState) -> bool:
         """A swap waits for ``st``'s memory and its slice has passed: it finishes what it admitted, and new
         requests for it wait behind the swap."""
-        return bool(self._asked_by(st.name)) and time.monotonic() >= st.loaded_at + self._slice_s(st)
+        return bool(self.asked_by(st.name)) and time.monotonic() >= st.loaded_at + self._slice_s(st)
 
     def _admits(self, st: ModelState) -> bool:
         """Whether a new request for this serving model gets its lease now (nothing of it waits ahead)."""
-        if st.name in self._reloading or st.name in self._holding_back or self._yields(st):
+        if st.name in self._reloading or st.name in self._holding_back or self.yields(st):
             return False
         q = self._queues.get(st.name)
         return q is None or not q.live()
@@ -151,7 +162,7 @@ class SwapScheduler:
             return NotReady(f"model '{q.name}' waited {wait_s:g} s for a swap: the memory it needs is held by "
                             f"{held}, finishing what they admitted; retry shortly", state="waiting",
                             blocked_on=list(q.blocked_on), **extra)
-        if st is not None and st.serving and (asked := self._asked_by(q.name)):
+        if st is not None and st.serving and (asked := self.asked_by(q.name)):
             return NotReady(f"model '{q.name}' waited {wait_s:g} s behind a swap to {', '.join(asked)}; retry shortly",
                             state="waiting", **extra)
         return NotReady(f"model '{q.name}' waited {wait_s:g} s to be loaded; retry shortly", state="waiting", **extra)
@@ -184,14 +195,14 @@ class SwapScheduler:
                 continue
             st = self.models.get(name)
             if st is None or not st.serving or name in self._reloading or name in self._holding_back \
-                    or self._yields(st):
+                    or self.yields(st):
                 continue
             self._grant(q, st)
 
     def _grant(self, q: WaitQueue, st: ModelState) -> None:
         for w in q.waiters:
             if not w.fut.done():
-                w.fut.set_result(Lease(self, st))
+                w.fut.set_result(Lease(st, self.timers.released))
         q.waiters.clear()
         if self._queues.get(q.name) is q:
             del self._queues[q.name]

@@ -3,20 +3,50 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
-from sizing.plan import held_bytes, plan_json
+from sizing.plan import Device, Holding, held_bytes, plan_json
 from sizing.units import mib
 
 from ..errors import ServiceError
-from .state import ModelState
 from ..keepalive import keep_alive_json
-from ..planning import prompt_cache_json
+from ..models import Registry
+from ..planning import Planner, prompt_cache_json
+from ..settings import Settings
+from .state import ModelState
+from .swaps import WaitQueue
 
-if TYPE_CHECKING:
-    from .manager import ModelManager
 
-def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any] | None:
+
+class Residency(Protocol):
+    """What the views read of the residency (``ModelManager``), public members only."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def registry(self) -> Registry: ...
+
+    @property
+    def planner(self) -> Planner: ...
+
+    def loaded(self) -> list[ModelState]: ...
+
+    def inventory(self) -> tuple[list[Device], Device]: ...
+
+    def holdings(self, states: Sequence[ModelState] | None = None) -> list[Holding]: ...
+
+    def queues(self) -> list[WaitQueue]: ...
+
+    def queue_of(self, name: str) -> WaitQueue | None: ...
+
+    def is_reloading(self, name: str) -> bool: ...
+
+    def yields(self, st: ModelState) -> bool: ...
+
+    def asked_by(self, name: str) -> list[str]: ...
+
+def describe(manager: Residency, state: ModelState | None) -> dict[str, Any] | None:
     if state is None:
         return None
     out: dict[str, Any] = {"name": state.name, "state": state.state, "error": state.error}
@@ -24,13 +54,13 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
         out["origin"] = state.entry.origin
     out["aliases"] = manager.registry.aliases_of(state.name)
     out["pinned"] = state.pinned
-    q = manager._queues.get(state.name)
+    q = manager.queue_of(state.name)
     if q is not None and (waiting := len(q.live())):
         out["waiting"] = waiting
-    if state.name in manager._reloading:
+    if manager.is_reloading(state.name):
         out["reloading"] = True
-    if state.serving and manager._yields(state):
-        out["yields_to"] = manager._asked_by(state.name)
+    if state.serving and manager.yields(state):
+        out["yields_to"] = manager.asked_by(state.name)
     if state.plan is not None:
         out["plan"] = plan_json(state.plan)
         out["prompt_cache"] = prompt_cache_json(manager.settings, state.plan)
@@ -106,28 +136,28 @@ def describe(manager: "ModelManager", state: ModelState | None) -> dict[str, Any
     return out
 
 
-def admission(manager: "ModelManager") -> tuple[dict[str, dict[str, Any]], list[str]]:
+def admission(manager: Residency) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Per model with requests waiting to be admitted: how many (``waiting``), the oldest one's wait
     (``oldest_s``), the busy models its swap waits for (``blocked_on``); and the loaded models that yield
     (admit no new request until a swap that waits for their memory has run)."""
     now = time.monotonic()
     waiting: dict[str, dict[str, Any]] = {}
-    for q in list(manager._queues.values()):
+    for q in manager.queues():
         live = q.live()
         if live:
             waiting[q.name] = {"waiting": len(live), "oldest_s": now - live[0].since,
                                "blocked_on": list(q.blocked_on), "loading": q.loading}
-    return waiting, [s.name for s in manager.loaded() if manager._yields(s)]
+    return waiting, [s.name for s in manager.loaded() if manager.yields(s)]
 
 
-def devices_json(manager: "ModelManager") -> list[dict[str, Any]]:
+def devices_json(manager: Residency) -> list[dict[str, Any]]:
     """Each device as read now, and what each loaded model holds there (its plan's bytes, its CUDA context included).
     Blocking (NVML)."""
     try:
         gpus, host = manager.inventory()
     except ServiceError:
         return []
-    holdings = manager._holdings()
+    holdings = manager.holdings()
     out = []
     for dev in (*gpus, host):
         shares = [{"model": h.name, "held_mib": mib(n), "pinned": h.pinned, "busy": h.busy}

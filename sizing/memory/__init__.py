@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from .compute import compute_mirrored
 from .context import ContextConfig, FlashAttn, pad
-from .draft import DraftMemory, DraftModel, draft_config, draft_placement
+from .draft import DraftModel, draft_config, draft_placement
 from .mtp import MTP_ARCHITECTURES, MtpMemory, mtp_config, mtp_supported
-from .estimate import DEFAULT_GPU_ALLOWANCE_BYTES, DeviceMemory, MemoryEstimate, estimate, resolve_flash_attn
+from .estimate import DEFAULT_GPU_ALLOWANCE_BYTES, DeviceMemory, DraftMemory, MemoryEstimate, estimate, resolve_flash_attn
 from .kv import kv_cells
 from .measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes, placement_key
 from .placement import Placement

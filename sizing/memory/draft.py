@@ -4,7 +4,7 @@ The engine (``service.engine.draft``) loads the draft whole on one device: the c
 output layer, or host memory when the output layer is there (a CPU-only or mostly-host placement). Its context has
 the main context's size, cache type, sequences and batch (every slot drafts in its own sequence), and neither an
 embedding context nor drafted rows of its own. Its bytes are lines of the plan beside the main model's on that
-device (``DeviceMemory.draft_model_bytes``, ``MemoryEstimate.draft``), so the largest context is searched with
+device (``DeviceMemory.draft_model_bytes``, ``MemoryEstimate.draft``: a ``DraftMemory``, in ``estimate``), so the largest context is searched with
 them counted.
 
 Pure (values, no I/O).
@@ -15,13 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ..units import mib
 from .context import ContextConfig
 from .placement import Placement
 
 if TYPE_CHECKING:
     from ..model.spec import ModelSpec
-    from .estimate import MemoryEstimate
     from .measured import Calibration
 
 
@@ -57,31 +55,3 @@ def draft_config(cfg: ContextConfig) -> ContextConfig:
     """The draft's context: the main one's size, cache type, flash attention, sequences and batch; no embedding
     context and no drafted rows (its steps output one row per sequence)."""
     return replace(cfg, embedding_tokens=0, embedding_gpu=False, draft_rows=0, embeddings=False)
-
-
-@dataclass(frozen=True)
-class DraftMemory:
-    """The draft model's buffers: its own estimate (host first, then its card), at the main context's size."""
-
-    name: str
-    path: str
-    estimate: "MemoryEstimate"
-
-    @property
-    def total_bytes(self) -> int:
-        return self.estimate.total_bytes
-
-    @property
-    def device(self) -> str:
-        """Where its layers are: ``CPU`` or its card's label."""
-        return self.estimate.gpus[0].device if self.estimate.gpus else "CPU"
-
-    def to_json(self) -> dict[str, object]:
-        e = self.estimate
-        return {"name": self.name, "path": self.path, "device": self.device, "n_ctx": e.cfg.n_ctx,
-                "weights_mib": mib(sum(d.weights_bytes + d.extra_weights_bytes for d in e.devices)),
-                "kv_mib": mib(e.kv_bytes + e.state_bytes),
-                "compute_mib": mib(sum(d.compute_bytes for d in e.devices)),
-                "output_mib": mib(sum(d.output_bytes for d in e.devices)),
-                "devices": [d.to_json() for d in e.devices if d.total_bytes],
-                "total_mib": mib(e.total_bytes)}

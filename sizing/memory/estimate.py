@@ -13,7 +13,7 @@ from ..model import arch as archs
 from . import gpu
 from .compute import compute_bytes, host_compute_bytes
 from .context import ContextConfig
-from .draft import DraftMemory, DraftModel, draft_config, draft_placement
+from .draft import DraftModel, draft_config, draft_placement
 from .mtp import MtpMemory, hidden_rows_bytes, mtp_config
 from .projector import Projector, ProjectorMemory, projector_memory
 from ..units import MIB, gpu_label, mib
@@ -155,6 +155,34 @@ class EmbeddingMemory:
         return {"n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch, "n_seq_max": self.n_seq_max,
                 "kv_mib": mib(self.kv_bytes), "compute_mib": mib(self.compute_bytes),
                 "output_mib": mib(self.output_bytes), "total_mib": mib(self.total_bytes)}
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """The draft model's buffers: its own estimate (host first, then its card), at the main context's size."""
+
+    name: str
+    path: str
+    estimate: "MemoryEstimate"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.estimate.total_bytes
+
+    @property
+    def device(self) -> str:
+        """Where its layers are: ``CPU`` or its card's label."""
+        return self.estimate.gpus[0].device if self.estimate.gpus else "CPU"
+
+    def to_json(self) -> dict[str, object]:
+        e = self.estimate
+        return {"name": self.name, "path": self.path, "device": self.device, "n_ctx": e.cfg.n_ctx,
+                "weights_mib": mib(sum(d.weights_bytes + d.extra_weights_bytes for d in e.devices)),
+                "kv_mib": mib(e.kv_bytes + e.state_bytes),
+                "compute_mib": mib(sum(d.compute_bytes for d in e.devices)),
+                "output_mib": mib(sum(d.output_bytes for d in e.devices)),
+                "devices": [d.to_json() for d in e.devices if d.total_bytes],
+                "total_mib": mib(e.total_bytes)}
 
 
 @dataclass(frozen=True)

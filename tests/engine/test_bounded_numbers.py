@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from service.chat.format import ChatFormat
-from service.chat.grammar import INTEGER_LIMIT, MAX_INTEGER_DIGITS, _compile, bounded_numbers, parser_limits
+from service.chat.grammar import INTEGER_LIMIT, MAX_INTEGER_DIGITS, compile_source, bounded_numbers, parser_limits
 from service.chat.tools import tool_grammar
 from service.engine.grammar_sampler import _tokenizer
 
@@ -21,7 +21,7 @@ def _answer(model: Any, kind: str, grammar: str, text: str) -> bool:
     """Whether ``text`` (as the model's tokens) is a whole answer the grammar accepts."""
     from llguidance import LLMatcher
 
-    m = LLMatcher(_tokenizer(model.vocab), _compile(kind, grammar).text, log_level=0, limits=parser_limits())
+    m = LLMatcher(_tokenizer(model.vocab), compile_source(kind, grammar).text, log_level=0, limits=parser_limits())
     for tok in model.tokenize(text.encode(), False, False):
         if not m.consume_token(tok):
             return False

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from service.chat.format import ChatFormat
-from service.chat.grammar import FRACTION_STEP, MAX_FRACTION_DIGITS, _compile, bounded_schema, closed
+from service.chat.grammar import FRACTION_STEP, MAX_FRACTION_DIGITS, compile_source, bounded_schema, closed
 from service.chat.tools import tool_grammar
 from tests.engine.test_bounded_numbers import _answer
 
@@ -108,4 +108,4 @@ def test_every_answer_of_the_rewritten_schema_validates_against_the_request() ->
     for answer in ({"name": "Paris", "population": 7}, {"name": "", "population": -9007199254740991}):
         jsonschema.validate(answer, CITY)
         jsonschema.validate(answer, bounded_schema(CITY))
-    assert _compile("json_schema", json.dumps(CITY)).kind == "json_schema"
+    assert compile_source("json_schema", json.dumps(CITY)).kind == "json_schema"

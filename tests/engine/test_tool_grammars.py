@@ -9,7 +9,7 @@ import pytest
 
 from service.chat.tools import tool_grammar
 from service.chat.format import ChatFormat
-from service.chat.grammar import _compile, parser_limits
+from service.chat.grammar import compile_source, parser_limits
 from service.engine.grammar_sampler import _tokenizer
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def _accepts(model: Any, grammar: str, text: str) -> bool:
     """Whether the matcher takes ``text`` (as the model's tokens) without an error."""
     from llguidance import LLMatcher
 
-    m = LLMatcher(_tokenizer(model.vocab), _compile("lark", grammar).text, log_level=0, limits=parser_limits())
+    m = LLMatcher(_tokenizer(model.vocab), compile_source("lark", grammar).text, log_level=0, limits=parser_limits())
     for tok in model.tokenize(text.encode(), False, False):
         if not m.consume_token(tok):
             return False
