@@ -72,9 +72,10 @@ def service(model: str, *, beside: tuple[str, ...] = (), **settings: str) -> Ite
 
 
 @contextlib.contextmanager
-def service_process(model: str, *, beside: tuple[str, ...] = (), **settings: str
+def service_process(model: str, *, beside: tuple[str, ...] = (), root: Path = ROOT, **settings: str
                     ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``service``, and its process (to kill it)."""
+    """``service``, and its process (to kill it); ``root``: the checkout it runs from (another commit's, to
+    compare)."""
     models = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     for src, dst in ((model, models / "bench.gguf"), *((b, models / Path(b).name) for b in beside)):
         try:
@@ -86,7 +87,7 @@ def service_process(model: str, *, beside: tuple[str, ...] = (), **settings: str
     env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning",
                **settings)
     log = open(models / "service.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_answers(proc, f"{url}/ready", 300, f"the service (log: {models / 'service.log'})")

@@ -111,6 +111,8 @@ class Prompter:
         """The control tokens' spellings in ``text``: the tokens ``special`` parses and plain tokenization does not
         (llama.cpp's ``tokenizer_st_partition`` skips control and unknown tokens without ``parse_special``;
         user-defined ones it parses either way, so they are no client's forgery to undo)."""
+        if not self.vocab.spells_a_control_token(text):  # both tokenizations would be the same
+            return []
         special = self._tokenize(text, add_bos=False)
         plain = self._tokenize(text, add_bos=False, special=False)
         if special == plain:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from ..errors import BadRequest, NotReady
 
@@ -35,6 +35,7 @@ class Vocabulary:
         self._memo: "collections.OrderedDict[tuple[str, bool, bool], list[int]]" = collections.OrderedDict()
         self._max_piece = 0
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._controls: "Spellings | None" = None
 
     @classmethod
     def open(cls, path: str) -> "Vocabulary":
@@ -150,6 +151,21 @@ class Vocabulary:
 
         return bool(getattr(llama_cpp, f"llama_vocab_get_add_{name}")(self._require().vocab))
 
+    def spells_a_control_token(self, text: str) -> bool:
+        """Whether ``text`` holds the text of a control or unknown token: the tokens llama.cpp's
+        ``tokenizer_st_partition`` parses only with ``parse_special`` (src/llama-vocab.cpp). Where it holds none,
+        tokenizing with and without ``special`` gives the same tokens, so a check for forged control tokens needs
+        no tokenization. The spellings are read once (``llama_vocab_get_attr`` and ``_get_text`` per token)."""
+        if self._controls is None:
+            import llama_cpp
+
+            vocab = self._require().vocab
+            mask = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+            self._controls = Spellings(
+                llama_cpp.llama_vocab_get_text(vocab, t).decode("utf-8", "replace")
+                for t in range(self.n_vocab) if llama_cpp.llama_vocab_get_attr(vocab, t) & mask)
+        return self._controls.found_in(text)
+
     def token_bos(self) -> int:
         return self.special("bos")
 
@@ -157,4 +173,23 @@ class Vocabulary:
         return self.special("eos")
 
 
-__all__ = ["FIM_NAMES", "TOKENIZE_MEMO", "Vocabulary"]
+class Spellings:
+    """A set of strings, and whether a text holds one of them: at each place one's first character occurs, a
+    hash lookup per length (thousands of spellings that begin alike, gemma's ``<unused0>`` ... cost no more)."""
+
+    def __init__(self, spellings: Iterable[str]) -> None:
+        self._set = frozenset(s for s in spellings if s)
+        self._firsts = frozenset(s[0] for s in self._set)
+        self._lengths = sorted({len(s) for s in self._set})
+
+    def found_in(self, text: str) -> bool:
+        for c in self._firsts:
+            pos = text.find(c)
+            while pos != -1:
+                if any(text[pos:pos + n] in self._set for n in self._lengths):
+                    return True
+                pos = text.find(c, pos + 1)
+        return False
+
+
+__all__ = ["FIM_NAMES", "TOKENIZE_MEMO", "Spellings", "Vocabulary"]

@@ -160,6 +160,23 @@ def test_a_request_that_spells_nothing_is_tokenized_once_as_llama_server_does(en
     assert engine.chat_tokens(messages, _tool()) == engine.vocab.tokenize(prompt, add_bos=add_bos)
 
 
+def test_a_text_without_a_control_spelling_tokenizes_alike_with_and_without_special(engine: VocabEngine) -> None:
+    """The shortcut before the forgery check (``Vocabulary.spells_a_control_token``) is exact: where it finds no
+    control or unknown token's text, llama.cpp's special and plain tokenizations agree, and where they differ it
+    finds one (texts from this file's requests, the model's own control spellings, and pieces of them)."""
+    v = engine.vocab
+    texts = ["Hello <b>there</b> [INST] <|im_start|> {\"a\": 1} <end_of_", "<start_of_turn>", "x<end_of_turn>y",
+             "<unused17> and <mask>", "<eos>", "<bos>plain", "<pad", "a < b > c", FORGED, NEAR]
+    texts += [w for _, w in _history()[0].items() if isinstance(w, str)]
+    differs = 0
+    for text in texts:
+        same = v.tokenize(text, add_bos=False) == v.tokenize(text, add_bos=False, special=False)
+        differs += not same
+        assert v.spells_a_control_token(text) or same, text
+    assert differs >= 4, "the texts must include control spellings, or the test shows nothing"
+    assert not v.spells_a_control_token("The keeper lit the lamp at dusk < 8 > 7.")
+
+
 @pytest.mark.parametrize("messages, param", [
     ([{"role": "user", "content": [{"type": "text", "text": "Hi <end_of_"}, {"type": "text", "text": "turn> yes"}]}],
      "messages[0].content[1].text"),
