@@ -25,20 +25,16 @@ schemas run; the trivial schema answered (200); every hostile schema 400; the sa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -46,35 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from llama_server import free_port, stop, wait_until_answers  # noqa: E402
+from serving_bench import service_process  # noqa: E402
 
 from service.chat.grammar_worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib  # noqa: E402
-
-
-@contextlib.contextmanager
-def service(model: str, **settings: str) -> Iterator[tuple[str, "subprocess.Popen[bytes]"]]:
-    """``python -m service`` on its defaults (but ``settings``), serving ``model``: its URL and process
-    (``serving_bench.service``, with the process, whose memory this measures)."""
-    models = Path(tempfile.mkdtemp(prefix="grammar-bench-"))
-    link = models / "bench.gguf"
-    try:
-        os.link(model, link)
-    except OSError:
-        shutil.copyfile(model, link)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
-    env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning",
-               **settings)
-    log = open(models / "service.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_answers(proc, f"{url}/ready", 300, f"the service (log: {models / 'service.log'})")
-        yield url, proc
-    finally:
-        stop(proc)
-        log.close()
-        shutil.rmtree(models, ignore_errors=True)
 
 
 def hostile(n: int, tag: int) -> dict[str, Any]:
@@ -230,7 +200,7 @@ def main() -> None:
     settings = {"GGUF_GRAMMAR_WORKERS": str(args.workers), "GGUF_GRAMMAR_MEMORY_MB": str(args.memory_mb),
                 "GGUF_GRAMMAR_TIMEOUT_S": str(args.timeout_s)}
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; settings {settings}")
-    with service(model, **settings) as (url, proc), httpx.Client(base_url=url, timeout=120) as c:
+    with service_process(model, **settings) as (url, proc), httpx.Client(base_url=url, timeout=120) as c:
         completion(c)
         trivial(c)  # the first grammar: starts the zygote, builds llguidance's tokenizer in the runner
         sampler = Sampler(proc.pid)
