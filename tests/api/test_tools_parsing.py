@@ -10,7 +10,7 @@ import pytest
 from service.chat.reasoning import ReasoningSplitter
 from service.chat.tools import ToolCallParser, ToolDelta, check_tools, tool_grammar
 from service.chat.format import ChatFormat, detect, prepare
-from service.chat.grammar import _compile
+from service.chat.grammar import compile_source
 from service.errors import BadRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -128,7 +128,7 @@ def test_every_grammar_compiles(fmt: str, required: bool, think: tuple[str, str]
     for parallel in (True, False):
         text = tool_grammar(f, [WEATHER, TIME], required=required, parallel=parallel)
         assert text is not None
-        _compile("lark", text)
+        compile_source("lark", text)
 
 
 def test_detect_formats() -> None:
