@@ -192,14 +192,15 @@ class _ServerState(Collector):
             runner, engine, name = st.runner, st.engine, st.name
             assert runner is not None and engine is not None
             waiting = runner.waiting
-            used, allocated = engine.kv_cells_used, engine.kv_cells_allocated
+            gauges = engine.gauges()  # one round trip to the runner for all of them
+            used, allocated = gauges.kv_cells_used, engine.kv_cells_allocated
             families["queue"].add_metric([name], waiting)
             families["running"].add_metric([name], runner.running)
             families["cells"].add_metric([name], used)
             families["n_ctx"].add_metric([name], engine.n_ctx)
-            families["evaluated"].add_metric([name], getattr(engine, "prompt_tokens_evaluated", 0))
-            msp.append((name, waiting, engine.running_sequences, used, allocated))
-            pc = getattr(engine, "prompt_cache_gauges", None) or {}
+            families["evaluated"].add_metric([name], gauges.prompt_tokens_evaluated)
+            msp.append((name, waiting, gauges.running_sequences, used, allocated))
+            pc = gauges.prompt_cache
             for k, fam in (*pc_gauges.items(), *pc_counts.items()):
                 if k in pc:
                     fam.add_metric([name], pc[k])

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator
 from sizing.plan import Plan
 
 from ..chat.format import ChatFormat
-from ..engine.base import (Cancel, Chunk, EmbeddingResult, Engine, EngineLimits, GenerationParams, LoadReport,
-                           RerankResult, current_delivery, direct_delivery)
+from ..engine.base import (Cancel, Chunk, EmbeddingResult, Engine, EngineGauges, EngineLimits, GenerationParams,
+                           LoadReport, RerankResult, current_delivery, direct_delivery)
 from ..errors import NotReady
 from .model import LlamaText, ModelText
 from .stream import TextStream
@@ -113,6 +113,10 @@ class ServedModel:
 
     def rerank_limit(self) -> int:
         return self.engine.limits.rerank
+
+    def gauges(self) -> EngineGauges:
+        """The engine's gauges now (a runner's: one round trip): read once per scrape."""
+        return self.engine.gauges()
 
     @property
     def kv_cells_used(self) -> int:

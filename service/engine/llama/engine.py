@@ -58,13 +58,19 @@ class _Load:
         self.pooler = Pooler(loaded.embedding, n_vocab=loaded.n_vocab, n_embd=loaded.n_embd,
                              n_cls_out=loaded.n_cls_out, on_scheduler=lambda *a, **k: self.scheduler.call(*a, **k))
         self.scheduler = Scheduler(self.step, self.seqs, self.slots, self.pooler, self.drafting)
+        self.limits = EngineLimits(n_ctx=loaded.n_ctx_seq, slots=loaded.n_slots, n_vocab=loaded.n_vocab,
+                                   n_batch=loaded.n_batch, kv_cells_allocated=loaded.n_ctx,
+                                   embedding=self.pooler.limits(), rerank=self.pooler.rerank_limit(),
+                                   images=loaded.images is not None)
+        """Fixed for the load's life: read by every request's checks, computed once."""
 
 
 class LlamaEngine:
     """llama.cpp behind the ``Engine`` protocol: slots that remember their prompts, decoded in shared batches."""
 
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
-                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, embedding_pooling: str = "mean", prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
+                 slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, embedding_pooling: str = "mean",
+                 prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
                  prompt_cache_disk_mib: int = 0, speculative: bool = True, draft_max: int = DRAFT_MAX) -> None:
         """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
 
@@ -127,13 +133,7 @@ class LlamaEngine:
     @property
     def limits(self) -> EngineLimits:
         current = self._load
-        if current is None:
-            return EngineLimits()
-        loaded = current.loaded
-        return EngineLimits(n_ctx=loaded.n_ctx_seq, slots=loaded.n_slots, n_vocab=loaded.n_vocab,
-                            n_batch=loaded.n_batch, kv_cells_allocated=loaded.n_ctx,
-                            embedding=current.pooler.limits(), rerank=current.pooler.rerank_limit(),
-                            images=loaded.images is not None)
+        return current.limits if current is not None else EngineLimits()
 
     def gauges(self) -> EngineGauges:
         """Cells holding tokens (running requests' and the cached prompts of idle slots, shared cells once), the
@@ -309,7 +309,8 @@ class LlamaEngine:
         base_seed = params.seed if params.seed is not None else random.randint(0, 2**31 - 1)
         reqs = [
             Sequence(tokens=list(tokens), params=params, cancel=cancel, max_new_tokens=max_new,
-                     grammar=compile_grammar(params) if i else grammar, greedy=greedy, deliver=deliver, out=out, index=i, seed=(base_seed + i) % 2**32)
+                     grammar=compile_grammar(params) if i else grammar, greedy=greedy, deliver=deliver, out=out,
+                     index=i, seed=(base_seed + i) % 2**32)
             for i in range(max(1, params.n))
         ]
         current.drafting.assign(reqs, params, images=bool(images))
