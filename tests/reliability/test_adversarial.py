@@ -111,6 +111,10 @@ BAD_INPUTS: list[tuple[str, str, str, int, str | None]] = [
     ("negative seed", "/v1/completions", '{"prompt": "a", "seed": -2}', 400, "seed"),
     ("NaN temperature", "/v1/completions", '{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("Infinity top_p", "/v1/completions", '{"prompt": "a", "top_p": Infinity}', 400, "top_p"),
+    ("NaN min_p", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "min_p": NaN}', 400,
+     "min_p"),
+    ("min_p beyond 1", "/v1/completions", '{"prompt": "a", "min_p": 1e308}', 400, "min_p"),
+    ("min_p a string", "/v1/completions", '{"prompt": "a", "min_p": "0.1"}', 400, "min_p"),
     ("a tool without a name", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
      '[{"type": "function", "function": {"name": "f g"}}]}', 400, "tools[0].function.name"),
     ("a tool named twice", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "tools": '
