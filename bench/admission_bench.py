@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serving_bench import service  # noqa: E402
 
-from service.embedded import embedded_model_path  # noqa: E402
+from service.catalog.embedded import embedded_model_path  # noqa: E402
 
 OVERSIZED = "lighthouse keeper " * 383_000  # 6.9 MB
 LONG = "sea " * 350_000  # 1.4 MB: fewer characters than 32,768 x 48

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from serving_bench import clients, conversation, one_client, service_process, tag  # noqa: E402
-from service.embedded import embedded_model_path  # noqa: E402
+from service.catalog.embedded import embedded_model_path  # noqa: E402
 
 
 def main() -> int:

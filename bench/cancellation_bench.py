@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--after", type=float, default=0.5, help="seconds before each client leaves")
     args = ap.parse_args()
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     fresh: list[float] = []
     with service(embedded_model_path(), GGUF_QUEUE_SIZE=str(args.clients + 50)) as url:

@@ -61,7 +61,7 @@ def engine_client(engine: Any, params: Any, lock: threading.Lock | None) -> Call
         t0 = time.perf_counter()
         ttft = None
         ctx = lock if lock is not None else _null()
-        with ctx:  # the single-sequence service runs one generation at a time (service/runner.py)
+        with ctx:  # the single-sequence service runs one generation at a time (service/residency/fifo.py)
             last = None
             for c in engine.complete(prompt_for(i), params, Cancel()):
                 if ttft is None and c.text:
@@ -143,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from service.engine.base import GenerationParams
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
     from sizing.probe.devices import host_memory
     from sizing.probe import probe_path
     from sizing.plan.planner import PlanRequest, make_plan

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serving_bench import fresh, service  # noqa: E402
 
-from service.embedded import embedded_model_path  # noqa: E402
+from service.catalog.embedded import embedded_model_path  # noqa: E402
 
 TARGET_S = 1.0
 

@@ -1,4 +1,4 @@
-"""Structured output, per-token cost: llama.cpp's GBNF sampler (the old path) against llguidance (service/chat/grammar.py).
+"""Structured output, per-token cost: llama.cpp's GBNF sampler (the old path) against llguidance (service/grammar/schema.py).
 
 On the embedded gemma-3-270m (262,144-token vocabulary), for a JSON schema:
 
@@ -49,7 +49,7 @@ def sampler_steps(model_path: str, steps: int) -> None:
     from llama_cpp import llama_grammar
 
     from service.engine.base import GenerationParams
-    from service.chat.grammar import compile_grammar
+    from service.grammar.schema import compile_grammar
     from service.engine.grammar_sampler import grammar_sampler
 
     mp = llama_cpp.llama_model_default_params()
@@ -108,7 +108,7 @@ def end_to_end(model_path: str, tokens: int, runs: int) -> None:
     from llama_cpp import Llama, llama_grammar
 
     from service.engine.base import GenerationParams
-    from service.chat.grammar import compile_grammar
+    from service.grammar.schema import compile_grammar
     from service.engine.grammar_sampler import grammar_logits_processor
 
     llm = Llama(model_path=model_path, n_ctx=1024, verbose=False)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per end-to-end generation")
     ap.add_argument("--runs", type=int, default=3, help="end-to-end generations per configuration")
     args = ap.parse_args(argv)
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     path = embedded_model_path()
     sampler_steps(path, args.steps)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serving_bench import service_process  # noqa: E402
 
-from service.chat.grammar_worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib  # noqa: E402
+from service.grammar.worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib  # noqa: E402
 
 
 def hostile(n: int, tag: int) -> dict[str, Any]:
@@ -90,8 +90,8 @@ def tree(root: int) -> list[tuple[int, str, int]]:
             continue
         if role != "server":  # ``role`` is the parent's until here
             role = ("compile" if role == "zygote" else
-                    "runner" if "service.engine.child" in cmd else
-                    "zygote" if "service.chat.grammar_worker" in cmd else "other")
+                    "runner" if "service.runner.child" in cmd else
+                    "zygote" if "service.grammar.worker" in cmd else "other")
         out.append((pid, role, rss))
         stack.extend((c, role if role != "server" else "child") for c in children.get(pid, ()))
     return out
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=int, default=256, help="GGUF_GRAMMAR_MEMORY_MB")
     ap.add_argument("--timeout-s", type=float, default=5.0, help="GGUF_GRAMMAR_TIMEOUT_S")
     args = ap.parse_args()
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     model = args.model or embedded_model_path()
     settings = {"GGUF_GRAMMAR_WORKERS": str(args.workers), "GGUF_GRAMMAR_MEMORY_MB": str(args.memory_mb),

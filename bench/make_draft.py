@@ -4,7 +4,7 @@
 
 A draft model must share the main model's vocabulary token by token (the service refuses any other), and no
 smaller model with gemma-3's 262144-token vocabulary is at hand, so this builds one from the embedded model's
-own tensors (gemma-3-270m Q4_K_M, ``service.embedded.embedded_model_path()``): it keeps the first K and the last L
+own tensors (gemma-3-270m Q4_K_M, ``service.catalog.embedded.embedded_model_path()``): it keeps the first K and the last L
 of its 18 blocks, renumbered blk.0..blk.M-1 (M = K + L), plus ``token_embd`` and ``output_norm`` (and
 ``output`` where a model has one; gemma-3 ties it to ``token_embd``). Every tensor keeps its quantized type and
 its bytes. All metadata is copied unchanged (the tokenizer arrays exactly, checked after writing) except
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     src = args.model
     if src is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from service.embedded import embedded_model_path
+        from service.catalog.embedded import embedded_model_path
 
         src = Path(embedded_model_path())
     reader = gguf.GGUFReader(src, "r")

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from service.engine.calibrate import Calibrator  # noqa: E402
 from service.engine.params import ModelParams  # noqa: E402
-from service.planning import LoadOptions, Planner, needs_calibration  # noqa: E402
+from service.planning.planner import LoadOptions, Planner, needs_calibration  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from sizing.memory.compute import compute_bytes, compute_mirrored  # noqa: E402
 from sizing.memory.context import ContextConfig  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> int:
     for name in args.models.split(","):
         t = time.perf_counter()
         if name == "embedded":
-            from service.embedded import embedded_model_path
+            from service.catalog.embedded import embedded_model_path
 
             path = embedded_model_path()
         else:

@@ -30,7 +30,7 @@ from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.calibrate import Calibrator  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
 from service.text.served import ServedModel
-from service.planning import LoadOptions, Planner  # noqa: E402
+from service.planning.planner import LoadOptions, Planner  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from sizing.probe import probe_path  # noqa: E402
 from sizing.probe.devices import host_memory  # noqa: E402

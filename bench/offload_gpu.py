@@ -183,7 +183,7 @@ def main() -> int:
     real = gpus[0]
     path = args.model
     if path is None:
-        from service.embedded import embedded_model_path
+        from service.catalog.embedded import embedded_model_path
 
         path = embedded_model_path()
     req = PlanRequest(n_ctx=args.n_ctx, cache_types=("q8_0",), cache_type="q8_0")

@@ -28,7 +28,7 @@ import service.engine.llama.scheduler as llama_engine  # noqa: E402
 from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
 from service.text.served import ServedModel
-from service.embedded import embedded_model_path  # noqa: E402
+from service.catalog.embedded import embedded_model_path  # noqa: E402
 from sizing.plan import PlanRequest, make_plan  # noqa: E402
 from sizing.probe import host_memory, probe_path  # noqa: E402
 

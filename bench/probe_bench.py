@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fixtures", action="store_true", help="skip timing the real-shape fixtures")
     args = p.parse_args(argv)
     if args.path is None:
-        from service.embedded import embedded_model_path
+        from service.catalog.embedded import embedded_model_path
 
         args.path = embedded_model_path()
     path = str(args.path)

@@ -144,7 +144,7 @@ def main() -> int:
     ap.add_argument("--llama-server", help="a llama-server binary (default: built once into ~/.cache/gguf-bench)")
     ap.add_argument("--service-setting", action="append", default=[], metavar="GGUF_NAME=VALUE")
     args = ap.parse_args()
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     model = args.model or embedded_model_path()
     scenarios = set(args.scenarios.split(","))

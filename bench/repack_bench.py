@@ -26,7 +26,7 @@ from service.engine.base import Cancel, GenerationParams  # noqa: E402
 from service.engine.cpu import host_repack  # noqa: E402
 from service.engine.llama import LlamaEngine  # noqa: E402
 from service.text.served import ServedModel
-from service.embedded import embedded_model_path  # noqa: E402
+from service.catalog.embedded import embedded_model_path  # noqa: E402
 from sizing.probe import host_memory, probe_path  # noqa: E402
 from sizing.testing.fixtures import FixtureShape, write_fixture  # noqa: E402
 

@@ -33,7 +33,7 @@ MIB = 1 << 20
 
 
 def decision(repeat: int) -> None:
-    from service.planning import LoadOptions, Planner
+    from service.planning.planner import LoadOptions, Planner
     from service.settings import Settings
     from sizing.plan.device import Device
     from sizing.probe import probe_path

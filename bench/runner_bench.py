@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from serving_bench import clients, one_client, service, tag  # noqa: E402
 
-from service.embedded import embedded_model_path  # noqa: E402
+from service.catalog.embedded import embedded_model_path  # noqa: E402
 
 COMPUTE_SHARE = 0.25
 """A thread that used at least this share of a round's wall time in CPU is counted as llama.cpp's compute."""

@@ -136,7 +136,7 @@ class InProcess:
     def __init__(self, model: str) -> None:
         from service.engine.llama import LlamaEngine
         from service.text.served import ServedModel
-        from service.planning import LoadOptions, plan_request
+        from service.planning.planner import LoadOptions, plan_request
         from service.settings import Settings
         from sizing.probe.devices import host_memory
         from sizing.probe import probe_path
@@ -242,7 +242,7 @@ def main() -> int:
     ap.add_argument("--in-process", action="store_true", help="also run 'one' on the engine in this process")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     model = args.model or embedded_model_path()
     scenarios = set(args.scenarios.split(","))

@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=None, help="GGUF_DRAFT_MAX for the service (default its own)")
     ap.add_argument("--draft-model", default=None, help="a draft model's file (bench/make_draft.py writes one)")
     args = ap.parse_args()
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     model = args.model or embedded_model_path()
     with contextlib.ExitStack() as stack:

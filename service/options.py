@@ -27,7 +27,7 @@ knob               what it sets                                    also accepted
 =================  ==============================================  =====================================
 
 ``merged(settings, model, request)`` is the one merge: each knob the request's if set, else the model's
-(models file), else the settings'. What a load or dry run plans with is that value (``service.planning``). A new
+(models file), else the settings'. What a load or dry run plans with is that value (``service.planning.planner``). A new
 load option is one field here (and in ``Settings`` when it has a server-wide default), the docs generated from
 them.
 """

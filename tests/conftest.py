@@ -90,7 +90,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Path of the embedded gemma-3-270m GGUF (assembled from its PyPI package)."""
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     return embedded_model_path()
 

@@ -104,8 +104,10 @@ def test_sizing_imports_nothing_of_the_service_and_keeps_its_folders_directions(
 
 
 def test_nothing_in_the_product_imports_the_test_data_builders() -> None:
-    bad = [f"{mod} imports {t}" for mod, imports in _imports().items() if not mod.startswith("sizing.testing")
-           for t, _, _, _ in imports if _under(t, ("sizing.testing",))]
+    """``sizing.testing`` (GGUF builders) and ``service.testing`` (the fake engine) are for tests and benchmarks."""
+    fakes = ("sizing.testing", "service.testing")
+    bad = [f"{mod} imports {t}" for mod, imports in _imports().items() if not _under(mod, fakes)
+           for t, _, _, _ in imports if _under(t, fakes)]
     assert not bad, "\n".join(bad)
 
 
@@ -148,11 +150,8 @@ def test_no_module_reads_another_modules_underscore_members() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_circles() -> None:
-    """Module-level imports between project modules, those for the type checker included, form no cycle (imports
-    inside functions are how a module defers a heavy dependency, and are not edges here)."""
-    graph = {mod: {t for t, _, top, _ in imports if top and t in _imports() and t != mod}
-             for mod, imports in _imports().items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -165,7 +164,7 @@ def test_no_import_circles() -> None:
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -182,10 +181,43 @@ def test_no_import_circles() -> None:
             if len(comp) > 1:
                 cycles.append(sorted(comp))
 
-    for v in graph:
+    for v in list(graph):
         if v not in index:
             visit(v)
+    return cycles
+
+
+def test_no_import_circles() -> None:
+    """Module-level imports between project modules, those for the type checker included, form no cycle (imports
+    inside functions are how a module defers a heavy dependency, and are not edges here)."""
+    graph = {mod: {t for t, _, top, _ in imports if top and t in _imports() and t != mod}
+             for mod, imports in _imports().items()}
+    cycles = _cycles(graph)
     assert not cycles, cycles
+
+
+def _folder(mod: str) -> str:
+    path = ROOT / mod.replace(".", "/")
+    return mod if (path / "__init__.py").exists() else mod.rsplit(".", 1)[0]
+
+
+def test_no_folder_cycles() -> None:
+    """Folders depend one way: no two folders import each other, however indirectly, by any import (deferred ones
+    inside functions too: they are still a dependency). A package's loose modules (errors, settings) are its own
+    folder's; its ``__main__`` is the command line, which imports the whole tree and is imported by none, and is
+    left out."""
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for mod, imports in _imports().items():
+        if mod.endswith(".__main__"):
+            continue
+        for t, _, _, _ in imports:
+            if t in _imports() and _folder(t) != _folder(mod):
+                graph.setdefault(_folder(mod), set()).add(_folder(t))
+                why.setdefault((_folder(mod), _folder(t)), f"{mod} imports {t}")
+    cycles = _cycles(graph)
+    detail = [f"{a} -> {b}: {why[(a, b)]}" for c in cycles for a in c for b in c if (a, b) in why]
+    assert not cycles, "\n".join(detail)
 
 
 def test_chat_rendering_imports_neither_the_web_framework_nor_llama_cpp() -> None:
@@ -196,9 +228,9 @@ def test_chat_rendering_imports_neither_the_web_framework_nor_llama_cpp() -> Non
 
 def test_the_api_layer_reaches_the_engine_only_through_its_values() -> None:
     """Routes speak to an engine through the ``Engine`` protocol and its values (``service.engine.base``), never its
-    internals: the one that loads llama.cpp, its scheduler, its runner process."""
+    internals: the one that loads llama.cpp, its scheduler, its runner process (``service.runner``)."""
     bad = [f"{mod} imports {t}" for mod, imports in _imports().items() if mod.startswith("service.api")
-           for t, _, _, _ in imports if _under(t, ("service.engine",)) and t != "service.engine.base"]
+           for t, _, _, _ in imports if _under(t, ("service.engine", "service.runner")) and t != "service.engine.base"]
     assert not bad, "\n".join(bad)
 
 

@@ -10,17 +10,17 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from ..engine.base import Engine
-from ..chat import grammar_worker
+from ..catalog.models import ModelsFileError, Registry
 from ..chat.template import check_template
+from ..engine.base import Engine
 from ..errors import NotReady
+from ..grammar import worker as grammar_worker
 from ..residency import EngineFactory, ModelManager, default_engine
-from ..models import ModelsFileError, Registry
-from ..response_store import ResponseStore
 from ..settings import Settings
 from . import anthropic, errors, infill, management, metrics, ollama, openai, ops, rerank, responses, text
-from .admission import Admission
 from . import page, security
+from .admission import Admission
+from .response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..downloads import Downloads
+from ..catalog.downloads import Downloads
 from ..residency import ModelManager
 from .metrics import Metrics
 

@@ -2,7 +2,7 @@
 in the queue; then its chunks, collected whole or streamed by the family's own renderer.
 
 ``start`` checks, compiles the grammar (off the engine thread, in a process it can stop:
-``service.chat.grammar_worker``), tokenizes (``service.api.admission``), queues and waits for admission: a refusal
+``service.grammar.worker``), tokenizes (``service.api.admission``), queues and waits for admission: a refusal
 is raised before any byte is sent (a plain HTTP error, even for a stream); a client that leaves meanwhile gets a
 bare 499. ``collect`` reads every choice whole. The model's lease is released when the generation ends (the
 runner), or here when the request ends before it was queued.
@@ -21,21 +21,21 @@ from fastapi.responses import JSONResponse
 
 from ..chat.choices import Answer, Choices, json_constraint
 from ..chat.format import ChatFormat
-from ..chat.grammar import grammar_source
-from ..chat.grammar_worker import compiler as grammar_compiler
 from ..chat.reasoning import ReasoningFormat
 from ..chat.tools import check_tools, tool_grammar
 from ..engine.base import Cancel, Chunk, GenerationParams, scope_of
 from ..errors import ContextLengthExceeded, ServiceError
+from ..grammar.schema import grammar_source
+from ..grammar.worker import compiler as grammar_compiler
 from ..keepalive import parse_keep_alive
 from ..residency import Lease, ModelManager
-from ..runner import chunks
+from ..residency.fifo import chunks
 from .admission import prompt_tokens
-from .images import ImageLimits, decode_message_images
 from .errors import code_of
+from .images import ImageLimits, decode_message_images
 from .metrics import Metrics
-from .security import presented_key
 from .openai_wire import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, GenerationRequest
+from .security import presented_key
 
 
 async def resolve_model(manager: ModelManager, body: Any) -> Lease:
@@ -101,7 +101,7 @@ async def compile_response_format(params: GenerationParams, settings: Any, gone:
 
     ``BadRequest`` when it cannot be used, did not compile in time or needed more memory: then it never reaches
     the engine. The work stops with the answer, or when the client leaves: the process is killed
-    (``service.chat.grammar_worker``); trivial schemas never wait behind hostile ones (its fast lane). The engine
+    (``service.grammar.worker``); trivial schemas never wait behind hostile ones (its fast lane). The engine
     compiles the grammar again at admission, the same work under the same limits, which this proved bounded.
     """
     source = grammar_source(params)

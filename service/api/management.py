@@ -21,8 +21,8 @@ from sizing.plan import plan_json
 
 from ..errors import BadRequest, QueueFull
 from ..keepalive import parse_keep_alive
-from ..planning import prompt_cache_json
 from ..options import LoadOptions, ModelOptions
+from ..planning.planner import prompt_cache_json
 from ..residency import ModelManager
 from .deps import DownloadsDep, ManagerDep, MetricsDep
 from .validation import KeepAlive

@@ -17,7 +17,7 @@ limits and auth), its choice read through ``service.chat.choices``, answered in 
   ones with their plan's memory, one model's GGUF metadata (the probe's) and capabilities.
 - ``POST /api/embed``, ``POST /api/embeddings``: the embedding path of /v1/embeddings (``openai.embed``).
 - ``DELETE /api/delete``: a model file of the models directory, unloaded first; ``POST /api/pull``: a Hugging Face
-  download (``service.downloads``; ``hf.co/OWNER/REPO:QUANT`` finds the file) with its progress as NDJSON.
+  download (``service.catalog.downloads``; ``hf.co/OWNER/REPO:QUANT`` finds the file) with its progress as NDJSON.
 
 Errors are Ollama's ``{"error": "..."}`` (``errors.OLLAMA_PATHS``) with the management API's statuses; a failure
 during a stream is one ``{"error": ...}`` line. ``images`` (base64) go before their message's text (``service.api.
@@ -43,13 +43,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..catalog.models import ModelEntry
 from ..chat.choices import Answer, Event
 from ..chat.format import detect
 from ..engine.base import Chunk
-from ..options import merged
 from ..errors import BadRequest, EngineFailure, ModelNotFound, ServiceError
 from ..keepalive import parse_keep_alive
-from ..models import ModelEntry
+from ..options import merged
 from ..residency import ModelManager
 from ..settings import EMBEDDED_MODEL_NAME
 from .deps import DownloadsDep, ManagerDep, MetricsDep
@@ -568,7 +568,7 @@ def _model_info(spec: Any, verbose: bool) -> dict[str, Any]:
 
 async def _sees(manager: ModelManager, entry: Any, spec: Any, st: Any) -> bool:
     """Whether the model takes images: loaded, its plan's projector; else the projector its options would find
-    (``service.projectors``: ``mmproj``, a file beside the model)."""
+    (``service.catalog.projectors``: ``mmproj``, a file beside the model)."""
     if st is not None and st.plan is not None and st.plan.estimate is not None:
         return st.plan.estimate.projector is not None
     value = merged(manager.settings, entry.config.options).mmproj  # the models file's, else GGUF_MMPROJ
@@ -727,8 +727,8 @@ def pull_source(name: str) -> tuple[str, str | None, str | None, str | None]:
 
 @router.post("/pull")
 async def pull(body: PullBody, downloads: DownloadsDep) -> Any:
-    """Download a GGUF from Hugging Face into the models directory (``service.downloads``): its progress as NDJSON
-    (``status``, ``digest``, ``total``, ``completed``), then ``success`` or an ``error`` line; ``stream: false``:
+    """Download a GGUF from Hugging Face into the models directory (``service.catalog.downloads``): its progress as
+    NDJSON (``status``, ``digest``, ``total``, ``completed``), then ``success`` or an ``error`` line; ``stream: false``:
     one answer once it ends."""
     repo_id, filename, quant, revision = pull_source(body.model or body.name or "")
     bad = BadRequest("model: the repo, file or revision has characters a Hugging Face name does not", param="model")

@@ -35,7 +35,7 @@ from ..chat.choices import Answer, Event, tool_calls_json, usage_last
 from ..engine.base import Cancel, Chunk, TokenLogprob
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ModelNotFound, ServiceError
 from ..residency import Lease, ModelManager
-from ..runner import chunks
+from ..residency.fifo import chunks
 from .admission import LARGE_TEXT_CHARS
 from .deps import ManagerDep, MetricsDep
 from .errors import code_of, service_error_body, sse

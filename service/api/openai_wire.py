@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..chat.grammar import check_schema_bounds
 from ..chat.tools import check_call_id, check_name
 from ..engine.base import GenerationParams
 from ..errors import BadRequest
+from ..grammar.schema import check_schema_bounds
 from .validation import KeepAlive, check_json_depth
 
 UNSUPPORTED_FIELDS: dict[str, str] = {

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.base import Cancel, Chunk
 from ..errors import BadRequest, ContextLengthExceeded, EngineFailure, ServiceError
 from ..residency import Lease
-from ..runner import chunks
+from ..residency.fifo import chunks
 from .admission import LARGE_TEXT_CHARS
 from .deps import ManagerDep, MetricsDep
 from .errors import code_of

@@ -23,7 +23,7 @@ A request becomes the chat request /v1/chat/completions takes (``to_chat``) and 
   ``response.completed`` or ``response.incomplete``; a failure during generation is an ``error`` event then
   ``response.failed``. Every event has its ``sequence_number``; no ``[DONE]`` (OpenAI sends none here).
 - ``store`` (default true) keeps the response for ``previous_response_id`` and the GET routes, per API key, within
-  ``GGUF_RESPONSES_STORE_MIB`` (``service.response_store``). A later turn continues the stored conversation; as at
+  ``GGUF_RESPONSES_STORE_MIB`` (``service.api.response_store``). A later turn continues the stored conversation; as at
   OpenAI, its ``instructions`` and ``tools`` are not carried over.
 - usage: ``input_tokens`` (``cached_tokens`` those a slot or the prompt cache held), ``output_tokens``
   (``reasoning_tokens``: the thinking's text tokenized again).
@@ -50,11 +50,11 @@ from ..chat.choices import Answer, Event
 from ..chat.tools import check_call_id, check_name
 from ..engine.base import TokenLogprob
 from ..errors import BadRequest, EngineFailure, NotFound, PreviousResponseNotFound, ServiceError
-from ..response_store import ResponseStore, StoredResponse, owner_of, size_of
 from .deps import ManagerDep, MetricsDep
 from .errors import code_of, param_of, service_error_body
 from .generation import Started, chat_prompt_tokens, collect, start
 from .openai_wire import MAX_TOP_LOGPROBS, ChatRequest
+from .response_store import ResponseStore, StoredResponse, owner_of, size_of
 from .security import presented_key
 from .validation import KeepAlive
 

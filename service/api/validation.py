@@ -44,7 +44,7 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 MAX_JSON_DEPTH = 256
 """Deepest nesting of arrays and objects a body, or a JSON string the service parses, may have. Real requests nest
-a few dozen levels; a schema up to this deep still reaches its own check (32 levels, ``service.chat.grammar``),
+a few dozen levels; a schema up to this deep still reaches its own check (32 levels, ``service.grammar.schema``),
 which names the field. Python's parser fails near ``sys.getrecursionlimit()`` (1000), less the stack in use."""
 
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")

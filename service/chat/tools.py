@@ -23,9 +23,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .format import ChatFormat
-from .grammar import JSON_OPTIONS, bounded_schema, check_schema_bounds
 from ..errors import BadRequest
+from ..grammar.schema import JSON_OPTIONS, bounded_schema, check_schema_bounds
+from .format import ChatFormat
 
 MAX_TOOLS = 128
 """Most tools one request may declare (OpenAI's limit)."""

@@ -4,8 +4,8 @@
 token ids and figures (vLLM's engine core takes token ids only). The vocabulary, the chat template, tokenizing,
 detokenizing and stop strings belong to the API process (``service.text``: ``ServedModel`` puts a model's text
 and its engine together for the routes). ``service.engine.llama`` is the llama.cpp implementation (continuous
-batching over slots that keep their prompts' KV), ``service.engine.process`` the same behind a runner process, and
-``service.engine.fake`` a small fake for the paths a CPU cannot reach.
+batching over slots that keep their prompts' KV), ``service.runner.process`` the same behind a runner process, and
+``service.testing.fake`` a small fake for the paths a CPU cannot reach.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def direct_delivery(deliver: Callable[[Any], None]) -> Iterator[None]:
     """While a runner worker runs one job in this thread: an engine may hand that job's chunks (and a failure
     during generation) to ``deliver`` from its own thread instead of yielding them through the worker, whose
     generation iterator then only returns at the end. One thread wake-up a token instead of two
-    (service/runner.py). A ``deliver`` with a ``flush`` attribute is flushed after each batch of chunks it was
+    (service/residency/fifo.py). A ``deliver`` with a ``flush`` attribute is flushed after each batch of chunks it was
     handed (``LlamaEngine._flush``). Engines that do not look (the fake) yield as usual."""
     before = getattr(_delivery, "fn", None)
     _delivery.fn = deliver
@@ -293,7 +293,7 @@ def current_delivery() -> Callable[[Any], None] | None:
 @dataclass
 class Cancel:
     """Set by the HTTP layer when the client goes away; checked between tokens. ``on_set`` callbacks carry it
-    further (to a runner process: ``service.engine.process``). ``end(index)`` ends one choice only (a stop string
+    further (to a runner process: ``service.runner.process``). ``end(index)`` ends one choice only (a stop string
     the API process found in it), ``on_end`` carries that."""
 
     event: threading.Event = field(default_factory=threading.Event)

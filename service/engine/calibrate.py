@@ -11,7 +11,7 @@ answers from the cache without a child.
 Which points to sample is decided here (``points``): the minimum and the largest
 context the plan may choose, the context where the sliding-window cache stops
 growing, and one between; the plan's own choice is then confirmed by one more
-sample (``service.planning``).
+sample (``service.planning.planner``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def sample_of(result: DryRunResult, spec: ModelSpec) -> Sample | None:
 def points(spec: ModelSpec, cfg: ContextConfig, floor: int, cap: int) -> list[ContextConfig]:
     """The contexts to sample for one configuration: ``floor``, ``cap`` and, with a sliding window, where its
     cache stops growing (the compute peak's kink); one per distinct cell count. Between them the chord bounds a
-    convex peak; the plan's own choice is then measured and the pieces tightened (``service.planning``)."""
+    convex peak; the plan's own choice is then measured and the pieces tightened (``service.planning.planner``)."""
     n_stream = 1 if cfg.kv_unified else max(cfg.n_seq_max, 1)
     wanted = {max(floor, 1), max(cap, 1)}
     if spec.swa_layer_count and not cfg.swa_full:

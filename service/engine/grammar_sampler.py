@@ -1,7 +1,7 @@
 """The engine's side of structured output: llguidance's matcher over llama.cpp's vocabulary, as a llama.cpp sampler.
 
 ``grammar_sampler`` (the batched engine's sampler chain) and ``grammar_logits_processor`` (llama-cpp-python's
-``Llama.generate``) mask the tokens a compiled grammar (``service.chat.grammar``) forbids; nothing else in the
+``Llama.generate``) mask the tokens a compiled grammar (``service.grammar.schema``) forbids; nothing else in the
 engine knows how a grammar is represented. The tokenizer llguidance needs is built once per vocabulary.
 """
 
@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..chat.grammar import MAX_REASON_CHARS, Grammar, parser_limits
+from ..grammar.schema import MAX_REASON_CHARS, Grammar, parser_limits
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ EngineFactory = Callable[[Settings], Engine]
 
 def default_engine(settings: Settings) -> Engine:
     """llama.cpp through llama-cpp-python: ``parallel`` slots decoded together, each keeping its prompt's KV; in a
-    runner process of its own (``GGUF_RUNNER_PROCESS``, ``service.engine.process``) or in this one."""
+    runner process of its own (``GGUF_RUNNER_PROCESS``, ``service.runner.process``) or in this one."""
     kwargs: dict[str, Any] = dict(n_threads=settings.n_threads, cache_prompt=settings.cache_prompt,
                                   slot_prompt_similarity=settings.slot_prompt_similarity,
                                   embedding_pooling=settings.embedding_pooling,
@@ -22,7 +22,7 @@ def default_engine(settings: Settings) -> Engine:
                                   prompt_cache_disk_mib=settings.prompt_cache_disk_mib,
                                   speculative=settings.speculative != "off", draft_max=settings.draft_max)
     if settings.runner_process:
-        from ..engine.process import ProcessEngine
+        from ..runner.process import ProcessEngine
 
         return ProcessEngine(kwargs, log_level=settings.log_level, max_restarts=settings.runner_max_restarts)
     from ..engine.llama import LlamaEngine

@@ -4,7 +4,7 @@ States per model: unloaded -> loading -> loaded | failed; a loaded model goes
 back to unloaded when it is unloaded, evicted or idle past its keep_alive.
 
 A load is planned beside the loaded models on the memory they leave
-(``service.planning.Planner.place``, off the event loop). When it does not fit
+(``service.planning.planner.Planner.place``, off the event loop). When it does not fit
 there, the smallest set of idle, unpinned models whose memory makes it fit is
 chosen, least recently used first, before anything is unloaded; busy models
 (a request queued or running) and pinned ones are never evicted, so a refusal
@@ -52,23 +52,23 @@ from sizing.plan import Device, Holding, Plan, plan_table
 from sizing.probe import host_memory, inventory, probe_path
 from sizing.units import MIB
 
-from ..downloads import Downloads, remote_limits
+from ..catalog.downloads import Downloads, remote_limits
+from ..catalog.models import ModelEntry, Registry
 from ..engine.base import Engine, LoadReport
 from ..engine.calibrate import Calibrator
 from ..errors import BadRequest, Busy, ModelNotFound, NotReady, ServiceError, Upstream
 from ..keepalive import parse_keep_alive
-from ..models import ModelEntry, Registry
 from ..options import LoadOptions, merged
-from ..planning import Placed, Planner, SetPlan
-from ..runner import Runner
+from ..planning.planner import Placed, Planner, SetPlan
 from ..settings import Settings
 from ..text.served import ServedModel, text_factory
+from . import views
 from .engines import EngineFactory
+from .fifo import Runner
 from .refusals import raise_refusal
 from .state import Lease, ModelState
 from .swaps import Blocked, SwapScheduler, WaitQueue
 from .timers import KeepAliveTimers
-from . import views
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def _wants_room(placed: Placed) -> bool:
     return bool(placed.evict or placed.busy or placed.plan.refusal is not None) and not placed.count_limited
 
 
-class ModelManager(SwapScheduler):
+class ModelManager:
     """Owns the loaded models (each with its engine and runner), their states and plans, and the load lock."""
 
     def __init__(self, settings: Settings, registry: Registry, engines: Union[EngineFactory, Engine],
@@ -96,20 +96,16 @@ class ModelManager(SwapScheduler):
         """Every model that has a state (loaded, loading, failed, unloaded after being loaded)."""
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
-        self._load_lock = asyncio.Lock()
-        self._queues: dict[str, WaitQueue] = {}
-        """Per model, the requests waiting to be admitted to it (not loaded, reloading, or yielding to a swap)."""
-        self._scheduler: asyncio.Task[None] | None = None
-        """The one task that loads what requests wait for (``_schedule``), while any wait."""
-        self._wake: asyncio.Event | None = None
-        self._reloading: set[str] = set()
+        self.load_lock = asyncio.Lock()
+        self.reloads: set[str] = set()
         """Models a reload is replacing now: their new requests wait for it; /ready and routing still name them."""
-        self._holding_back: set[str] = set()
+        self.held_back: set[str] = set()
         """Idle models a swap is about to unload: no new request is admitted to them meanwhile."""
-        self._residency = 0
+        self.changes = 0
         """Counts loads and unloads: a swap that waits is placed again when it changed."""
-        self._closed = False
-        self.timers = KeepAliveTimers(self._unload_idle, self._kick)
+        self.scheduler = SwapScheduler(self)
+        """Fair admission to models that are not loaded, reloading or yielding (``service.residency.swaps``)."""
+        self.timers = KeepAliveTimers(self._unload_idle, self.scheduler.kick)
         self.loads = 0
         """Engine loads done (each model load, restores included): what load-on-demand counts."""
         self.swaps = 0
@@ -260,10 +256,15 @@ class ModelManager(SwapScheduler):
         running generations (then ``Busy``, 409, and it keeps serving); ``force`` ends them instead, and makes
         busy models eviction candidates too. New requests for it meanwhile wait for the reload."""
         try:
-            async with self._load_lock:
+            async with self.load_lock:
                 return await self._load_locked(name, opts, force, keep_alive_s)
         finally:
-            self._kick()
+            self.scheduler.kick()
+
+    async def load_for(self, q: WaitQueue) -> ModelState:
+        """A load on demand for the requests waiting in ``q``, with the default options (the scheduler's call,
+        under the load lock)."""
+        return await self._load_locked(q.name, LoadOptions(), False, None, swap=q)
 
     async def _load_locked(self, name: str, opts: LoadOptions, force: bool, keep_alive_s: float | None,
                            swap: WaitQueue | None = None) -> ModelState:
@@ -308,14 +309,14 @@ class ModelManager(SwapScheduler):
             if placeholder is not None:  # a refusal changes nothing
                 self._put_back(key, previous)
             raise
-        held = {v.name for v in victims} - self._holding_back if swap is not None else set()
-        self._holding_back |= held
+        held = {v.name for v in victims} - self.held_back if swap is not None else set()
+        self.held_back |= held
         try:
             state = await self._load_placed(entry, placed, victims, replacing, placeholder, previous, opts, force,
                                             keep_alive_s, t0)
         finally:
-            self._holding_back -= held
-            self._reloading.discard(key)
+            self.held_back -= held
+            self.reloads.discard(key)
             if emptied:
                 await self._rebudget_prompt_caches(key)
         if swap is not None and victims:
@@ -394,7 +395,7 @@ class ModelManager(SwapScheduler):
         waited = 0.0
         if replacing is not None:  # the one that may wait for its generations (then 409, nothing unloaded)
             # Its new requests wait for the reload (routing and /ready still name it), not "no model".
-            self._reloading.add(key)
+            self.reloads.add(key)
             t_wait = time.monotonic()
             await self._unload_state(replacing, force=force, wait_s=self.settings.load_wait_s, why="reloaded")
             waited = time.monotonic() - t_wait
@@ -416,7 +417,7 @@ class ModelManager(SwapScheduler):
             raise
         state.loaded_at = time.monotonic()
         state.load_s = state.loaded_at - t0 - waited
-        self._residency += 1
+        self.changes += 1
         self.models[key] = state
         self.timers.idle(state, keep_alive_s)
         assert state.report is not None
@@ -464,7 +465,7 @@ class ModelManager(SwapScheduler):
 
     async def _unload_idle(self, st: ModelState) -> None:
         """A keep_alive timer fired (``KeepAliveTimers``): unload ``st`` if it is still idle and expired."""
-        async with self._load_lock:
+        async with self.load_lock:
             if self.models.get(st.name) is not st or not st.serving or st.busy or st.expires_at is None \
                     or st.expires_at > time.time() + 0.05:
                 return
@@ -489,7 +490,7 @@ class ModelManager(SwapScheduler):
             return
         state.loaded_at = time.monotonic()
         state.load_s = state.loaded_at - t0
-        self._residency += 1
+        self.changes += 1
         self.models[previous.name] = state
         self.timers.idle(state, None)
 
@@ -518,15 +519,15 @@ class ModelManager(SwapScheduler):
             st.timer.cancel()
         st.state, st.report, st.engine, st.runner, st.timer, st.expires_at = "unloaded", None, None, None, None, None
         st.unloaded_why = why
-        self._residency += 1
+        self.changes += 1
         log.info("unloaded %s (%s)", st.name, why)
-        self._kick()
+        self.scheduler.kick()
 
     async def unload(self, name: str | None = None, *, force: bool = False, limited: bool = True) -> list[str]:
         """Unload ``name`` (every loaded model when None), after its running generations (up to ``load_wait_s``,
         then ``Busy``; ``force`` ends them). ``limited=False``: wait as long as they run (shutdown, which has its
         own limit). Returns the names unloaded."""
-        async with self._load_lock:
+        async with self.load_lock:
             if name is not None:
                 entry = await asyncio.to_thread(self.registry.resolve, name)
                 targets = [s for s in self.loaded() if s.name == entry.name]
@@ -537,7 +538,7 @@ class ModelManager(SwapScheduler):
                 for st in targets:
                     await self._unload_state(st, force=force, wait_s=wait_s, why="unloaded on request")
             finally:
-                self._kick()  # an unload that gave up (409) leaves the model serving: what waited for it goes on
+                self.scheduler.kick()  # an unload that gave up (409) leaves the model serving: what waited for it goes on
             return [s.name for s in targets]
 
     # -- views (``service.residency.views``)
@@ -553,11 +554,7 @@ class ModelManager(SwapScheduler):
 
     def close(self) -> None:
         """Stop the calibration workers and the scheduler (at shutdown): requests still waiting get 503."""
-        self._closed = True
-        if self._scheduler is not None and not self._scheduler.done():
-            self._scheduler.cancel()
-        for q in list(self._queues.values()):
-            self._fail(q, NotReady("the server is shutting down", state="draining", retry_after_s=1))
+        self.scheduler.close()
         self.planner.close()
 
     # -- routing, load on demand, keep_alive
@@ -567,7 +564,7 @@ class ModelManager(SwapScheduler):
         it is loaded (or loads on demand), else to the only loaded model. A model that is reloading counts as
         loaded (its requests wait for the reload). Raises 404 for an unknown name."""
         if requested is None:
-            loaded = [s.name for s in self.models.values() if s.serving or s.name in self._reloading]
+            loaded = [s.name for s in self.models.values() if s.serving or s.name in self.reloads]
             default = self.registry.canonical(self.settings.default_model) if self.settings.default_model else None
             if default is not None and default in loaded:
                 return default
@@ -589,7 +586,7 @@ class ModelManager(SwapScheduler):
 
     def reloading(self) -> list[str]:
         """The models a reload is replacing now (they serve again when it ends)."""
-        return sorted(self._reloading)
+        return sorted(self.reloads)
 
     async def acquire(self, requested: str | None) -> Lease:
         """A lease on the loaded model a request goes to. It waits in the model's queue (``GGUF_QUEUE_SIZE``
@@ -597,13 +594,13 @@ class ModelManager(SwapScheduler):
         reloads, while it yields to a swap, and, with ``load_on_demand``, while it is not loaded."""
         name = self.route(requested)
         st = self.models.get(name)
-        if st is not None and st.serving and self._admits(st):
+        if st is not None and st.serving and self.scheduler.admits(st):
             return Lease(st, self.timers.released)
-        if not self.settings.load_on_demand and name not in self._reloading and not (st is not None and st.serving):
+        if not self.settings.load_on_demand and name not in self.reloads and not (st is not None and st.serving):
             if st is not None and st.state in ("loading", "unloading"):
                 raise NotReady(f"model '{name}' is {st.state}; retry shortly", param="model", retry_after_s=2,
                                state=st.state)
             raise NotReady(f"model '{name}' is not loaded; load it with POST /api/models/load", param="model")
-        return await self._wait(name)
+        return await self.scheduler.wait(name)
 
 

@@ -9,7 +9,7 @@ from sizing.plan import Plan
 from sizing.units import MIB
 
 from ..errors import BadRequest, Busy, InsufficientMemory, SplitNotHonoured
-from ..planning import Placed
+from ..planning.planner import Placed
 
 PLAN_URL = "/api/dry-run"
 """Where a refused load's whole plan is: POST the load's body there (a refusal carries only a summary)."""

@@ -14,10 +14,10 @@ from typing import Any, Callable, Literal
 
 from sizing.plan import Holding, Plan
 
+from ..catalog.models import ModelEntry
 from ..engine.base import LoadReport
-from ..models import ModelEntry
-from ..runner import Runner
 from ..text.served import ServedModel
+from .fifo import Runner
 
 
 State = Literal["unloaded", "loading", "loaded", "unloading", "failed"]

@@ -1,8 +1,9 @@
 """Fair admission to models that are not loaded: the queues of requests waiting for a model, and the one scheduler
 that loads them (see ``service.residency.manager``'s docstring: swaps, yields, slices).
 
-``SwapScheduler`` is the manager's part that admits: its methods run on the manager (they read its models, its load
-lock and its planner).
+``SwapScheduler`` is an object the manager owns, given the manager as its ``SwapHost``: it reads the host's models,
+the models a reload or a swap holds back, its count of loads and unloads, and its load lock, and asks it to load a
+model for the requests waiting for it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..errors import EngineFailure, NotReady, QueueFull, ServiceError
-from ..options import LoadOptions
+from ..settings import Settings
 from .state import Lease, ModelState
+from .timers import KeepAliveTimers
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,40 @@ class Blocked(Exception):
         self.busy = tuple(busy)
 
 
+class SwapHost(Protocol):
+    """What the scheduler reads of the residency it admits to, and the one load it asks of it (``ModelManager``)."""
+
+    settings: Settings
+    models: dict[str, ModelState]
+    reloads: set[str]
+    """Models a reload is replacing now: their new requests wait for it."""
+    held_back: set[str]
+    """Idle models a swap is about to unload: no new request is admitted to them meanwhile."""
+    changes: int
+    """Counts loads and unloads: a swap that waits is placed again when it changed."""
+    load_lock: asyncio.Lock
+    timers: KeepAliveTimers
+
+    def resident(self, name: str) -> ModelState | None: ...
+
+    async def load_for(self, q: WaitQueue) -> ModelState:
+        """Load ``q``'s model with the default options, under the load lock; ``Blocked`` while busy models hold its
+        memory."""
+        ...
+
+
 class SwapScheduler:
     """Requests waiting for a model to be admitted, and the scheduler task that loads the models they wait for."""
+
+    def __init__(self, host: SwapHost) -> None:
+        self.host = host
+        self.settings = host.settings
+        self._queues: dict[str, WaitQueue] = {}
+        """Per model, the requests waiting to be admitted to it (not loaded, reloading, or yielding to a swap)."""
+        self._task: asyncio.Task[None] | None = None
+        """The one task that loads what requests wait for (``_schedule``), while any wait."""
+        self._wake: asyncio.Event | None = None
+        self.closed = False
 
     def _slice_s(self, st: ModelState) -> float:
         """How long a model admits new requests after its load even while a swap waits for its memory: as long
@@ -93,7 +127,7 @@ class SwapScheduler:
 
     def is_reloading(self, name: str) -> bool:
         """A reload is replacing ``name`` now."""
-        return name in self._reloading
+        return name in self.host.reloads
 
     def asked_by(self, name: str) -> list[str]:
         """The models whose waiting requests need ``name``'s memory (their swap waits for it to be idle)."""
@@ -104,14 +138,14 @@ class SwapScheduler:
         requests for it wait behind the swap."""
         return bool(self.asked_by(st.name)) and time.monotonic() >= st.loaded_at + self._slice_s(st)
 
-    def _admits(self, st: ModelState) -> bool:
+    def admits(self, st: ModelState) -> bool:
         """Whether a new request for this serving model gets its lease now (nothing of it waits ahead)."""
-        if st.name in self._reloading or st.name in self._holding_back or self.yields(st):
+        if st.name in self.host.reloads or st.name in self.host.held_back or self.yields(st):
             return False
         q = self._queues.get(st.name)
         return q is None or not q.live()
 
-    async def _wait(self, name: str) -> Lease:
+    async def wait(self, name: str) -> Lease:
         q = self._queues.get(name)
         if q is None:
             q = self._queues[name] = WaitQueue(name)
@@ -123,7 +157,7 @@ class SwapScheduler:
                             retry_after_s=5)
         w = Waiter(asyncio.get_running_loop().create_future())
         q.waiters.append(w)
-        self._kick()
+        self.kick()
         wait_s = self.settings.load_on_demand_wait_s
         try:
             done, _ = await asyncio.wait({w.fut}, timeout=wait_s)
@@ -143,21 +177,21 @@ class SwapScheduler:
                 w.fut.result().release()
         else:
             w.fut.cancel()
-        self._kick()
+        self.kick()
 
     def _timed_out(self, q: WaitQueue, w: Waiter, wait_s: float) -> NotReady:
         live = q.live()
         position = live.index(w) + 1 if w in live else 1
         extra: dict[str, Any] = dict(param="model", retry_after_s=5, position=position, waiting=len(live))
-        st = self.models.get(q.name)
-        if q.loading or (st is not None and st.state == "loading" and q.name not in self._reloading):
+        st = self.host.models.get(q.name)
+        if q.loading or (st is not None and st.state == "loading" and q.name not in self.host.reloads):
             return NotReady(f"model '{q.name}' is still loading after {wait_s:g} s; retry shortly", state="loading",
                             **extra)
-        if q.name in self._reloading:
+        if q.name in self.host.reloads:
             return NotReady(f"model '{q.name}' is still reloading after {wait_s:g} s; retry shortly",
                             state="reloading", **extra)
         if q.blocked_on:
-            held = ", ".join(f"{n} ({b.leases} in flight)" if (b := self.models.get(n)) is not None else n
+            held = ", ".join(f"{n} ({b.leases} in flight)" if (b := self.host.models.get(n)) is not None else n
                              for n in q.blocked_on)
             return NotReady(f"model '{q.name}' waited {wait_s:g} s for a swap: the memory it needs is held by "
                             f"{held}, finishing what they admitted; retry shortly", state="waiting",
@@ -167,13 +201,13 @@ class SwapScheduler:
                             state="waiting", **extra)
         return NotReady(f"model '{q.name}' waited {wait_s:g} s to be loaded; retry shortly", state="waiting", **extra)
 
-    def _kick(self) -> None:
+    def kick(self) -> None:
         """Something changed (a load, an unload, a model went idle, a waiter left): admit what can be admitted
         now, and wake the scheduler for the rest."""
         if not self._queues:
             return
         self._admit()
-        if not self._queues or self._closed:
+        if not self._queues or self.closed:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -181,8 +215,8 @@ class SwapScheduler:
             return
         if self._wake is None:
             self._wake = asyncio.Event()
-        if self._scheduler is None or self._scheduler.done():
-            self._scheduler = loop.create_task(self._schedule())
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._schedule())
         self._wake.set()
 
     def _admit(self) -> None:
@@ -193,8 +227,8 @@ class SwapScheduler:
                 if self._queues.get(name) is q:
                     del self._queues[name]
                 continue
-            st = self.models.get(name)
-            if st is None or not st.serving or name in self._reloading or name in self._holding_back \
+            st = self.host.models.get(name)
+            if st is None or not st.serving or name in self.host.reloads or name in self.host.held_back \
                     or self.yields(st):
                 continue
             self._grant(q, st)
@@ -202,12 +236,12 @@ class SwapScheduler:
     def _grant(self, q: WaitQueue, st: ModelState) -> None:
         for w in q.waiters:
             if not w.fut.done():
-                w.fut.set_result(Lease(st, self.timers.released))
+                w.fut.set_result(Lease(st, self.host.timers.released))
         q.waiters.clear()
         if self._queues.get(q.name) is q:
             del self._queues[q.name]
 
-    def _fail(self, q: WaitQueue, exc: BaseException) -> None:
+    def fail(self, q: WaitQueue, exc: BaseException) -> None:
         for w in q.waiters:
             if not w.fut.done():
                 w.fut.set_exception(exc)
@@ -218,16 +252,16 @@ class SwapScheduler:
     def _unblocked(self, q: WaitQueue) -> bool:
         """A swap that waits for busy models is placed again once one of them is idle or gone, once anything was
         loaded or unloaded since, and every ``RECHECK_S``."""
-        if self._residency != q.residency or time.monotonic() - q.blocked_at >= RECHECK_S:
+        if self.host.changes != q.residency or time.monotonic() - q.blocked_at >= RECHECK_S:
             return True
-        return any((b := self.models.get(n)) is None or not b.serving or not b.busy for n in q.waits_for)
+        return any((b := self.host.models.get(n)) is None or not b.serving or not b.busy for n in q.waits_for)
 
     async def _schedule(self) -> None:
         """Load what requests wait for, the queue whose oldest request came first first; one load at a time
         (the load lock); a load that needs busy models' memory waits for them while they yield."""
         assert self._wake is not None
         wake = self._wake
-        while not self._closed:
+        while not self.closed:
             wake.clear()
             self._admit()
             if not self._queues:
@@ -249,13 +283,13 @@ class SwapScheduler:
         for q in sorted(self._queues.values(), key=lambda x: x.head()):
             if self._queues.get(q.name) is not q or not q.live():
                 continue
-            st = self.models.get(q.name)
-            if q.name in self._reloading or (st is not None and st.state in ("loading", "unloading")):
+            st = self.host.models.get(q.name)
+            if q.name in self.host.reloads or (st is not None and st.state in ("loading", "unloading")):
                 continue  # an explicit load, reload or unload runs: its end kicks
             if st is not None and st.serving:
                 continue  # it yields to a swap (or a swap unloads it): admitted when that ends, or loaded after
             if not self.settings.load_on_demand:
-                self._fail(q, NotReady(f"model '{q.name}' is not loaded; load it with POST /api/models/load",
+                self.fail(q, NotReady(f"model '{q.name}' is not loaded; load it with POST /api/models/load",
                                        param="model"))
                 return True
             if q.blocked_on and not self._unblocked(q):
@@ -267,27 +301,27 @@ class SwapScheduler:
     async def _swap_in(self, q: WaitQueue) -> bool:
         """Load ``q``'s model for its requests (evicting idle models if it must) and grant them their leases
         before the lock is released; False when it must wait for busy models (``q.blocked_on``)."""
-        async with self._load_lock:
-            if self.resident(q.name) is not None:
+        async with self.host.load_lock:
+            if self.host.resident(q.name) is not None:
                 return True  # an explicit load got there first: the next ``_admit`` grants
             if not q.live():
                 return True
             q.loading = True
             try:
-                state = await self._load_locked(q.name, LoadOptions(), False, None, swap=q)
+                state = await self.host.load_for(q)
             except Blocked as b:
                 if b.victims != q.blocked_on:
                     log.info("load of %s on demand waits for %s (busy) to finish what they admitted", q.name,
                              ", ".join(b.victims))
-                q.blocked_on, q.blocked_at, q.residency = b.victims, time.monotonic(), self._residency
+                q.blocked_on, q.blocked_at, q.residency = b.victims, time.monotonic(), self.host.changes
                 q.waits_for = b.busy
                 return False
             except ServiceError as exc:  # a refusal reaches every waiting request
-                self._fail(q, exc)
+                self.fail(q, exc)
                 return True
             except Exception as exc:
                 log.exception("load of %s on demand failed", q.name)
-                self._fail(q, EngineFailure(f"loading '{q.name}' failed: {type(exc).__name__}: {exc}"))
+                self.fail(q, EngineFailure(f"loading '{q.name}' failed: {type(exc).__name__}: {exc}"))
                 return True
             finally:
                 q.loading = False
@@ -298,3 +332,11 @@ class SwapScheduler:
             if later is not None:  # its waiters all left during the load, and others came since
                 self._grant(later, state)
             return True
+
+    def close(self) -> None:
+        """Stop scheduling; every request still waiting is answered 503 (the server is draining)."""
+        self.closed = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        for q in list(self._queues.values()):
+            self.fail(q, NotReady("the server is shutting down", state="draining", retry_after_s=1))

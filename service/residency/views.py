@@ -8,13 +8,13 @@ from typing import Any, Protocol, Sequence
 from sizing.plan import Device, Holding, held_bytes, plan_json
 from sizing.units import mib
 
+from ..catalog.models import Registry
 from ..errors import ServiceError
 from ..keepalive import keep_alive_json
-from ..models import Registry
-from ..planning import Planner, prompt_cache_json
+from ..planning.planner import Planner, prompt_cache_json
 from ..settings import Settings
 from .state import ModelState
-from .swaps import WaitQueue
+from .swaps import SwapScheduler
 
 
 
@@ -36,15 +36,8 @@ class Residency(Protocol):
 
     def holdings(self, states: Sequence[ModelState] | None = None) -> list[Holding]: ...
 
-    def queues(self) -> list[WaitQueue]: ...
-
-    def queue_of(self, name: str) -> WaitQueue | None: ...
-
-    def is_reloading(self, name: str) -> bool: ...
-
-    def yields(self, st: ModelState) -> bool: ...
-
-    def asked_by(self, name: str) -> list[str]: ...
+    @property
+    def scheduler(self) -> SwapScheduler: ...
 
 def describe(manager: Residency, state: ModelState | None) -> dict[str, Any] | None:
     if state is None:
@@ -54,13 +47,13 @@ def describe(manager: Residency, state: ModelState | None) -> dict[str, Any] | N
         out["origin"] = state.entry.origin
     out["aliases"] = manager.registry.aliases_of(state.name)
     out["pinned"] = state.pinned
-    q = manager.queue_of(state.name)
+    q = manager.scheduler.queue_of(state.name)
     if q is not None and (waiting := len(q.live())):
         out["waiting"] = waiting
-    if manager.is_reloading(state.name):
+    if manager.scheduler.is_reloading(state.name):
         out["reloading"] = True
-    if state.serving and manager.yields(state):
-        out["yields_to"] = manager.asked_by(state.name)
+    if state.serving and manager.scheduler.yields(state):
+        out["yields_to"] = manager.scheduler.asked_by(state.name)
     if state.plan is not None:
         out["plan"] = plan_json(state.plan)
         out["prompt_cache"] = prompt_cache_json(manager.settings, state.plan)
@@ -142,12 +135,12 @@ def admission(manager: Residency) -> tuple[dict[str, dict[str, Any]], list[str]]
     (admit no new request until a swap that waits for their memory has run)."""
     now = time.monotonic()
     waiting: dict[str, dict[str, Any]] = {}
-    for q in manager.queues():
+    for q in manager.scheduler.queues():
         live = q.live()
         if live:
             waiting[q.name] = {"waiting": len(live), "oldest_s": now - live[0].since,
                                "blocked_on": list(q.blocked_on), "loading": q.loading}
-    return waiting, [s.name for s in manager.loaded() if manager.yields(s)]
+    return waiting, [s.name for s in manager.loaded() if manager.scheduler.yields(s)]
 
 
 def devices_json(manager: Residency) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """A loaded model's text, in the API process: its vocabulary (a vocab-only load), chat template and prompts.
 
 ``ModelText`` is what ``ServedModel`` asks of it; ``LlamaText`` is llama.cpp's tokenizer behind it (the fake
-engine's is word-based, ``service.engine.fake.FakeText``).
+engine's is word-based, ``service.testing.fake.FakeText``).
 """
 
 from __future__ import annotations

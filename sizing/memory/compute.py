@@ -6,7 +6,7 @@ worst-case graph and ``ggml_gallocr`` (``ggml/src/ggml-alloc.c``) measures its
 peak. ``compute_bytes`` asks the mirrored graph first (``sizing.memory.graph``, exact
 for ``sizing.model.arch.MIRRORED`` on the CPU backend); every other architecture
 gets this module's phase model, an estimate (plans for those architectures are
-calibrated by llama.cpp's own dry run, ``service.planning``), the largest of:
+calibrated by llama.cpp's own dry run, ``service.planning.planner``), the largest of:
 
 - **output**: the logits ``[n_vocab, n_ubatch]`` F32 with the final norm's input and output;
 - **attention without flash attention**: ``kq`` F32 ``[n_kv, n_ubatch, n_head]`` (softmax

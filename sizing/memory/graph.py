@@ -15,7 +15,7 @@ structure and replayed with each KV length's tensor sizes (``_program``); the pe
 is the prediction, cached per model shape and configuration.
 
 Every other architecture goes to ``sizing.memory.compute``'s phase model, and its plans
-are calibrated by llama.cpp's own dry run (``service.planning``).
+are calibrated by llama.cpp's own dry run (``service.planning.planner``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A calibration is a handful of llama.cpp no_alloc dry runs of one model for one
 configuration (everything of ``llama_context_params`` but n_ctx), each at a
-different context length. The service takes them (``service.planning``); this
+different context length. The service takes them (``service.planning.planner``); this
 module only holds them and reads figures off them:
 
 - KV and recurrent state: every cache tensor is ``row_bytes x cells x streams``
@@ -17,7 +17,7 @@ module only holds them and reads figures off them:
   511.00 MiB at one context and 409.63 MiB at a longer one; Jamba-Mini-1.5 and
   Qwen3-Next 30 MiB above the chord between two samples). So a figure between two
   samples (the chord) is an estimate for the search, and the service measures
-  every context a plan chooses (``service.planning``); with ``strict`` only
+  every context a plan chooses (``service.planning.planner``); with ``strict`` only
   measured contexts count (the fallback when the search does not settle).
 
 The planner asks for a figure at a configuration (``Calibration.figures``); when

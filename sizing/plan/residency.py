@@ -1,6 +1,6 @@
 """Several models on the same devices: what each loaded one holds, what is left beside them, whom to evict.
 
-Pure: values in, values out. The service (``service.planning``) plans a new model on ``available(...)`` and
+Pure: values in, values out. The service (``service.planning.planner``) plans a new model on ``available(...)`` and
 ``decide_placement`` chooses, with that planning passed in, whether it goes beside the residents or which of
 them it evicts first (``choose_eviction``: the smallest set of idle, unpinned residents whose memory makes it
 fit), before anything is unloaded.
@@ -8,7 +8,7 @@ fit), before anything is unloaded.
 What a loaded model holds (``held_bytes``), by llama.cpp's device names: its whole plan on every device.
 On a card that is weights, KV, recurrent state, compute, output, the CUDA pool bound and the allowance
 (``gpu_allowance_mib``, the CUDA context): each model runs in a runner process of its own
-(``service.engine.process``), and CUDA creates one primary context per device and process, which lives as long
+(``service.runner.process``), and CUDA creates one primary context per device and process, which lives as long
 as the process (ggml's CUDA backend never resets the device), so every model pays its own context on each card
 it uses and gives it back when its process ends. In host memory it is the whole host share: weights (mmapped
 file pages), KV, state, compute and output. (With ``GGUF_RUNNER_PROCESS=false`` the engines share the API

@@ -5,7 +5,7 @@ instructor (``Mode.JSON_SCHEMA`` and ``Mode.TOOLS``) each return a valid object 
 The embedded model is a base model without a chat template: left to itself it filled an ``integer`` field with
 digits until max_tokens (``"population": 1000000000000...``, finish ``length``), then, numbers bounded, a float's
 fraction (``105.4000000000...``) and keys pydantic's open objects allowed (``"population_density": 100, ...``);
-the frameworks failed to parse every one of those (``service.chat.grammar.bounded_schema``). Each test reads the raw completion off the wire (an event hook on the client's own transport: what the
+the frameworks failed to parse every one of those (``service.grammar.schema.bounded_schema``). Each test reads the raw completion off the wire (an event hook on the client's own transport: what the
 server answered, not what the framework made of it) and checks its usage and finish reason too."""
 
 from __future__ import annotations

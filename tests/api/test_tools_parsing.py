@@ -10,7 +10,7 @@ import pytest
 from service.chat.reasoning import ReasoningSplitter
 from service.chat.tools import ToolCallParser, ToolDelta, check_tools, tool_grammar
 from service.chat.format import ChatFormat, detect, prepare
-from service.chat.grammar import compile_source
+from service.grammar.schema import compile_source
 from service.errors import BadRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from service.chat.format import ChatFormat
-from service.chat.grammar import INTEGER_LIMIT, MAX_INTEGER_DIGITS, compile_source, bounded_numbers, parser_limits
+from service.grammar.schema import INTEGER_LIMIT, MAX_INTEGER_DIGITS, compile_source, bounded_numbers, parser_limits
 from service.chat.tools import tool_grammar
 from service.engine.grammar_sampler import _tokenizer
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.engine.cpu import choose_repack, parse_system_info, system_features
 from service.engine.params import plan_params, repack_of
-from service.planning import LoadOptions, plan_request
+from service.planning.planner import LoadOptions, plan_request
 from service.settings import Settings
 from sizing.plan.device import Device
 from sizing.probe import probe_path

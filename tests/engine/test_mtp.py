@@ -14,7 +14,7 @@ from service.engine.calibrate import Calibrator
 from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel
 from service.engine.mtp import MtpRunner
-from service.planning import LoadOptions, Planner
+from service.planning.planner import LoadOptions, Planner
 from service.residency.views import allocation_rows
 from service.settings import Settings
 from sizing.plan.device import MIB, Device

@@ -1,4 +1,4 @@
-"""The runner's side of the socket (``service.engine.child.Child``) without llama.cpp: what a generation's messages
+"""The runner's side of the socket (``service.runner.child.Child``) without llama.cpp: what a generation's messages
 look like on the wire, and in which order they arrive.
 
 A step's chunks are written by the engine's scheduler thread itself when it flushes its delivery
@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from service.engine.base import Cancel, Chunk, GenerationParams, current_delivery
-from service.engine.child import Child
+from service.runner.child import Child
 from service.errors import EngineFailure, NotReady
 
 SENDER_HELD_S = 1.5

@@ -9,7 +9,7 @@ import pytest
 
 from service.chat.tools import tool_grammar
 from service.chat.format import ChatFormat
-from service.chat.grammar import compile_source, parser_limits
+from service.grammar.schema import compile_source, parser_limits
 from service.engine.grammar_sampler import _tokenizer
 
 pytestmark = pytest.mark.slow

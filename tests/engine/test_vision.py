@@ -177,7 +177,7 @@ def test_ngram_drafts_stop_before_an_image() -> None:
 
 
 def test_projector_files_are_not_models(tmp_path: Path) -> None:
-    from service.models import Registry
+    from service.catalog.models import Registry
     from service.settings import Settings
     from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 

@@ -65,7 +65,7 @@ def test_past_the_drain_timeout_streams_end_with_an_error_event_and_queued_reque
 
 @pytest.mark.timeout(120)
 def test_load_and_unload_wait_their_limit_then_409_or_force(fake_factory: Callable[..., FakeService]) -> None:
-    from service.engine.fake import FakeEngine
+    from service.testing.fake import FakeEngine
 
     svc = fake_factory(engine=FakeEngine(token_delay_s=0.05), load_wait_s=1.0)
     body = {"prompt": "a", "max_tokens": 400, "stream": True}

@@ -87,7 +87,7 @@ def vocab(embedded_model: str) -> Any:
 def test_every_schema_is_a_grammar_or_a_400(vocab: Any) -> None:
     import numpy as np
 
-    from service.chat.grammar import compile_grammar
+    from service.grammar.schema import compile_grammar
     from service.engine.grammar_sampler import _Mask
 
     tally = {"grammar": 0, "refused": 0, "steps": 0}

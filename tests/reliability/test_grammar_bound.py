@@ -3,7 +3,7 @@
 The issue's reproduction, ``{"allOf": [{"type": "string", "pattern": ".*a0.*"}, ... N of them]}``, made llguidance
 work for tens of seconds and gigabytes after the 400 (RSS 463 MB -> 2.8 GB at N=20; eight at once killed the
 server within 15 s, and a trivial schema meanwhile got the time-out 400). Now every grammar compiles in a process
-of the grammar worker (``service.chat.grammar_worker``) under a memory limit, killed at the time limit:
+of the grammar worker (``service.grammar.worker``) under a memory limit, killed at the time limit:
 
 - the reproduction at N=30 is a 400 within the time limit;
 - eight at once (OpenAI ``response_format``, then Anthropic ``tools[].input_schema`` with the tool forced) hold
@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from service.api.errors import http_of
-from service.chat.grammar_worker import FAST_SLOTS, memory_bound_mib
+from service.grammar.worker import FAST_SLOTS, memory_bound_mib
 from tests.conftest import EMBEDDED_NAME, ServiceProcess
 
 from .conftest import rss_kib
@@ -94,7 +94,7 @@ def tree_rss_kib(root: int) -> int:
 
 def grammar_processes(root: int) -> list[int]:
     """The grammar zygote below ``root`` and its compilation processes."""
-    zygotes = [p for p, cmd in _descendants(root) if "service.chat.grammar_worker" in cmd]
+    zygotes = [p for p, cmd in _descendants(root) if "service.grammar.worker" in cmd]
     return zygotes + [p for z in zygotes for p, _ in _descendants(z)]
 
 
@@ -292,7 +292,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def worker() -> Iterator[Any]:
-    from service.chat.grammar_worker import GrammarCompiler
+    from service.grammar.worker import GrammarCompiler
 
     compiler = GrammarCompiler(workers=2, memory_mib=64)
     yield compiler
@@ -350,7 +350,7 @@ def test_a_client_that_leaves_kills_its_compilation(worker: Any) -> None:
 def test_a_zygote_that_dies_costs_one_request() -> None:
     import asyncio
 
-    from service.chat.grammar_worker import GrammarCompiler
+    from service.grammar.worker import GrammarCompiler
     from service.errors import ServiceError
 
     # A memory bound the hostile compilation takes seconds to reach: with the fixture's 64 MiB it is refused (a

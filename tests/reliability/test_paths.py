@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 
 from service.errors import ModelNotFound
-from service.models import Registry
+from service.catalog.models import Registry
 from service.settings import Settings
 
 from .conftest import FakeService

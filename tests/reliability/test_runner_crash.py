@@ -1,5 +1,5 @@
 """A llama.cpp crash costs one model's requests, never the server: each loaded model runs in a runner process of
-its own (``service.engine.process``), killed here for real (SIGSEGV, SIGKILL) mid-stream, during a prompt's
+its own (``service.runner.process``), killed here for real (SIGSEGV, SIGKILL) mid-stream, during a prompt's
 evaluation and while idle, with two models resident (the embedded gemma-3-270m and ``TINY_LLAMA``, zeros).
 
 What must hold: the killed model's requests end with the typed error (503 ``runner_died`` with Retry-After; a

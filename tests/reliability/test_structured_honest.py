@@ -187,7 +187,7 @@ def test_a_pattern_beyond_the_grammar_is_never_a_stop_with_invalid_content(svc: 
 
 
 def test_the_counted_repetitions_of_a_pattern_multiply_as_they_nest() -> None:
-    from service.chat.grammar import pattern_repetition
+    from service.grammar.schema import pattern_repetition
 
     assert pattern_repetition("(a{4096}){4096}") == 4096 * 4096
     assert pattern_repetition(r"^\d{1,16}$") == 16

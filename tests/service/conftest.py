@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from service.api.app import create_app
-from service.engine.fake import FakeEngine
+from service.testing.fake import FakeEngine
 from service.settings import Settings
 from tests.conftest import free_port
 

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from service.engine.fake import FAKE_N_EMBD
+from service.testing.fake import FAKE_N_EMBD
 
 
 def test_n_choices_and_usage(fake):  # type: ignore[no-untyped-def]

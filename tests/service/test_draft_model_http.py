@@ -100,7 +100,7 @@ def test_a_draft_its_dry_run_finds_bigger_than_planned_is_left_out(embedded_mode
     one without the draft, saying why."""
     from dataclasses import replace
 
-    from service.planning import Planner
+    from service.planning.planner import Planner
     from sizing.memory import DraftModel
     from sizing.plan import PlanRequest, make_plan
     from sizing.probe import host_memory, probe_path

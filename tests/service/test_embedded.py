@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from service.embedded import EmbeddedModelError, assemble_atomically, embedded_model_path
+from service.catalog.embedded import EmbeddedModelError, assemble_atomically, embedded_model_path
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ _LOAD_SCRIPT = textwrap.dedent("""
     go = Path(sys.argv[2])
     while not go.exists():  # every process starts its assembly at the same moment
         time.sleep(0.005)
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
     path = embedded_model_path(sys.argv[1])
     import llama_cpp
     from llama_cpp import _internals
@@ -107,7 +107,7 @@ def test_an_assembly_killed_mid_copy_is_redone(tmp_path: Path) -> None:
     """SIGKILL while the chunks are copied: no target is left, only a temporary file; the next call writes the whole
     file and removes the leftover."""
     pkg = _package()
-    script = "import sys; from service.embedded import embedded_model_path; embedded_model_path(sys.argv[1])"
+    script = "import sys; from service.catalog.embedded import embedded_model_path; embedded_model_path(sys.argv[1])"
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT)
     try:
         deadline = time.monotonic() + 60

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.engine.fake import FakeEngine
+from service.testing.fake import FakeEngine
 from service.errors import EngineFailure
 from tests.conftest import EMBEDDED_NAME
 from tests.prom import value

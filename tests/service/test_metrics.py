@@ -15,7 +15,7 @@ import pytest
 
 from service.api.app import create_app
 from service.api.metrics import HTTP_METHODS, MSP_GAUGES, OTHER_METHOD, UNMATCHED_ROUTE
-from service.engine.fake import FakeEngine
+from service.testing.fake import FakeEngine
 from service.settings import Settings
 from tests.conftest import EMBEDDED_NAME, free_port, in_process_service
 from tests.prom import families, series, value

@@ -164,7 +164,7 @@ def test_delete_unloads_the_model_first(fake_factory, embedded_model, tmp_path):
 def _scripted(text: str):  # type: ignore[no-untyped-def]
     """A fake engine whose every answer is ``text``, in pieces of a few characters (the model's tokens)."""
     from service.engine.base import Chunk
-    from service.engine.fake import FakeEngine, byte_tokens
+    from service.testing.fake import FakeEngine, byte_tokens
 
     class Scripted(FakeEngine):
         def _one(self, n_prompt, params, cancel, seed, index):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Planning with llama.cpp in the loop (service/planning.py, service/engine/calibrate.py): real dry runs.
+"""Planning with llama.cpp in the loop (service/planning/planner.py, service/engine/calibrate.py): real dry runs.
 
 Calibrated plans for an architecture the graph model does not mirror (and none for one it does), the cache
 that makes the second answer free, the load's confirmation that solves again instead of refusing when its
@@ -15,7 +15,7 @@ from service.engine.calibrate import Calibrator, FileIdentity
 from service.engine.dryrun import DryRunWorker
 from service.engine.params import ModelParams, plan_params
 from service.errors import InsufficientMemory
-from service.planning import LoadOptions, Planner, needs_calibration
+from service.planning.planner import LoadOptions, Planner, needs_calibration
 from service.settings import Settings
 from sizing.memory.context import ContextConfig
 from sizing.plan.device import MIB, Device

@@ -1,4 +1,4 @@
-"""Which projector a model loads with (service/projectors.py), and the planner's request carrying it.
+"""Which projector a model loads with (service/catalog/projectors.py), and the planner's request carrying it.
 
 What can break: ``auto`` taking a projector of another width, or the wrong one of several; ``none``; an explicit
 file that does not fit the model (a 400 naming ``mmproj``); a client naming a path outside the models directory;
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from service.errors import BadRequest
-from service.planning import LoadOptions, Planner
-from service.projectors import ProjectorSource, is_projector_file
+from service.planning.planner import LoadOptions, Planner
+from service.catalog.projectors import ProjectorSource, is_projector_file
 from service.settings import Settings
 from sizing.probe import ProjectorFigures, probe_path
 from sizing.probe.devices import host_memory
@@ -108,7 +108,7 @@ def test_the_planner_counts_the_projector_its_options_find(folder: Path) -> None
 
 
 def test_a_pull_takes_the_repos_most_precise_half_width_projector() -> None:
-    from service.downloads import pick_projector
+    from service.catalog.downloads import pick_projector
 
     assert pick_projector(["model-Q4_K_M.gguf", "README.md"]) is None
     assert pick_projector(["model-Q4_K_M.gguf", "mmproj-model.gguf"]) == "mmproj-model.gguf"

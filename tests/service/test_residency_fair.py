@@ -21,7 +21,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from service.engine.fake import FakeEngine
+from service.testing.fake import FakeEngine
 from service.settings import Settings
 from sizing.testing.fixtures import FixtureShape, write_fixture
 

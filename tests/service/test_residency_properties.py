@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.engine.fake import FakeEngine
+from service.testing.fake import FakeEngine
 from service.errors import ServiceError
 from service.residency import Lease, ModelManager
-from service.models import Registry
-from service.planning import LoadOptions
+from service.catalog.models import Registry
+from service.planning.planner import LoadOptions
 from service.settings import Settings
 from sizing.plan.device import MIB, Device
 from sizing.plan.residency import available, decision_request, held_bytes

@@ -1,8 +1,8 @@
-"""The stored responses of /v1/responses: one LRU store per API key within its budget (service.response_store)."""
+"""The stored responses of /v1/responses: one LRU store per API key within its budget (service.api.response_store)."""
 
 from __future__ import annotations
 
-from service.response_store import ResponseStore, StoredResponse, owner_of, size_of
+from service.api.response_store import ResponseStore, StoredResponse, owner_of, size_of
 
 
 def _entry(text: str) -> StoredResponse:

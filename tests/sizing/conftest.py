@@ -41,6 +41,6 @@ def fixture_spec(fixture_path: Callable[..., str]) -> Callable[..., ModelSpec]:
 
 @pytest.fixture(scope="session")
 def embedded_path() -> str:
-    from service.embedded import embedded_model_path
+    from service.catalog.embedded import embedded_model_path
 
     return embedded_model_path()

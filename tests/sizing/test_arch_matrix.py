@@ -19,7 +19,7 @@ import pytest
 
 from service.engine.calibrate import Calibrator, sample_of
 from service.engine.params import ModelParams
-from service.planning import LoadOptions, Planner
+from service.planning.planner import LoadOptions, Planner
 from service.settings import Settings
 from sizing.memory.context import ContextConfig
 from sizing.plan.device import MIB, Device

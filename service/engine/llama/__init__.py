@@ -22,7 +22,7 @@ One engine, built as llama-server serves (tools/server/server-context.cpp of the
 - ``engine``: ``LlamaEngine``, the ``Engine`` protocol over those parts.
 
 ``generate`` may be called, and iterated, from many threads at once: each call has its own queue of ``Chunk``
-values. In the service this engine runs in a runner process of its own (``service.engine.process``).
+values. In the service this engine runs in a runner process of its own (``service.runner.process``).
 """
 
 from .engine import LlamaEngine

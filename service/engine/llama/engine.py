@@ -19,17 +19,17 @@ from typing import Any, Iterator
 from sizing.plan import Plan
 from sizing.units import MIB
 
-from ...chat.grammar import compile_grammar
 from ...errors import BadRequest, ContextLengthExceeded, NotReady
+from ...grammar.schema import compile_grammar
 from ..base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
                     LoadReport, RerankResult, check_limits, current_delivery)
 from ..loglines import parse_allocations, projector_allocations
+from ..mtp import MtpRunner
 from ..native import cuda_order
 from ..params import repack_of
 from ..prompt_cache import PromptCache, model_fingerprint, plan_budget
 from ..slots import SLOT_PROMPT_SIMILARITY
 from ..speculation import DRAFT_MAX
-from ..mtp import MtpRunner
 from ..vision import ImageChunk
 from . import loading
 from .drafting import Drafting

@@ -1,6 +1,6 @@
-"""The runner process: one model's ``LlamaEngine`` in a process of its own (``python -m service.engine.child FD``).
+"""The runner process: one model's ``LlamaEngine`` in a process of its own (``python -m service.runner.child FD``).
 
-The API process (``service.engine.process.ProcessEngine``) starts it with one end of a socket pair as file
+The API process (``service.runner.process.ProcessEngine``) starts it with one end of a socket pair as file
 descriptor ``FD`` and talks to it in small pickled messages (``multiprocessing.connection`` framing), in the
 style of vLLM's engine-core client and Ollama's runner (the house style's process boundaries):
 
@@ -38,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..engine.base import Cancel, Chunk, direct_delivery
 from ..errors import EngineFailure, ServiceError
-from .base import Cancel, Chunk, direct_delivery
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=log_level.upper() if isinstance(log_level, str) else log_level,
                         format=f"%(levelname)s runner {name} (pid {os.getpid()}): %(name)s: %(message)s",
                         stream=sys.stderr)
-    from .llama import LlamaEngine
+    from ..engine.llama import LlamaEngine
 
     Child(conn, LlamaEngine(**engine_kwargs)).serve()
 

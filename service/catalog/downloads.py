@@ -11,20 +11,20 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from sizing.errors import ProbeError, SizingError, UnsupportedModelError
 from sizing.memory import MemoryEstimate
-from sizing.plan import plan_json
+from sizing.model import ModelSpec
+from sizing.plan import Device, Plan, PlanRequest, plan_json
 from sizing.probe import probe_projector
 from sizing.units import MIB
 
-from .errors import BadRequest, ModelNotFound, ServiceError, Upstream
+from ..errors import BadRequest, ModelNotFound, ServiceError, Upstream
+from ..options import LoadOptions
+from ..settings import Settings
 from .models import Registry
-from .options import LoadOptions
-from .planning import Planner
 from .projectors import is_projector_file
-from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +112,20 @@ def _progress_class(dl: Download) -> type:
     return Progress
 
 
+class FilePlanner(Protocol):
+    """The planner's calls a listing makes (``service.planning.Planner``): this host's devices and a plan on them."""
+
+    def devices(self, opts: LoadOptions, kept: Sequence[MemoryEstimate] = ...) -> tuple[list[Device], Device]: ...
+
+    def request(self, opts: LoadOptions) -> PlanRequest: ...
+
+    def plan_on(self, spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanRequest) -> Plan: ...
+
+
 class Downloads:
     """The downloads this server started, and Hugging Face listings planned beside the loaded models."""
 
-    def __init__(self, settings: Settings, registry: Registry, planner: Planner,
+    def __init__(self, settings: Settings, registry: Registry, planner: FilePlanner,
                  kept: Callable[[], Sequence[MemoryEstimate]] = lambda: ()) -> None:
         self.settings = settings
         self.registry = registry
@@ -125,7 +135,8 @@ class Downloads:
 
     def pull(self, repo_id: str, filename: str, revision: str | None = None) -> Download:
         """Start fetching a GGUF from Hugging Face into the models directory (a background thread): a model, or a
-        vision projector (``*mmproj*.gguf``), which the models beside it then load with (``service.projectors``).
+        vision projector (``*mmproj*.gguf``), which the models beside it then load with
+        (``service.catalog.projectors``).
 
         ``huggingface_hub`` honours HF_ENDPOINT, HF_TOKEN and, with HF_HUB_OFFLINE=1, answers from
         the files already there. Progress shows in the log and in ``GET /api/models``.
@@ -203,7 +214,7 @@ class Downloads:
     def hf_files(self, repo_id: str, revision: str | None = None) -> dict[str, Any]:
         """Each GGUF of a Hugging Face repo: its size and what it would get on these devices, before any download;
         its vision projectors (``*mmproj*.gguf``) apart, with their sizes (a model pulled with one beside it takes
-        images: ``service.projectors``).
+        images: ``service.catalog.projectors``).
 
         Blocking (network): call from a thread. Headers only (``sizing.probe.remote.probe_hf``:
         range requests); a split model is probed and planned once, from its first shard.

@@ -34,10 +34,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import BadRequest
-from ..engine.base import GenerationParams
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +333,20 @@ def compile_source(kind: str, text: str) -> Grammar:
     return Grammar(text=grammar, kind=kind)
 
 
-def grammar_source(params: GenerationParams) -> tuple[str, str] | None:
+class Constrained(Protocol):
+    """What a request says of its grammar (``service.engine.base.GenerationParams`` has these fields)."""
+
+    @property
+    def json_schema(self) -> str | None: ...
+    @property
+    def json_object(self) -> bool: ...
+    @property
+    def grammar(self) -> str | None: ...
+    @property
+    def lark(self) -> str | None: ...
+
+
+def grammar_source(params: Constrained) -> tuple[str, str] | None:
     """The request's grammar as ``compile_source`` takes it, ``(kind, text)``; None without one."""
     if params.json_schema is not None:
         return ("json_schema", params.json_schema)
@@ -347,7 +359,7 @@ def grammar_source(params: GenerationParams) -> tuple[str, str] | None:
     return None
 
 
-def compile_grammar(params: GenerationParams) -> Grammar | None:
+def compile_grammar(params: Constrained) -> Grammar | None:
     """The request's grammar (json_schema, json_object or GBNF), bounded and validated; None without one.
 
     ``BadRequest`` when it cannot be, so a bad schema is a 400 before any byte is streamed. Cheap

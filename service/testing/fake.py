@@ -19,10 +19,10 @@ from typing import Any, Iterator
 from sizing.plan import Plan
 
 from ..chat.format import ChatFormat
+from ..engine.base import (Allocation, Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
+                           ImageInput, LoadReport, RerankResult, TokenScore, check_limits)
 from ..errors import BadRequest, InsufficientMemory, NotReady
 from ..text.tasks import FimTokens
-from .base import (Allocation, Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
-                   LoadReport, RerankResult, TokenScore, check_limits)
 
 FAKE_N_VOCAB = 1000
 FAKE_N_EMBD = 8

@@ -27,7 +27,7 @@ from sizing.memory import Projector, mib_to_bytes
 from sizing.model import ModelSpec, ProjectorSpec
 from sizing.probe import ProjectorFigures, measure_projector, probe_projector
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 log = logging.getLogger(__name__)
 

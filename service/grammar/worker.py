@@ -10,7 +10,7 @@ bounds its memory.
 
 How:
 
-- a *zygote*, ``python -m service.chat.grammar_worker``, started with the first grammar: single-threaded, with
+- a *zygote*, ``python -m service.grammar.worker``, started with the first grammar: single-threaded, with
   llguidance and ``grammar`` imported, it forks one process per compilation (a few milliseconds). It exits when
   its parent does (the control socket's end of file, or ``PR_SET_PDEATHSIG``), killing its compilations;
 - a compilation process runs ``grammar.compile_source``, the very code and ``LLParserLimits`` the engine runs at
@@ -102,7 +102,7 @@ def memory_bound_mib(workers: int, memory_mib: int) -> int:
     return FAST_SLOTS * min(FAST_MEMORY_MIB, memory_mib) + workers * memory_mib
 
 
-# -- the zygote and its compilation processes (``python -m service.chat.grammar_worker FD``) -------------------
+# -- the zygote and its compilation processes (``python -m service.grammar.worker FD``) -------------------
 
 def _die_with_parent() -> None:
     """SIGKILL when the parent ends (Linux); the caller checks ``getppid`` after, for a parent already gone."""
@@ -135,7 +135,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def _compile_here(sock: socket.socket) -> None:
     """In a compilation process: read the job, compile it, answer."""
-    from . import grammar
+    from . import schema as grammar
 
     from ..errors import BadRequest as Refusal
 
@@ -285,7 +285,7 @@ def main(argv: list[str]) -> None:
     _die_with_parent()
     if os.getppid() != int(argv[1]):  # the parent ended before the death signal was armed
         os._exit(0)
-    from . import grammar  # noqa: F401  (imported once here, so that every fork starts with it)
+    from . import schema  # noqa: F401  (imported once here, so that every fork starts with it)
 
     import llguidance  # noqa: F401
     from llguidance import gbnf_to_lark  # noqa: F401
@@ -316,7 +316,7 @@ class _Zygote:
         env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "service.chat.grammar_worker", str(child.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "service.grammar.worker", str(child.fileno()), str(os.getpid())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
         finally:
             child.close()

@@ -1,10 +1,10 @@
 """One runner process per loaded model: ``ProcessEngine``, the ``Engine`` the API process holds for it.
 
 Each loaded model's ``LlamaEngine`` (load, slots, scheduler, sampling, grammar, chat template) runs in a child
-process of its own (``service.engine.child``), as Ollama runs one runner per model and vLLM its engine core:
+process of its own (``service.runner.child``), as Ollama runs one runner per model and vLLM its engine core:
 a llama.cpp abort, a kernel bug, a GGML_ASSERT on a new architecture or the OOM killer then costs that model's
 in-flight requests, never the HTTP server or the other models. The API process plans, routes, queues
-(``service.runner``) and streams; this class speaks the child's small protocol (see ``child``) behind the same
+(``service.residency.fifo``) and streams; this class speaks the child's small protocol (see ``child``) behind the same
 ``Engine`` protocol as the in-process engine, so nothing above it changes.
 
 When the runner dies (a signal, an abort, an OOM kill):
@@ -39,11 +39,11 @@ from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
 
-from ..chat.grammar import grammar_source
+from ..engine.base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
+                           ImageInput, LoadReport, RerankResult, check_limits, current_delivery)
+from ..engine.native import child_env
 from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
-from .base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
-                   LoadReport, RerankResult, check_limits, current_delivery)
-from .native import child_env
+from ..grammar.schema import grammar_source
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class _Channel:
         env = child_env()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service.engine.child", str(child.fileno())], pass_fds=(child.fileno(),),
+                [sys.executable, "-m", "service.runner.child", str(child.fileno())], pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         finally:
             child.close()

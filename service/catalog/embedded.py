@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import ServiceError
+from ..errors import ServiceError
 
 log = logging.getLogger(__name__)
 

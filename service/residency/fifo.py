@@ -25,8 +25,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from .engine.base import Cancel, Chunk, direct_delivery
-from .errors import Busy, EngineFailure, NotReady, QueueFull, ServiceError
+from ..engine.base import Cancel, Chunk, direct_delivery
+from ..errors import Busy, EngineFailure, NotReady, QueueFull, ServiceError
 
 _GATE_POLL_S = 0.1
 """How often an exclusive call waiting for running generations checks whether it was withdrawn."""
