@@ -45,27 +45,25 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence, Union
 
-from sizing.errors import ProbeError, UnsupportedModelError, without_credentials
-from sizing.memory import DraftModel
-from sizing.model import ModelSpec
 from sizing.plan import Device, Holding, Plan, plan_table
-from sizing.probe import host_memory, inventory, probe_path
+from sizing.probe import host_memory, inventory
 from sizing.units import MIB
 
-from ..catalog.downloads import Downloads, remote_limits
+from ..catalog.downloads import Downloads
 from ..catalog.models import ModelEntry, Registry
-from ..engine.base import Engine, LoadReport
+from ..engine.base import Engine
 from ..engine.calibrate import Calibrator
-from ..errors import BadRequest, Busy, ModelNotFound, NotReady, ServiceError, Upstream
+from ..errors import Busy, NotReady, ServiceError
 from ..keepalive import parse_keep_alive
 from ..options import LoadOptions, merged
 from ..planning.planner import Placed, Planner, SetPlan
 from ..settings import Settings
-from ..text.served import ServedModel, text_factory
 from . import views
-from .engines import EngineFactory
-from .fifo import Runner
+from .engines import EngineFactory, start_engine
+from .placing import Placing
+from .prompt_caches import rebudget_prompt_caches, shrink_prompt_caches
 from .refusals import raise_refusal
+from .routing import not_ready_state, route
 from .state import Lease, ModelState
 from .swaps import Blocked, SwapScheduler, WaitQueue
 from .timers import KeepAliveTimers
@@ -119,7 +117,8 @@ class ModelManager:
             self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
         self.planner = Planner(settings, lambda: self._devices(), Calibrator(timeout_s=settings.calibrate_timeout_s),
                                self.host_bandwidth_bytes_per_s, live=live)
-        self.planner.drafts = self._draft_model
+        self.placing = Placing(settings, registry, self.planner, self.max_models)
+        self.planner.drafts = self.placing.draft_model
         self.downloads = Downloads(settings, registry, self.planner, self._kept_estimates)
         self.default_keep_alive_s = parse_keep_alive(settings.keep_alive, param="GGUF_KEEP_ALIVE")
 
@@ -143,11 +142,7 @@ class ModelManager:
 
     def not_ready_state(self) -> tuple[str, str | None]:
         """Why nothing serves: ``loading``, ``failed`` (with the error) or ``no model``."""
-        if any(s.state == "loading" for s in self.models.values()):
-            return "loading", None
-        if self.last_failed is not None and self.last_failed.state == "failed":
-            return "failed", self.last_failed.error
-        return "no model", None
+        return not_ready_state(self.models, self.last_failed)
 
     def holdings(self, states: Sequence[ModelState] | None = None) -> list[Holding]:
         out = []
@@ -165,44 +160,13 @@ class ModelManager:
         gpus, host, _ = self.planner.inventory()
         return gpus, host
 
-    def probe(self, entry: ModelEntry) -> ModelSpec:
-        try:
-            return probe_path(entry.path)
-        except (ProbeError, UnsupportedModelError) as exc:
-            raise BadRequest(f"model '{entry.name}' cannot be read: {exc}", param="model") from exc
-
-    def _draft_model(self, name: str) -> DraftModel:
-        """The draft model a load names: a model of the registry (its name or alias), probed."""
-        try:
-            entry = self.registry.resolve(name)
-        except ModelNotFound as exc:
-            raise BadRequest(f"draft model '{name}' is not a model here: {exc}", param="draft_model") from exc
-        try:
-            spec = probe_path(entry.path)
-        except (ProbeError, UnsupportedModelError) as exc:
-            raise BadRequest(f"draft model '{entry.name}' cannot be read: {exc}", param="draft_model") from exc
-        return DraftModel(spec, path=entry.path, name=entry.name)
-
-    def options_for(self, entry: ModelEntry, opts: LoadOptions) -> LoadOptions:
-        """A request's options over the model's own (models file) over the settings'."""
-        return merged(None, entry.config.options, opts)  # the settings' come in where the plan is made
-
     # -- planning (off the event loop)
 
     async def plan(self, name: str, opts: LoadOptions) -> tuple[ModelEntry, Placed]:
         """Where a load of ``name`` would go beside the loaded models, and whom it would evict; nothing is
         loaded or unloaded. Off the event loop (probing, llama.cpp's dry runs where the plan is calibrated)."""
         holdings = self.holdings()
-        return await asyncio.to_thread(self._place, name, opts, holdings, False)
-
-    def _place(self, name: str, opts: LoadOptions, holdings: Sequence[Holding], force: bool
-               ) -> tuple[ModelEntry, Placed]:
-        entry = self.registry.resolve(name)
-        spec = self.probe(entry)
-        replacing = entry.name if any(h.name == entry.name for h in holdings) else None
-        placed = self.planner.place(spec, self.options_for(entry, opts), path=entry.path, residents=holdings,
-                                    replacing=replacing, max_models=self.max_models, force=force)
-        return entry, placed
+        return await asyncio.to_thread(self.placing.place, name, opts, holdings, False)
 
     async def plan_remote(self, location: str, opts: LoadOptions, run: Callable[..., Any] | None = None) -> Placed:
         """Where a model that is not here would go (an http(s) URL or ``hf://owner/repo/file.gguf``, read by its
@@ -210,17 +174,7 @@ class ModelManager:
         holdings = self.holdings()
 
         def work() -> Placed:
-            from sizing.errors import RemoteError
-            from sizing.probe import probe_location
-
-            try:
-                spec = probe_location(location, remote_limits(self.settings))
-            except RemoteError as exc:
-                raise Upstream(f"{without_credentials(location)[:300]}: {exc.reason}") from exc
-            except (ProbeError, UnsupportedModelError) as exc:
-                why = exc.reason if isinstance(exc, ProbeError) else str(exc)  # its source is the location again
-                raise BadRequest(f"{without_credentials(location)[:300]} cannot be read: {why}", param="url") from exc
-            return self.planner.place(spec, opts, residents=holdings, max_models=self.max_models)
+            return self.placing.place_remote(location, opts, holdings)
 
         if run is not None:
             return await run(work)  # type: ignore[no-any-return]
@@ -231,19 +185,7 @@ class ModelManager:
         """Whether these models fit together (``Planner.plan_set``): on the devices as they would be with none of
         the loaded models, or beside them all (``beside_residents``)."""
         holdings = self.holdings()
-
-        def work() -> SetPlan:
-            resolved = []
-            for name, o in items:
-                entry = self.registry.resolve(name)
-                resolved.append((entry.name, self.probe(entry), self.options_for(entry, o), entry.path))
-            names = [r[0] for r in resolved]
-            if len(set(names)) != len(names):
-                raise BadRequest("a set dry-run names each model once", param="models")
-            kept, freed = (holdings, []) if beside_residents else ([], holdings)
-            return self.planner.plan_set(resolved, opts, kept=kept, freed=freed)
-
-        return await asyncio.to_thread(work)
+        return await asyncio.to_thread(self.placing.place_set, items, opts, holdings, beside_residents)
 
     # -- loading
 
@@ -284,15 +226,15 @@ class ModelManager:
         try:
             for attempt in range(3):
                 holdings = self.holdings()
-                _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
+                _, placed = await asyncio.to_thread(self.placing.place, key, opts, holdings, force)
                 if not shrunk and _wants_room(placed):
                     shrunk = True
-                    emptied = await self._shrink_prompt_caches(key)
+                    emptied = await shrink_prompt_caches(self.loaded, key)
                     if emptied:  # their memory first, then a model's
                         holdings = self.holdings()
-                        _, placed = await asyncio.to_thread(self._place, key, opts, holdings, force)
+                        _, placed = await asyncio.to_thread(self.placing.place, key, opts, holdings, force)
                 if swap is not None and placed.busy:  # wait for the fewest of them that make room
-                    _, forced = await asyncio.to_thread(self._place, key, opts, holdings, True)
+                    _, forced = await asyncio.to_thread(self.placing.place, key, opts, holdings, True)
                     victims_ = forced.evict or placed.busy
                     raise Blocked(victims_, [h.name for h in holdings if h.busy and h.name in victims_])
                 raise_refusal(placed)
@@ -318,45 +260,10 @@ class ModelManager:
             self.held_back -= held
             self.reloads.discard(key)
             if emptied:
-                await self._rebudget_prompt_caches(key)
+                await rebudget_prompt_caches(self.settings, self.loaded, key)
         if swap is not None and victims:
             self.swaps += 1
         return state
-
-    async def _shrink_prompt_caches(self, key: str) -> bool:
-        """Empty the residents' prompt caches beyond the slots (service.engine.prompt_cache; their disk copies
-        stay) before a load evicts a model or is refused for memory. True when any held something."""
-        def work() -> list[str]:
-            emptied = []
-            for st in self.loaded():
-                gauges = getattr(st.engine, "prompt_cache_gauges", None) or {}
-                if gauges.get("bytes", 0) > 0:
-                    st.engine.set_prompt_cache_budget(0)  # type: ignore[union-attr]
-                    emptied.append(f"{st.name} ({gauges['bytes'] / MIB:.0f} MiB)")
-            return emptied
-
-        emptied = await asyncio.to_thread(work)
-        if emptied:
-            log.info("emptied the prompt caches of %s to make room for %s", ", ".join(emptied), key)
-        return bool(emptied)
-
-    async def _rebudget_prompt_caches(self, key: str) -> None:
-        """After a load that needed room: each resident's prompt cache gets an even share of half the host memory
-        left free, at most the ceiling (GGUF_PROMPT_CACHE_MIB)."""
-        def work() -> None:
-            if not self.settings.cache_prompt or self.settings.prompt_cache_mib <= 0:
-                return
-            states = [st for st in self.loaded() if hasattr(st.engine, "set_prompt_cache_budget")]
-            if not states:
-                return
-            share = min(self.settings.prompt_cache_mib * MIB, host_memory().free_bytes // (2 * len(states)))
-            for st in states:
-                try:
-                    st.engine.set_prompt_cache_budget(share)  # type: ignore[union-attr]
-                except ServiceError as exc:  # unloaded meanwhile, or its runner restarting: its next load plans anew
-                    log.info("prompt cache of %s not resized: %s", st.name, exc)
-
-        await asyncio.to_thread(work)
 
     async def _load_placed(self, entry: ModelEntry, placed: Placed, victims: list[ModelState],
                            replacing: ModelState | None, placeholder: ModelState | None, previous: ModelState | None,
@@ -428,25 +335,10 @@ class ModelManager:
 
     async def _start(self, state: ModelState, plan: Plan) -> None:
         """A fresh engine and runner for ``state``, and the load (raises what the engine raised)."""
-        assert state.path is not None
-        slots = max(1, plan.cfg.n_seq_max)
-        engine = ServedModel(self._engine_factory(self.settings.model_copy(update={
-            "parallel": slots, "batch_invariant": state.batch_invariant})), text_factory(self.settings.chat_template()))
-        watch = getattr(engine, "watch", None)
-        if watch is not None:  # a runner process: its deaths, restarts and final failure come back here
-            loop = asyncio.get_running_loop()
-            watch(state.name, lambda event, detail: loop.call_soon_threadsafe(self._runner_event, state, event, detail))
-        runner = Runner(max_waiting=self.settings.queue_size, workers=slots, name=state.name)
-        path = state.path
-        try:
-            report: LoadReport = await runner.call(lambda: engine.load(path, plan), exclusive=True)
-        except BaseException:
-            runner.stop()
-            raise
+        loop = asyncio.get_running_loop()
+        await start_engine(self.settings, self._engine_factory, state, plan,
+                           lambda event, detail: loop.call_soon_threadsafe(self._runner_event, state, event, detail))
         self.loads += 1
-        state.engine, state.runner, state.report, state.plan = engine, runner, report, plan
-        state.state, state.error, state.since, state.last_used = "loaded", None, time.time(), time.monotonic()
-        state.unloaded_why = None
 
     def _runner_event(self, st: ModelState, event: str, detail: str) -> None:
         """A model's runner process died, was restarted, or gave up (``ProcessEngine``); on the event loop."""
@@ -560,29 +452,8 @@ class ModelManager:
     # -- routing, load on demand, keep_alive
 
     def route(self, requested: str | None) -> str:
-        """The model a request's ``model`` names: an alias's model, a name; None goes to the default model when
-        it is loaded (or loads on demand), else to the only loaded model. A model that is reloading counts as
-        loaded (its requests wait for the reload). Raises 404 for an unknown name."""
-        if requested is None:
-            loaded = [s.name for s in self.models.values() if s.serving or s.name in self.reloads]
-            default = self.registry.canonical(self.settings.default_model) if self.settings.default_model else None
-            if default is not None and default in loaded:
-                return default
-            if len(loaded) == 1:
-                return loaded[0]
-            if loaded:
-                raise BadRequest(f"model is required: {len(loaded)} models are loaded "
-                                 f"({', '.join(loaded)[:300]})", param="model")
-            if default is not None and self.settings.load_on_demand:
-                return default
-            state, error = self.not_ready_state()
-            raise NotReady("the model is not loaded yet" if state in ("loading", "no model") else
-                           f"the model is {state}", state=state)
-        name = self.registry.canonical(requested)
-        st = self.models.get(name)
-        if st is not None and st.serving:
-            return name
-        return self.registry.resolve(requested).name  # 404 for an unknown name
+        """The model a request's ``model`` names (``service.residency.routing.route``); 404 for an unknown name."""
+        return route(self.settings, self.registry, self.models, self.reloads, self.last_failed, requested)
 
     def reloading(self) -> list[str]:
         """The models a reload is replacing now (they serve again when it ends)."""

@@ -139,7 +139,7 @@ def _check_no_smaller_set(m: ModelManager, name: str, gpus: list[Device], host: 
     """Brute force: no set of fewer idle, unpinned residents would have let the model fit."""
     entry = m.registry.resolve(name)
     spec = probe_path(entry.path)
-    req = decision_request(spec, m.planner.request(m.options_for(entry, LoadOptions())))
+    req = decision_request(spec, m.planner.request(m.placing.options_for(entry, LoadOptions())))
     others = {n: x for n, x in before.items() if n != name}
     candidates = [n for n, x in others.items() if not x.busy and not x.pinned]
     for k in range(len(gone)):
