@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from typing import Any, Literal, Sequence
 
 from sizing.memory import ContextConfig
 
+from ..children import Child
 from . import loglines as L
 from .native import child_env
 from .params import ContextParams, ModelParams, context_params
@@ -158,8 +158,8 @@ def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -
                         state_mib=round(state_mib, 2), state_layers=state_layers, state_buffer_mib=rs)
 
 
-def _worker_command() -> list[str]:
-    return [sys.executable, "-m", "service.engine.dryrun"]
+WORKER_MODULE = "service.engine.dryrun"
+"""The dry-run worker's module (``python -m``): this file's ``main``."""
 
 
 
@@ -179,7 +179,7 @@ class DryRunWorker:
         self.path = path
         self.model = model
         self.load_timeout_s = load_timeout_s
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: Child | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._stderr: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._lock = threading.Lock()
@@ -195,13 +195,13 @@ class DryRunWorker:
 
     def _spawn(self) -> None:
         try:
-            proc = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=child_env(), bufsize=1)
+            proc = Child(WORKER_MODULE, name="dry-run worker", env=child_env(), stdin=True, stdout=True, text=True,
+                         tail_lines=LOG_TAIL_LINES)
         except OSError as exc:
             raise DryRunError(f"could not start the dry run: {exc}") from exc
-        self._proc, self._lines = proc, queue.Queue()
+        self._proc, self._lines, self._stderr = proc, queue.Queue(), proc.tail
         self.starts += 1
-        lines, err = self._lines, self._stderr
+        lines = self._lines
 
         def pump_out() -> None:
             assert proc.stdout is not None
@@ -209,17 +209,11 @@ class DryRunWorker:
                 lines.put(raw)
             lines.put(None)
 
-        def pump_err() -> None:
-            assert proc.stderr is not None
-            for raw in proc.stderr:
-                err.append(raw.rstrip("\n"))
-
         threading.Thread(target=pump_out, name="dryrun-out", daemon=True).start()
-        threading.Thread(target=pump_err, name="dryrun-err", daemon=True).start()
 
     def _send(self, obj: dict[str, Any]) -> bool:
         proc = self._proc
-        if proc is None or proc.stdin is None or proc.poll() is not None:
+        if proc is None or proc.stdin is None or not proc.alive():
             return False
         try:
             proc.stdin.write(json.dumps(obj) + "\n")
@@ -251,22 +245,11 @@ class DryRunWorker:
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-        except OSError:
-            pass
-        if proc.poll() is None:
+        if proc is not None:
             proc.kill()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - a kill that does not take
-            pass
 
     def _ensure_loaded(self) -> DryRunFailure | None:
-        if self._proc is not None and self._proc.poll() is None:
+        if self._proc is not None and self._proc.alive():
             return None
         self._kill()
         self._spawn()
@@ -318,7 +301,7 @@ class DryRunWorker:
                     if msg is None:
                         kind: FailureKind = "timeout" if self.timed_out else "crashed"
                         why = (f"dry run exceeded {timeout_s} s" if self.timed_out
-                               else f"dry run process exited with {self._proc.poll() if self._proc else '?'}")
+                               else f"dry run process exited with {self._proc.proc.poll() if self._proc else '?'}")
                         out.append(DryRunResult(batch[got], failure=DryRunFailure(kind, why, tuple(self._stderr))))
                         got += 1
                         self._kill()
@@ -332,12 +315,9 @@ class DryRunWorker:
 
     def close(self) -> None:
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
+            if self._proc is not None and self._proc.alive():
                 self._send({"op": "quit"})
-                try:
-                    self._proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+                self._proc.end(5.0)
             self._kill()
 
     @property
@@ -349,7 +329,7 @@ class DryRunWorker:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and self._proc.alive()
 
     def __enter__(self) -> "DryRunWorker":
         return self

@@ -54,7 +54,6 @@ import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import weakref
@@ -62,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..children import Child
 from ..errors import BadRequest, EngineFailure
 
 log = logging.getLogger(__name__)
@@ -184,10 +184,44 @@ class _Forked:
     hard: int
 
 
-def serve(ctrl: socket.socket) -> None:
-    """The zygote's loop: fork a compilation per job, raise or kill on request, report every end."""
+def _reap(jobs: dict[int, _Forked], by_pid: dict[int, int]) -> None:
+    """Every compilation that has ended: reaped, and its end (its wait status) reported on its socket."""
+    while by_pid:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        jid = by_pid.pop(pid, None)
+        job = jobs.pop(jid, None) if jid is not None else None
+        if job is not None:
+            try:
+                job.sock.send(_EXIT + _STATUS.pack(status))
+            except OSError:  # the parent has closed its end: it no longer waits
+                pass
+            job.sock.close()
+
+
+def _signal(op: bytes, target: _Forked | None) -> None:
+    """Kill a compilation (``_KILL``), or raise its memory limit to its hard one and lower its priority
+    (``_RAISE``: it moved to the slow lane)."""
     import resource
 
+    if target is None:  # ended already (reaped): nothing to signal, and its pid may be another's now
+        return
+    try:
+        if op == _KILL:
+            os.kill(target.pid, signal.SIGKILL)
+        else:
+            resource.prlimit(target.pid, resource.RLIMIT_AS, (target.hard, target.hard))
+            os.setpriority(os.PRIO_PROCESS, target.pid, SLOW_NICE)
+    except OSError:
+        pass
+
+
+def serve(ctrl: socket.socket) -> None:
+    """The zygote's loop: fork a compilation per job, raise or kill on request, report every end."""
     me = os.getpid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle; EOF ends us
     wake_r, wake_w = os.pipe()
@@ -199,23 +233,6 @@ def serve(ctrl: socket.socket) -> None:
     sel.register(wake_r, selectors.EVENT_READ)
     jobs: dict[int, _Forked] = {}
     by_pid: dict[int, int] = {}
-
-    def reap() -> None:
-        while by_pid:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            jid = by_pid.pop(pid, None)
-            job = jobs.pop(jid, None) if jid is not None else None
-            if job is not None:
-                try:
-                    job.sock.send(_EXIT + _STATUS.pack(status))
-                except OSError:  # the parent has closed its end: it no longer waits
-                    pass
-                job.sock.close()
 
     while True:
         for key, _ in sel.select(timeout=5.0):
@@ -266,18 +283,8 @@ def serve(ctrl: socket.socket) -> None:
                 for fd in fds:
                     os.close(fd)
                 (jid,) = _ID.unpack(msg[1:1 + _ID.size])
-                target = jobs.get(jid)
-                if target is None:  # ended already (reaped): nothing to signal, and its pid may be another's now
-                    continue
-                try:
-                    if op == _KILL:
-                        os.kill(target.pid, signal.SIGKILL)
-                    else:
-                        resource.prlimit(target.pid, resource.RLIMIT_AS, (target.hard, target.hard))
-                        os.setpriority(os.PRIO_PROCESS, target.pid, SLOW_NICE)
-                except OSError:
-                    pass
-        reap()
+                _signal(op, jobs.get(jid))
+        _reap(jobs, by_pid)
 
 
 def main(argv: list[str]) -> None:
@@ -300,24 +307,21 @@ class _Zygote:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Child | None = None
         self._ctrl: socket.socket | None = None
         self._next = 0
 
     def _start(self) -> socket.socket:
         if self._ctrl is not None:
             self._ctrl.close()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
         if self._proc is not None:
-            self._proc.wait()
+            self._proc.kill()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "service.grammar.worker", str(child.fileno()), str(os.getpid())],
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+            self._proc = Child("service.grammar.worker", [str(child.fileno()), str(os.getpid())], name="grammar worker",
+                               env=env, pass_fds=(child.fileno(),), forward_stderr=True)
         finally:
             child.close()
         parent.settimeout(5.0)  # messages are a few bytes and the zygote reads them at once
@@ -326,7 +330,7 @@ class _Zygote:
         return parent
 
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+        return self._proc.pid if self._proc is not None and self._proc.alive() else None
 
     def submit(self, soft: int, hard: int, cpu_s: int) -> tuple[int, socket.socket]:
         """A new job's id and the parent's end of its socket (the compilation process holds the other)."""
@@ -338,7 +342,7 @@ class _Zygote:
                 msg = _JOB + _CTRL.pack(jid, soft, hard, cpu_s)
                 for attempt in (0, 1):
                     ctrl = self._ctrl
-                    if ctrl is None or self._proc is None or self._proc.poll() is not None:
+                    if ctrl is None or self._proc is None or not self._proc.alive():
                         ctrl = self._start()
                     try:
                         socket.send_fds(ctrl, [msg], [theirs.fileno()])
@@ -371,11 +375,7 @@ class _Zygote:
                 self._ctrl.close()  # the zygote's end of file: it kills its compilations and exits
                 self._ctrl = None
             if self._proc is not None:
-                try:
-                    self._proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+                self._proc.end(5.0)
                 self._proc = None
 
 

@@ -30,8 +30,6 @@ import pickle
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -41,6 +39,7 @@ from sizing.plan import Plan
 
 from ..engine.base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
                            ImageInput, LoadReport, RerankResult, check_limits, current_delivery)
+from ..children import Child
 from ..engine.native import child_env
 from ..errors import EngineFailure, NotReady, RunnerDied, ServiceError
 from ..grammar.schema import grammar_source
@@ -89,17 +88,15 @@ class _Channel:
     def __init__(self, name: str, engine_kwargs: dict[str, Any], log_level: str,
                  on_end: Callable[["_Channel"], None]) -> None:
         parent, child = socket.socketpair()
-        env = child_env()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service.runner.child", str(child.fileno())], pass_fds=(child.fileno(),),
-                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            self.child = Child("service.runner.child", [str(child.fileno())], name=f"runner of {name}",
+                               env=child_env(), pass_fds=(child.fileno(),), forward_stderr=True,
+                               tail_lines=STDERR_TAIL_LINES)
         finally:
             child.close()
-        self.pid = self.proc.pid
+        self.pid = self.child.pid
         self.conn = Connection(parent.detach())
         self.name = name
-        self.tail: "collections.deque[str]" = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._on_end = on_end
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -111,8 +108,6 @@ class _Channel:
         self.noticed = threading.Event()
         """Set once its end was handled (``ProcessEngine._ended``)."""
         self._send(("init", engine_kwargs, log_level, name))
-        self._stderr = threading.Thread(target=self._forward_stderr, name=f"runner-{name[:32]}-stderr", daemon=True)
-        self._stderr.start()
         self._reader = threading.Thread(target=self._read, name=f"runner-{name[:32]}-reader", daemon=True)
         self._reader.start()
 
@@ -228,18 +223,6 @@ class _Channel:
         else:  # "ok" (a call's value) or "err"
             p.q.put(msg[2])
 
-    def _forward_stderr(self) -> None:
-        """The runner's log lines to this process's stderr, the last few kept for the reason of a death."""
-        stream = self.proc.stderr
-        assert stream is not None
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            try:
-                sys.stderr.write(line + "\n")
-            except (OSError, ValueError):  # stderr closed (shutdown)
-                pass
-
     def end(self, err: ServiceError) -> None:
         """Fail everything still waiting with ``err`` (the runner is gone)."""
         with self._lock:
@@ -253,37 +236,22 @@ class _Channel:
     def exited(self) -> bool:
         """Whether the runner has ended (a zombie not reaped yet counts: ``Popen.poll`` cannot tell while another
         thread is in ``wait``)."""
-        if self.dead is not None or self.noticed.is_set():
-            return True
-        try:
-            with open(f"/proc/{self.pid}/stat", encoding="ascii", errors="replace") as f:
-                return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
-        except FileNotFoundError:
-            return True
-        except (OSError, IndexError):  # no /proc here
-            return self.proc.poll() is not None
+        return self.dead is not None or self.noticed.is_set() or self.child.exited()
 
     def reap(self) -> int:
         """Wait until the OS has reaped the runner; its exit status."""
-        rc = self.proc.wait()
-        self._stderr.join(timeout=5)
-        return rc
+        return self.child.reap()
 
     def last_lines(self, n: int = 3) -> str:
         """The end of the runner's log (where llama.cpp wrote why it aborted)."""
-        lines = [ln for ln in self.tail if ln.strip()][-n:]
-        return " | ".join(lines)[-600:]
+        return self.child.last_lines(n)
 
     def stop(self) -> None:
         """Ask the runner to unload and exit; kill it after ``EXIT_TIMEOUT_S``; return once it is reaped."""
         self.stopping = True
         self.try_send(("exit",))
-        try:
-            self.proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("runner of %s did not exit within %.0f s: killed", self.name, EXIT_TIMEOUT_S)
-            self.proc.kill()
-        self.reap()
+        self.child.end(EXIT_TIMEOUT_S)
+        self.child.reap()
         try:
             self.conn.close()
         except OSError:
@@ -357,7 +325,7 @@ class ProcessEngine:
             ch.reap()
             tail = ch.last_lines()
             raise EngineFailure(f"model '{self.name}': the runner process died loading {path} "
-                                f"({exit_reason(ch.proc.returncode)})" + (f": {tail}" if tail else "")) from None
+                                f"({exit_reason(ch.child.returncode)})" + (f": {tail}" if tail else "")) from None
         except BaseException:
             ch.stop()
             raise
