@@ -70,37 +70,22 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
         try:
             yield
         finally:
-            if task is not None and not task.done():
-                task.cancel()
-            try:
-                # On the workers, after whatever still runs there: never free a model under a generation.
-                names = await asyncio.wait_for(manager.unload(limited=False), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
-                log.info("shutdown: model released: %s", ", ".join(names) or "none was loaded")
-            except Exception:  # shutting down: nothing left to serve
-                log.exception("unload at shutdown failed")
-            for s in list(manager.models.values()):
-                if s.runner is not None:
-                    s.runner.stop()
-            manager.close()
-            app.state.admission.close()
-            grammar_worker.shutdown()  # the grammar zygote and its compilations (they also end with this process)
+            await _shut_down(app, manager, task)
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()
     app.state.api_keys = keys  # generation scopes cached prompts per key (service.api.generation.cache_scope)
     app.state.drain = security.DrainState()
     app.state.responses = ResponseStore(settings.responses_store_mib << 20)  # /v1/responses' stored responses
+    _install(app, settings, keys, cors)
+    return app
+
+
+def _install(app: FastAPI, settings: Settings, keys: tuple[bytes, ...], cors: dict[str, object] | None) -> None:
+    """The error table, every API family's routes, the page, and the gates in front of them."""
     errors.install(app)
-    app.include_router(ops.router)
-    app.include_router(openai.router)
-    app.include_router(responses.router)
-    app.include_router(anthropic.router)
-    app.include_router(ollama.router)
-    app.include_router(management.router)
-    app.include_router(metrics.router)
-    app.include_router(text.router)
-    app.include_router(rerank.router)
-    app.include_router(infill.router)
+    for module in (ops, openai, responses, anthropic, ollama, management, metrics, text, rerank, infill):
+        app.include_router(module.router)
     page.install(app)
     # Added innermost first: the last one added sees a request first (order in service/api/security.py).
     app.add_middleware(security.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -110,7 +95,25 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
     if cors is not None:
         app.add_middleware(security.CORSMiddleware, **cors)  # type: ignore[arg-type]
-    return app
+
+
+async def _shut_down(app: FastAPI, manager: ModelManager, task: "asyncio.Task[None] | None") -> None:
+    """The lifespan's end: the loads at start stopped, every model unloaded after its generations (within
+    ``SHUTDOWN_UNLOAD_TIMEOUT_S``), the FIFOs, calibration workers, admission and grammar workers stopped."""
+    if task is not None and not task.done():
+        task.cancel()
+    try:
+        # On the workers, after whatever still runs there: never free a model under a generation.
+        names = await asyncio.wait_for(manager.unload(limited=False), timeout=SHUTDOWN_UNLOAD_TIMEOUT_S)
+        log.info("shutdown: model released: %s", ", ".join(names) or "none was loaded")
+    except Exception:  # shutting down: nothing left to serve
+        log.exception("unload at shutdown failed")
+    for s in list(manager.models.values()):
+        if s.runner is not None:
+            s.runner.stop()
+    manager.close()
+    app.state.admission.close()
+    grammar_worker.shutdown()  # the grammar zygote and its compilations (they also end with this process)
 
 
 async def _load_at_start(manager: ModelManager, names: list[str]) -> None:

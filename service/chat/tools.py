@@ -353,88 +353,105 @@ class ToolCallParser:
         return m.end() if m else -1
 
     def _run(self, final: bool) -> list[ToolDelta]:
+        """Advance the state machine over the buffer: each state's step returns True when it waits for more output
+        (or the end), False when the state changed and the next step runs."""
         out: list[ToolDelta] = []
-        while True:
-            if self.state == "text":
-                i = self.buf.find(self.trigger)
-                if i == -1:
-                    keep = 0 if final else _held(self.buf, self.trigger)
-                    emit = self.buf[: len(self.buf) - keep]
-                    if emit:
-                        out.append(ToolDelta(content=emit))
-                    self.buf = self.buf[len(self.buf) - keep:]
-                    return out
-                if i:
-                    out.append(ToolDelta(content=self.buf[:i]))
-                self.buf = self.buf[i:] if self.keep else self.buf[i + len(self.trigger):]
-                self._lead = "" if self.keep else self.trigger
-                self.state = "after"
-            if self.state == "after":
-                k = self._match(self.after, final)
-                if k is None:
-                    return out
-                if k < 0:
-                    self._not_a_call(out)
-                    continue
-                if self._lead is not None:
-                    self._lead += self.buf[:k]
-                self.buf = self.buf[k:]
-                self.state = "object"
-                self._id, self._args_start, self._sent = None, -1, False
-            if self.state == "object":
-                if self._id is None:
-                    m = _HEAD.match(self.buf)
-                    if m is None:
-                        if final and self.n_calls and self._could_head():
-                            self.buf = ""  # another call cut short by the end of the output
-                            self._cut = True
-                            return out
-                        if final or (len(self.buf) > 2 and not self._could_head()):
-                            self._not_a_call(out)
-                            continue
-                        return out
-                    self._id = call_id()
-                    self._lead = None
-                    self._name = json.loads(f'"{m.group(1)}"')
-                    self._args_start = m.end()
-                end = value_end(self.buf, self._args_start)
-                if end is None:
-                    return out  # held until its arguments are whole
-                if not self._sent:
-                    out.append(ToolDelta(index=self.n_calls, id=self._id, name=self._name))
-                    out.append(ToolDelta(index=self.n_calls, arguments=self.buf[self._args_start:end].strip()))
-                    self._sent = True  # its closing brace may still be to come
-                rest = self.buf[end:]
-                brace = re.match(r"\s*\}", rest)
-                if brace is None:
-                    if not final and not rest.strip():
-                        return out
-                    self._cut = self._cut or (final and not rest.strip())  # the call's closing brace missing
-                    self.buf = rest
-                else:
-                    self.buf = rest[brace.end():]
-                self.n_calls += 1
-                self._id = None
-                self.state = "between"
-            if self.state == "between":
-                k = self._match(self.between, final) if self.between else -1
-                if k is None:
-                    return out
-                if k >= 0 and k > 0:
-                    self.buf = self.buf[k:]
-                    self.state = "object"
-                    self._id, self._args_start, self._sent = None, -1, False
-                    if self.keep and not self.buf.lstrip().startswith("{"):
-                        self.state = "text"
-                    continue
-                c = self._match(self.close, final) if self.close else 0
-                if c is None:
-                    return out
-                if c < 0 and final:
-                    self.buf = ""  # a close cut short by the end of the output
+        steps = {"text": self._text, "after": self._after, "object": self._object, "between": self._between}
+        while not steps[self.state](out, final):
+            pass
+        return out
+
+    def _text(self, out: list[ToolDelta], final: bool) -> bool:
+        """Text until a trigger; True to wait for more output."""
+        i = self.buf.find(self.trigger)
+        if i == -1:
+            keep = 0 if final else _held(self.buf, self.trigger)
+            emit = self.buf[: len(self.buf) - keep]
+            if emit:
+                out.append(ToolDelta(content=emit))
+            self.buf = self.buf[len(self.buf) - keep:]
+            return True
+        if i:
+            out.append(ToolDelta(content=self.buf[:i]))
+        self.buf = self.buf[i:] if self.keep else self.buf[i + len(self.trigger):]
+        self._lead = "" if self.keep else self.trigger
+        self.state = "after"
+        return False
+
+    def _after(self, out: list[ToolDelta], final: bool) -> bool:
+        """What follows a trigger up to the call's object."""
+        k = self._match(self.after, final)
+        if k is None:
+            return True
+        if k < 0:
+            self._not_a_call(out)
+            return False
+        if self._lead is not None:
+            self._lead += self.buf[:k]
+        self.buf = self.buf[k:]
+        self.state = "object"
+        self._id, self._args_start, self._sent = None, -1, False
+        return False
+
+    def _object(self, out: list[ToolDelta], final: bool) -> bool:
+        """One call's object: its name, then its arguments once whole."""
+        if self._id is None:
+            m = _HEAD.match(self.buf)
+            if m is None:
+                if final and self.n_calls and self._could_head():
+                    self.buf = ""  # another call cut short by the end of the output
                     self._cut = True
-                self.buf = self.buf[max(c, 0):]
+                    return True
+                if final or (len(self.buf) > 2 and not self._could_head()):
+                    self._not_a_call(out)
+                    return False
+                return True
+            self._id = call_id()
+            self._lead = None
+            self._name = json.loads(f'"{m.group(1)}"')
+            self._args_start = m.end()
+        end = value_end(self.buf, self._args_start)
+        if end is None:
+            return True  # held until its arguments are whole
+        if not self._sent:
+            out.append(ToolDelta(index=self.n_calls, id=self._id, name=self._name))
+            out.append(ToolDelta(index=self.n_calls, arguments=self.buf[self._args_start:end].strip()))
+            self._sent = True  # its closing brace may still be to come
+        rest = self.buf[end:]
+        brace = re.match(r"\s*\}", rest)
+        if brace is None:
+            if not final and not rest.strip():
+                return True
+            self._cut = self._cut or (final and not rest.strip())  # the call's closing brace missing
+            self.buf = rest
+        else:
+            self.buf = rest[brace.end():]
+        self.n_calls += 1
+        self._id = None
+        self.state = "between"
+        return False
+
+    def _between(self, out: list[ToolDelta], final: bool) -> bool:
+        """Between two calls: another call, or the close."""
+        k = self._match(self.between, final) if self.between else -1
+        if k is None:
+            return True
+        if k >= 0 and k > 0:
+            self.buf = self.buf[k:]
+            self.state = "object"
+            self._id, self._args_start, self._sent = None, -1, False
+            if self.keep and not self.buf.lstrip().startswith("{"):
                 self.state = "text"
+            return False
+        c = self._match(self.close, final) if self.close else 0
+        if c is None:
+            return True
+        if c < 0 and final:
+            self.buf = ""  # a close cut short by the end of the output
+            self._cut = True
+        self.buf = self.buf[max(c, 0):]
+        self.state = "text"
+        return False
 
     def _not_a_call(self, out: list[ToolDelta]) -> None:
         """Back to text: what followed a trigger was no call, so the trigger and what was consumed after it are

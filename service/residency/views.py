@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol, Sequence
 
+from sizing.memory import MemoryEstimate
 from sizing.plan import Device, Holding, held_bytes, plan_json
 from sizing.units import mib
 
 from ..catalog.models import Registry
+from ..engine.base import LoadReport
 from ..errors import ServiceError
 from ..keepalive import keep_alive_json
 from ..planning.planner import Planner, prompt_cache_json
@@ -39,6 +41,7 @@ class Residency(Protocol):
     @property
     def scheduler(self) -> SwapScheduler: ...
 
+
 def describe(manager: Residency, state: ModelState | None) -> dict[str, Any] | None:
     if state is None:
         return None
@@ -67,65 +70,78 @@ def describe(manager: Residency, state: ModelState | None) -> dict[str, Any] | N
     if runner_json is not None:
         out["runner"] = runner_json()
     if state.serving and state.report is not None and state.plan is not None:
-        est = state.plan.estimate
-        held = held_bytes(est) if est is not None else {}
-        out["n_ctx"] = state.report.n_ctx
-        out["load_seconds"] = round(state.report.load_seconds, 3)
-        out["devices"] = [d.device for d in est.devices if held.get(d.device)] if est is not None else []
-        out["in_flight"] = state.leases
-        out["busy"] = state.busy
-        out["idle_s"] = round(max(0.0, time.monotonic() - state.last_used), 3)
-        out["keep_alive_s"] = keep_alive_json(state.keep_alive_s)
-        out["expires_in_s"] = None if state.expires_at is None else round(max(0.0, state.expires_at - time.time()), 3)
-        rows = allocation_rows(est) if est is not None else {}
-        grown = state.report.draft_output_bytes
-        out["memory"] = [
-            {
-                "device": a.device,
-                "allocated_mib": mib(a.total_bytes + (grown if a.device == "CPU" else 0)),
-                "allocated": {
-                    "weights_mib": mib(a.weights_bytes),
-                    "kv_mib": mib(a.kv_bytes),
-                    "compute_mib": mib(a.compute_bytes),
-                    "output_mib": mib(a.output_bytes),
-                    # The output buffer (host memory, CUDA_Host's too) grown for drafts' logits rows
-                    # (LoadReport.draft_output_bytes).
-                    **({"draft_output_mib": mib(grown)} if grown and a.device == "CPU" else {}),
-                },
-                "predicted_mib": mib(rows[a.device]) if a.device in rows else None,
-                "held_mib": mib(held[a.device]) if a.device in held else None,
-            }
-            for a in state.report.allocations
-        ]
-        draft = est.draft if est is not None else None
-        if draft is not None:
-            drows = allocation_rows(draft.estimate)
-            out["draft"] = {
-                "name": draft.name, "path": draft.path, "device": draft.device,
-                "memory": [{"device": a.device, "allocated_mib": mib(a.total_bytes),
-                            "predicted_mib": mib(drows[a.device]) if a.device in drows else None}
-                           for a in state.report.draft_allocations],
-            }
-        mm = est.mtp if est is not None else None
-        if mm is not None:
-            rows = state.report.mtp_rows_bytes
-            out["mtp"] = {
-                **mm.to_json(),
-                # The NextN weights are in the model's rows above; these are the MTP context's and the hidden rows.
-                "memory": [{"device": a.device,
-                            "allocated_mib": mib(a.total_bytes + (rows if a.device == "CPU" else 0)),
-                            "predicted_mib": mib(mm.logged_on(a.device) + (rows if a.device == "CPU" else 0))}
-                           for a in state.report.mtp_allocations],
-            }
-        pm = est.projector if est is not None else None
-        if pm is not None:
-            out["projector"] = {
-                **pm.to_json(),
-                "memory": [{"device": a.device, "allocated_mib": mib(a.total_bytes),
-                            "allocated": {"weights_mib": mib(a.weights_bytes), "compute_mib": mib(a.compute_bytes)},
-                            "predicted_mib": mib(pm.total_bytes) if a.device == pm.device else None}
-                           for a in state.report.projector_allocations],
-            }
+        out.update(_serving_json(state, state.report, state.plan.estimate))
+        out.update(_companions_json(state.report, state.plan.estimate))
+    return out
+
+
+def _serving_json(state: ModelState, report: LoadReport, est: MemoryEstimate | None) -> dict[str, Any]:
+    """A serving model's context, use and memory: llama.cpp's allocations beside the plan's, per device."""
+    out: dict[str, Any] = {}
+    held = held_bytes(est) if est is not None else {}
+    out["n_ctx"] = report.n_ctx
+    out["load_seconds"] = round(report.load_seconds, 3)
+    out["devices"] = [d.device for d in est.devices if held.get(d.device)] if est is not None else []
+    out["in_flight"] = state.leases
+    out["busy"] = state.busy
+    out["idle_s"] = round(max(0.0, time.monotonic() - state.last_used), 3)
+    out["keep_alive_s"] = keep_alive_json(state.keep_alive_s)
+    out["expires_in_s"] = None if state.expires_at is None else round(max(0.0, state.expires_at - time.time()), 3)
+    rows = allocation_rows(est) if est is not None else {}
+    grown = report.draft_output_bytes
+    out["memory"] = [
+        {
+            "device": a.device,
+            "allocated_mib": mib(a.total_bytes + (grown if a.device == "CPU" else 0)),
+            "allocated": {
+                "weights_mib": mib(a.weights_bytes),
+                "kv_mib": mib(a.kv_bytes),
+                "compute_mib": mib(a.compute_bytes),
+                "output_mib": mib(a.output_bytes),
+                # The output buffer (host memory, CUDA_Host's too) grown for drafts' logits rows
+                # (LoadReport.draft_output_bytes).
+                **({"draft_output_mib": mib(grown)} if grown and a.device == "CPU" else {}),
+            },
+            "predicted_mib": mib(rows[a.device]) if a.device in rows else None,
+            "held_mib": mib(held[a.device]) if a.device in held else None,
+        }
+        for a in report.allocations
+    ]
+    return out
+
+
+def _companions_json(report: LoadReport, est: MemoryEstimate | None) -> dict[str, Any]:
+    """The draft model's, the MTP context's and the vision projector's memory, allocated beside predicted."""
+    out: dict[str, Any] = {}
+    draft = est.draft if est is not None else None
+    if draft is not None:
+        drows = allocation_rows(draft.estimate)
+        out["draft"] = {
+            "name": draft.name, "path": draft.path, "device": draft.device,
+            "memory": [{"device": a.device, "allocated_mib": mib(a.total_bytes),
+                        "predicted_mib": mib(drows[a.device]) if a.device in drows else None}
+                       for a in report.draft_allocations],
+        }
+    mm = est.mtp if est is not None else None
+    if mm is not None:
+        rows = report.mtp_rows_bytes
+        out["mtp"] = {
+            **mm.to_json(),
+            # The NextN weights are in the model's rows above; these are the MTP context's and the hidden rows.
+            "memory": [{"device": a.device,
+                        "allocated_mib": mib(a.total_bytes + (rows if a.device == "CPU" else 0)),
+                        "predicted_mib": mib(mm.logged_on(a.device) + (rows if a.device == "CPU" else 0))}
+                       for a in report.mtp_allocations],
+        }
+    pm = est.projector if est is not None else None
+    if pm is not None:
+        out["projector"] = {
+            **pm.to_json(),
+            "memory": [{"device": a.device, "allocated_mib": mib(a.total_bytes),
+                        "allocated": {"weights_mib": mib(a.weights_bytes), "compute_mib": mib(a.compute_bytes)},
+                        "predicted_mib": mib(pm.total_bytes) if a.device == pm.device else None}
+                       for a in report.projector_allocations],
+        }
     return out
 
 

@@ -17,7 +17,7 @@ from sizing.memory import mtp_config, mtp_supported
 from sizing.plan import Plan
 from sizing.units import gpu_label
 
-from ...errors import EngineFailure, InsufficientMemory
+from ...errors import EngineFailure, InsufficientMemory, ServiceError
 from ..draft import DraftModelRunner, VocabularyMismatch, vocabulary_mismatch
 from ..loglines import LogTap
 from ..mtp import MtpRunner
@@ -130,15 +130,7 @@ def load(path: str, plan: Plan, *, n_threads: int | None, batch_invariant: bool,
         ctx = _internals.LlamaContext(model=model, params=cp, verbose=False)
         n_main = len(lines)  # the embedding context's lines are reported apart (LoadReport.embedding_allocations)
         if eparams is not None:
-            ecp = llama_cpp.llama_context_default_params()
-            apply_context_params(ecp, eparams, n_threads=n_threads)
-            declared = declared_pooling(model)
-            ecp.pooling_type = declared if declared is not None else POOLING.get(pooling_fallback, POOLING["mean"])
-            emb = _internals.LlamaContext(model=model, params=ecp, verbose=False)
-            # Pieces carry a sequence through the cache, which needs causal attention (``decode`` asserts a
-            # non-causal sequence whole in one ubatch) and a pooling this engine can combine: a model that
-            # declares one may pool through layers of its own (a classifier, dense projections).
-            emb_pieces = bool(llama_cpp.llama_get_causal_attn(emb.ctx)) and declared is None
+            emb, ecp, emb_pieces = _embedding_context(model, eparams, n_threads, pooling_fallback)
         n_emb = len(lines)
         if plan.draft is not None and speculative:
             runner = _load_draft(plan, mparams.use_extra_bufts, model, n_threads)
@@ -161,10 +153,7 @@ def load(path: str, plan: Plan, *, n_threads: int | None, batch_invariant: bool,
                 held.close()
         if not isinstance(exc, ValueError):
             raise
-        text = "\n".join(lines[-20:]).lower()
-        if "out of memory" in text or "failed to allocate" in text:
-            raise InsufficientMemory(f"llama.cpp could not allocate the model: {exc}") from exc
-        raise EngineFailure(f"llama.cpp failed to load {path}: {exc}") from exc
+        raise _load_failure(exc, lines, path) from exc
     finally:
         LogTap.stop()
     embedding = None
@@ -191,6 +180,30 @@ def load(path: str, plan: Plan, *, n_threads: int | None, batch_invariant: bool,
         rerank_template=raw.decode("utf-8", "replace") if raw else None,
         lines=lines, spans=(n_main, n_emb, n_draft, n_mtp), use_extra_bufts=mparams.use_extra_bufts,
         n_threads=int(cp.n_threads), cparams=cparams)
+
+
+def _embedding_context(model: Any, eparams: Any, n_threads: int | None, pooling_fallback: str) -> tuple[Any, Any, bool]:
+    """The embedding context beside the generation one: (context, its parameters, whether it takes pieces)."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    ecp = llama_cpp.llama_context_default_params()
+    apply_context_params(ecp, eparams, n_threads=n_threads)
+    declared = declared_pooling(model)
+    ecp.pooling_type = declared if declared is not None else POOLING.get(pooling_fallback, POOLING["mean"])
+    emb = _internals.LlamaContext(model=model, params=ecp, verbose=False)
+    # Pieces carry a sequence through the cache, which needs causal attention (``decode`` asserts a non-causal
+    # sequence whole in one ubatch) and a pooling this engine can combine: a model that declares one may pool
+    # through layers of its own (a classifier, dense projections).
+    return emb, ecp, bool(llama_cpp.llama_get_causal_attn(emb.ctx)) and declared is None
+
+
+def _load_failure(exc: ValueError, lines: list[str], path: str) -> ServiceError:
+    """llama-cpp-python's ValueError for a failed load, typed by llama.cpp's last log lines."""
+    text = "\n".join(lines[-20:]).lower()
+    if "out of memory" in text or "failed to allocate" in text:
+        return InsufficientMemory(f"llama.cpp could not allocate the model: {exc}")
+    return EngineFailure(f"llama.cpp failed to load {path}: {exc}")
 
 
 def close(loaded: Loaded) -> None:
