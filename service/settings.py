@@ -141,8 +141,9 @@ class Settings(BaseSettings):
     speculative: Literal["ngram", "off"] = Field(
         "ngram", description="Self-speculative decoding: each step drafts the tokens that followed the last earlier "
         "occurrence of the sequence's last 12, 6, 3 or 2 tokens (llama-server's ngram-simple) and keeps those the model "
-        "chooses itself, so the answer does not change; a request's `speculative: false` turns it off for that "
-        "request. off: one token a step.",
+        "chooses itself, so the answer is the one without drafts up to the rounding of rows computed together (an AVX2 "
+        "build can turn a greedy answer; docs/batching.md; batch_invariant turns drafting off); a request's "
+        "`speculative: false` turns it off for that request. off: one token a step.",
     )
     draft_max: int = Field(
         48, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). "

@@ -54,7 +54,7 @@ def _projector(args: argparse.Namespace) -> object:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .probe.devices import cpu_features
+    from .probe.devices import ggml_features
     from .probe import probe_location
     from .plan.planner import PlanRequest, make_plan
     from .memory.repack import auto_reason, auto_repack
@@ -63,7 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     spec = probe_location(args.path)
     gpus, host = _devices(args)
-    features = cpu_features()
+    features = ggml_features()
     req = PlanRequest(
         n_ctx=args.ctx,
         cache_type=args.cache_type.lower(),
@@ -84,7 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
         swa_full=args.swa_full,
         allow_offload=not args.no_offload,
         cpu_cores=os.cpu_count() or 1,
-        # The service's default (GGUF_CPU_REPACK=auto), with the features /proc/cpuinfo names.
+        # The service's default (GGUF_CPU_REPACK=auto), with the features of the ggml it would load.
         cpu_repack=auto_repack(features), cpu_repack_reason=auto_reason(features), cpu_features=features,
     )
     plan = make_plan(spec, gpus, host, req)

@@ -22,15 +22,13 @@ a wheel built on a host without AMX has no AMX buffer type even on an AMX host.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from sizing.memory import auto_reason, auto_repack
+from sizing.probe import ggml_features
 
 RepackSetting = Literal["auto", "on", "off"]
-
-_FEATURE = re.compile(r"([A-Z0-9_]+) = 1\b")
 
 
 @dataclass(frozen=True)
@@ -43,18 +41,10 @@ class RepackChoice:
     """The CPU features llama.cpp reported, with which the plan predicts the buffers (``sizing.memory.repack``)."""
 
 
-def parse_system_info(text: str) -> frozenset[str]:
-    """The features ``llama_print_system_info`` reports as present (``AVX2 = 1 | AMX_INT8 = 1 | ...``)."""
-    return frozenset(_FEATURE.findall(text))
-
-
 @functools.lru_cache(maxsize=1)
 def system_features() -> frozenset[str]:
-    """The CPU features of the ggml this process loaded (``llama_print_system_info``)."""
-    import llama_cpp
-
-    raw = llama_cpp.llama_print_system_info()
-    return parse_system_info(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw))
+    """The CPU features of the ggml this process loaded (``llama_print_system_info``; ``sizing.probe.ggml_features``)."""
+    return ggml_features()
 
 
 def choose_repack(setting: RepackSetting, features: frozenset[str]) -> RepackChoice:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .devices import cpu_features, host_memory, inventory, measure_host_bandwidth, parse_declared
+from .devices import (cpu_features, ggml_features, host_memory, inventory, measure_host_bandwidth, parse_declared,
+                      parse_system_info)
 from .gguf import build_spec, probe_bytes, probe_path, shard_paths, spec_from_headers, tensor_nbytes
 from .mtmd import ProjectorFigures, measure_projector, parse_mtmd_log
 from .projector import probe_projector
@@ -21,6 +22,8 @@ __all__ = [
     "ProjectorFigures",
     "build_spec",
     "cpu_features",
+    "ggml_features",
+    "parse_system_info",
     "host_memory",
     "inventory",
     "measure_host_bandwidth",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Sequence
 
 from ..plan.device import Device, DeviceKind
@@ -44,8 +45,8 @@ _CPUINFO_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C",
 
 def cpu_features(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
     """This host's CPU features as llama.cpp names them, from /proc/cpuinfo (empty where it cannot be read), and
-    ``REPACK`` (llama-cpp-python's CPU builds have it: ``GGML_CPU_REPACK`` is on by default). The service asks
-    the llama.cpp it loads instead (``service.engine.cpu``); this is for the command line, which loads none."""
+    ``REPACK`` (llama-cpp-python's CPU builds have it: ``GGML_CPU_REPACK`` is on by default): what
+    ``ggml_features`` answers where llama-cpp-python cannot be loaded."""
     try:
         with open(cpuinfo_path, encoding="ascii", errors="replace") as f:
             flags: set[str] = set()
@@ -57,6 +58,27 @@ def cpu_features(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
         return frozenset()
     found = {name for flag, name in _CPUINFO_FEATURES.items() if flag in flags}
     return frozenset(found | {"REPACK"}) if found else frozenset()
+
+
+_SYSTEM_FEATURE = re.compile(r"([A-Z0-9_]+) = 1\b")
+
+
+def parse_system_info(text: str) -> frozenset[str]:
+    """The features ``llama_print_system_info`` reports as present (``AVX2 = 1 | AMX_INT8 = 1 | ...``)."""
+    return frozenset(_SYSTEM_FEATURE.findall(text))
+
+
+def ggml_features() -> frozenset[str]:
+    """The CPU features of the ggml that llama-cpp-python was built with here (``llama_print_system_info``): the
+    ones a load uses, and on a host whose wheel was built without some (AMX, AVX-512: a portable build) not all
+    the CPU has. /proc/cpuinfo's (``cpu_features``) where llama-cpp-python cannot be loaded."""
+    try:
+        import llama_cpp
+
+        raw = llama_cpp.llama_print_system_info()
+    except Exception:  # not installed, or its library cannot be loaded here
+        return cpu_features()
+    return parse_system_info(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw))
 
 
 def nvml_devices() -> list[Device]:

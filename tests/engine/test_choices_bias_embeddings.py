@@ -48,17 +48,42 @@ def test_n_choices_evaluate_the_prompt_once(engine: LlamaEngine) -> None:
     assert sorted(got) == [0, 1, 2]
     assert all(last.completion_tokens == 12 and last.prompt_tokens == n_prompt for _, last in got.values())
     assert len({t for t, _ in got.values()}) > 1  # seeds seed, seed+1, seed+2: different choices
-    # Choice i is what a single request with seed + i gives (from a cold prompt), so choices are reproducible.
-    for i in range(3):
-        one = list(engine.complete(PROMPT, replace(params, n=1, seed=7 + i), Cancel()))
-        assert "".join(c.text for c in one) == got[i][0], i
     # The forked slots are idle again: four single requests run afterwards.
     assert engine.running_sequences == 0
 
 
-def test_greedy_choices_are_equal(engine: LlamaEngine) -> None:
-    got = _choices(list(engine.complete(PROMPT, GenerationParams(max_tokens=8, temperature=0.0, n=2), Cancel())))
-    assert got[0][0] == got[1][0] and got[0][0]
+@pytest.fixture(scope="module")
+def invariant_engine(embedded_model: str):  # type: ignore[no-untyped-def]
+    """The embedded model with outputs that do not depend on the batch (``batch_invariant``, docs/batching.md)."""
+    plan = make_plan(probe_path(embedded_model), [], host_memory(),
+                     PlanRequest(n_ctx=1024, n_seq_max=4, kv_unified=True, min_ctx=256, cpu_repack=False))
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True))
+    eng.load(embedded_model, plan)
+    yield eng
+    eng.unload()
+
+
+def test_choice_i_is_the_request_alone_with_seed_plus_i(invariant_engine: ServedModel) -> None:
+    """Choices are reproducible: choice i is what a single request with seed + i gives (from a cold prompt). The
+    three choices decode as one batch of three rows and the single request as one row, so this holds where the
+    model's outputs do not depend on the batch: by default an AVX2 build of llama.cpp rounds them otherwise
+    (measured: 1 of 3 choices differed), the AMX build here happened not to."""
+    params = GenerationParams(max_tokens=12, temperature=1.0, seed=7, n=3, cache_prompt=False, ignore_eos=True)
+    got = _choices(list(invariant_engine.complete(PROMPT, params, Cancel())))
+    assert len({t for t, _ in got.values()}) > 1
+    for i in range(3):
+        one = list(invariant_engine.complete(PROMPT, replace(params, n=1, seed=7 + i), Cancel()))
+        assert "".join(c.text for c in one) == got[i][0], i
+
+
+def test_greedy_choices_are_equal_on_a_batch_invariant_model(invariant_engine: ServedModel) -> None:
+    """At temperature 0 every choice is the same text where the rows of one batch are computed alike. By default
+    they need not be: on a fresh default engine here (AMX build) n=2 gave ", the wind is blowing. The waves" and
+    ", the wind is blowing the lighthouse." (a near tie after "blowing", the two rows rounded apart)."""
+    for _ in range(2):  # a fresh engine, then with the first request's state in its slots
+        got = _choices(list(invariant_engine.complete(PROMPT, GenerationParams(max_tokens=8, temperature=0.0, n=2),
+                                                      Cancel())))
+        assert got[0][0] == got[1][0] and got[0][0]
 
 
 def test_n_beyond_the_slots_is_refused(engine: LlamaEngine) -> None:

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from service.engine.cpu import choose_repack, parse_system_info, system_features
+from service.engine.cpu import choose_repack, system_features
+from sizing.probe import parse_system_info
 from service.engine.params import plan_params, repack_of
 from service.planning.planner import LoadOptions, plan_request
 from service.settings import Settings
