@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test fresh-test fresh-test-avx2 setup browser router bench soak clean
+.PHONY: run test fresh-test fresh-test-avx2 fresh-test-avx512 setup browser router bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,13 @@ test: setup browser router
 fresh-test:
 	bash .ci/fresh
 
-# The same with llama.cpp built for AVX2 only (no AVX-512, no AMX kernels), as a host without them runs it; the
-# wheel is built once into ~/.cache/gguf-avx2-wheels (.ci/fresh-avx2).
+# The same with llama.cpp built for AVX2 only, or for AVX-512 without AMX, as hosts without those features run it;
+# each wheel is built once into ~/.cache/gguf-kernel-wheels (.ci/fresh-kernels).
 fresh-test-avx2:
-	bash .ci/fresh-avx2
+	bash .ci/fresh-kernels avx2
+
+fresh-test-avx512:
+	bash .ci/fresh-kernels avx512
 
 # The long reliability runs (10-minute RSS soak, longer API, schema and probe fuzzing, the architecture matrix with 8
 # slots too); `make test` runs their
