@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import SizingError
+
+if TYPE_CHECKING:
+    from .memory import Projector
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -32,7 +35,7 @@ def _devices(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return inventory(declared_path=args.gpus), host_memory()
 
 
-def _projector(args: argparse.Namespace) -> object:
+def _projector(args: argparse.Namespace) -> "Projector | None":
     """The ``--mmproj`` file as the plan's projector, with mtmd's compute buffer measured on the CPU backend (a
     child process) unless ``--no-measure``; on a card the bound stands in (``sizing.memory.projector``)."""
     if not args.mmproj:

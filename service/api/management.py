@@ -34,7 +34,7 @@ _NO_CONTROL = r"^[^\x00-\x20\x7f]+$"
 
 
 def _finite(default: Any = ..., **bounds: float) -> Any:
-    return Field(default, allow_inf_nan=False, **bounds)  # type: ignore[arg-type]
+    return Field(default, allow_inf_nan=False, **bounds)  # type: ignore[call-overload]
 
 
 class DeclaredGpu(BaseModel):
@@ -140,7 +140,7 @@ def _probe_slots(request: Request, n: int) -> _ProbeSlots:
     slots = getattr(request.app.state, "probe_slots", None)
     if slots is None:
         slots = request.app.state.probe_slots = _ProbeSlots(n)
-    return slots  # type: ignore[no-any-return]
+    return slots
 
 
 @router.post("/dry-run")
@@ -211,7 +211,7 @@ async def models(manager: ManagerDep, metrics: MetricsDep, downloads: DownloadsD
                 described["speed"] = {"predicted": predicted, "measured": metrics.measured_speeds(st.name)}
             out.append(described)
         elif manager.last_failed is not None and manager.last_failed.name == entry.name:
-            out.append(manager.describe(manager.last_failed))
+            out.append(manager.describe(manager.last_failed) or {})
         else:
             out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin,
                         "aliases": manager.registry.aliases_of(entry.name), "pinned": entry.config.pinned})

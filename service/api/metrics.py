@@ -201,9 +201,12 @@ class _ServerState(Collector):
             families["evaluated"].add_metric([name], gauges.prompt_tokens_evaluated)
             msp.append((name, waiting, gauges.running_sequences, used, allocated))
             pc = gauges.prompt_cache
-            for k, fam in (*pc_gauges.items(), *pc_counts.items()):
+            for k, gauge in pc_gauges.items():
                 if k in pc:
-                    fam.add_metric([name], pc[k])
+                    gauge.add_metric([name], pc[k])
+            for k, count in pc_counts.items():
+                if k in pc:
+                    count.add_metric([name], pc[k])
             info = self._manager.describe(st) or {}
             for m in info.get("memory", []):
                 device.add_metric([name, m["device"], "allocated"], int(m["allocated_mib"] * MIB))

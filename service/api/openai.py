@@ -129,8 +129,8 @@ async def _stream(request: Request, started: Started, rid: str, created: int, in
             if e.kind == "finish":
                 return wrap({"text": "", "index": i, "logprobs": None, "finish_reason": e.finish_reason})
             if e.kind == "logprobs":
-                lp = _completion_logprobs(list(e.logprobs), offsets.get(i, 0)) if want_lp else None
-                return wrap({"text": "", "index": i, "logprobs": lp, "finish_reason": None}) if want_lp else None
+                lps = _completion_logprobs(list(e.logprobs), offsets.get(i, 0)) if want_lp else None
+                return wrap({"text": "", "index": i, "logprobs": lps, "finish_reason": None}) if want_lp else None
             offsets[i] = offsets.get(i, 0) + len(e.text)
             return wrap({"text": e.text, "index": i, "logprobs": None, "finish_reason": None})
         delta: dict[str, Any] = {}
@@ -223,7 +223,7 @@ class EmbeddingRequest(BaseModel):
         if not value:
             raise BadRequest("input: at least one input", param="input")
         if isinstance(value[0], int):
-            value = [value]  # type: ignore[list-item]
+            value = [value]
         elif len(value) > MAX_EMBEDDING_INPUTS:
             raise BadRequest(f"input: at most {MAX_EMBEDDING_INPUTS} inputs", param="input")
         for i, v in enumerate(value):
@@ -235,7 +235,7 @@ class EmbeddingRequest(BaseModel):
         ids = sum(len(v) for v in value if not isinstance(v, str))
         if ids > max_tokens:
             raise _too_many_tokens(ids, max_tokens)
-        return value  # type: ignore[return-value]
+        return value
 
 
 def _too_many_tokens(n: int, max_tokens: int, *, more: bool = False) -> BadRequest:

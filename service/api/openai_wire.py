@@ -68,7 +68,7 @@ class StreamOptions(BaseModel):
 
 
 def _float(default: float, **bounds: float) -> Any:
-    return Field(default, allow_inf_nan=False, **bounds)  # type: ignore[arg-type]
+    return Field(default, allow_inf_nan=False, **bounds)  # type: ignore[call-overload]
 
 
 class JsonSchemaFormat(BaseModel):

@@ -230,8 +230,8 @@ def _messages(items: str | list[dict[str, Any]], called: set[str]) -> tuple[list
                 out.append({"role": role, "content": _text_parts(content, f"{where}.content", kinds)})
             origin.append(where)
         elif kind == "function_call":
-            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "")
-            check_call_id(call_id, f"{where}.call_id")
+            name, arguments = item.get("name"), item.get("arguments", "")
+            call_id = check_call_id(item.get("call_id"), f"{where}.call_id")
             check_name(name, f"{where}.name")
             if not isinstance(arguments, str):
                 raise BadRequest(f"{where}.arguments: a string (the call's JSON)", param=f"{where}.arguments")
@@ -246,8 +246,7 @@ def _messages(items: str | list[dict[str, Any]], called: set[str]) -> tuple[list
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 origin.append(where)
         elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            check_call_id(call_id, f"{where}.call_id")
+            call_id = check_call_id(item.get("call_id"), f"{where}.call_id")
             if call_id not in called:
                 raise BadRequest(f"{where}.call_id: no function_call before it has the call_id {call_id[:64]!r}",
                                  param=f"{where}.call_id")
@@ -588,7 +587,7 @@ class _Events:
 
     def close(self, status: str) -> list[bytes]:
         """The open item's ``.done`` events; the item joins the output."""
-        item, out = self.open, []
+        item, out = self.open, list[bytes]()
         if item is None:
             return out
         self.open = None

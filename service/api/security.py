@@ -100,7 +100,7 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
 def _header(scope: Scope, name: bytes) -> str:
     for k, v in scope.get("headers", []):
         if k.lower() == name:
-            return v.decode("latin-1")
+            return bytes(v).decode("latin-1")
     return ""
 
 

@@ -89,7 +89,7 @@ def _progress_class(dl: Download) -> type:
     """A tqdm class for huggingface_hub that records progress on ``dl`` and logs every 10%."""
     from tqdm.std import tqdm
 
-    class Progress(tqdm):  # type: ignore[misc,type-arg]
+    class Progress(tqdm):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)

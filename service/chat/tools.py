@@ -58,10 +58,11 @@ def check_name(value: Any, param: str) -> None:
         raise BadRequest(f"{param}: 1 to 64 characters of A-Z, a-z, 0-9, _, . and -", param=param)
 
 
-def check_call_id(value: Any, param: str) -> None:
-    """``BadRequest`` naming ``param`` unless ``value`` is a tool call id (``CALL_ID``)."""
+def check_call_id(value: Any, param: str) -> str:
+    """``value`` when it is a tool call id (``CALL_ID``), else ``BadRequest`` naming ``param``."""
     if not isinstance(value, str) or not CALL_ID.fullmatch(value):
         raise BadRequest(f"{param}: a tool call id, 1 to 256 characters of A-Z, a-z, 0-9, _, ., : and -", param=param)
+    return value
 
 
 def check_tools(tools: list[dict[str, Any]] | None, choice: Any, param: str = "tools") -> list[dict[str, Any]]:

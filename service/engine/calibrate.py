@@ -127,9 +127,9 @@ class Calibrator:
     def _worker(self, path: str, model: ModelParams) -> DryRunWorker:
         key = (path, model)
         now = time.monotonic()
-        for k, w in list(self._workers.items()):
-            if k != key and now - w.last_used > self.idle_s:
-                w.close()
+        for k, idle in list(self._workers.items()):
+            if k != key and now - idle.last_used > self.idle_s:
+                idle.close()
                 del self._workers[k]
         w = self._workers.get(key)
         if w is None:

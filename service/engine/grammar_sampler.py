@@ -32,7 +32,7 @@ def _vocab_key(vocab: Any) -> tuple[Any, ...]:
     sample = []
     for tok in range(0, n, max(1, n // 64)):
         k = llama_cpp.llama_token_to_piece(vocab, tok, buf, 256, 0, True)
-        sample.append(bytes(buf[: max(k, 0)]))
+        sample.append(buf.raw[: max(k, 0)])
     address = ctypes.cast(vocab, ctypes.c_void_p).value
     return (address, n, int(llama_cpp.llama_vocab_eos(vocab)), tuple(sample))
 
@@ -111,7 +111,7 @@ def _token_data_view(cur_p: Any) -> Any:
     arr = cur_p.contents
     size = int(arr.size)
     buf = (llama_cpp.llama_token_data * size).from_address(ctypes.addressof(arr.data.contents))
-    return np.frombuffer(buf, dtype=_TOKEN_DATA, count=size)
+    return np.frombuffer(buf, dtype=_TOKEN_DATA, count=size)  # type: ignore[call-overload]  # a ctypes array is a buffer
 
 
 def grammar_sampler(vocab: Any, grammar: Grammar) -> Any:

@@ -83,7 +83,7 @@ class LogCollector:
         self.lines: list[str] = []
         self.partial = ""
 
-        @llama_cpp.llama_log_callback  # type: ignore[misc]
+        @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
         def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
             *done, self.partial = (self.partial + (text.decode("utf-8", "replace") if text else "")).split("\n")
             self.lines.extend(done)
@@ -159,7 +159,7 @@ class LogTap:
             if cls._installed:
                 return
 
-            @llama_cpp.llama_log_callback  # type: ignore[misc]
+            @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
             def _cb(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
                 cls._on_text(level, text.decode("utf-8", "replace") if text else "")
 

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import os
 import pathlib
+from typing import cast
 
 _ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
@@ -84,10 +85,10 @@ class NextnApi:
         self._set(ctx, value, masked)
 
     def rows(self, ctx: int) -> "ctypes._Pointer[ctypes.c_float]":
-        return self._get(ctx)
+        return cast("ctypes._Pointer[ctypes.c_float]", self._get(ctx))
 
     def row(self, ctx: int, i: int) -> "ctypes._Pointer[ctypes.c_float]":
-        return self._get_ith(ctx, i)
+        return cast("ctypes._Pointer[ctypes.c_float]", self._get_ith(ctx, i))
 
 
 @functools.lru_cache(maxsize=1)

@@ -106,7 +106,8 @@ class ContextParams:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ContextParams":
-        return cls(**{k: (bool(v) if isinstance(v, bool) else int(v)) for k, v in d.items()})
+        fields: dict[str, Any] = {k: (bool(v) if isinstance(v, bool) else int(v)) for k, v in d.items()}
+        return cls(**fields)
 
 
 def model_params(placement: Placement, device_indexes: Sequence[int] = (), *, n_devices: int = 0,

@@ -34,7 +34,7 @@ def sampler_chain(model: Any, n_vocab: int, params: GenerationParams, grammar: A
         # First, as llama-server's chain puts it (common/sampling.cpp): the bias applies to the raw logits.
         arr = (llama_cpp.llama_logit_bias * len(params.logit_bias))()
         for i, (tok, bias) in enumerate(params.logit_bias):
-            arr[i].token, arr[i].bias = tok, bias
+            arr[i] = llama_cpp.llama_logit_bias(tok, bias)
         add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), arr))
     add(llama_cpp.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N_TOKENS, 1.0,
                                                params.frequency_penalty, params.presence_penalty))

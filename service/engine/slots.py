@@ -12,7 +12,7 @@ sliding-window cache still holds a position is its question to llama.cpp, passed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 SLOT_PROMPT_SIMILARITY = 0.10
 """llama-server's ``--slot-prompt-similarity`` default (common/common.h)."""
@@ -122,8 +122,20 @@ def pick_slot(slots: Sequence[Slot], tokens: list[int], *, similarity: float, re
     return min(idle, key=lambda s: (s.last_used, s.id))
 
 
-def reusable(slot: Slot, tokens: list[int], *, batch_invariant: bool, holds: Callable[[Slot, int], bool]) -> int:
-    """How many leading ``tokens`` the slot's KV can stand for.
+class HeldPrompt(Protocol):
+    """What ``reusable`` reads of a slot, or of a cached prompt (``service.engine.prompt_cache.Entry``)."""
+
+    tokens: list[int]
+    n_canon: int
+    logits: Any
+    logits_at: int
+
+
+H = TypeVar("H", bound=HeldPrompt)
+
+
+def reusable(slot: H, tokens: list[int], *, batch_invariant: bool, holds: Callable[[H, int], bool]) -> int:
+    """How many leading ``tokens`` the slot's KV (or a cached prompt's state) can stand for.
 
     The common prefix, less the prompt's last token (its logits give the first token) unless the slot kept the
     logits after exactly this prompt; in batch-invariant mode only tokens computed as a cold evaluation computes

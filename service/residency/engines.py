@@ -37,7 +37,7 @@ def default_engine(settings: Settings) -> Engine:
 
 
 async def start_engine(settings: Settings, factory: EngineFactory, state: ModelState, plan: Plan,
-                       on_event: Callable[[str, str], None]) -> None:
+                       on_event: Callable[[str, str], object]) -> None:
     """A fresh engine and runner (FIFO) for ``state``, and the load (raises what the engine raised); ``on_event``
     hears a runner process's deaths, restarts and final failure, from the process's watcher thread."""
     assert state.path is not None

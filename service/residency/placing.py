@@ -25,7 +25,7 @@ from ..settings import Settings
 class Placing:
     """Plans for the models of the registry (and for files elsewhere), for the manager that owns it."""
 
-    def __init__(self, settings: Settings, registry: Registry, planner: Planner, max_models: int) -> None:
+    def __init__(self, settings: Settings, registry: Registry, planner: Planner, max_models: int | None) -> None:
         self.settings = settings
         self.registry = registry
         self.planner = planner

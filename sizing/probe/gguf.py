@@ -304,14 +304,14 @@ def build_spec(header: GGUFHeader, tensors: Sequence[TensorInfo], source: ModelS
 
     per_layer_bytes = [0] * n_layer_all
     per_layer_experts = [0] * n_layer_all
-    for t in tensors:
-        il = t.layer
+    for tensor in tensors:
+        il = tensor.layer
         if il is not None:
             if il >= n_layer_all:
-                raise MalformedError(f"tensor {t.name!r} names block {il} of {n_layer_all}", source=src)
-            per_layer_bytes[il] += t.n_bytes
-            if "_exps" in t.name:
-                per_layer_experts[il] += t.n_bytes
+                raise MalformedError(f"tensor {tensor.name!r} names block {il} of {n_layer_all}", source=src)
+            per_layer_bytes[il] += tensor.n_bytes
+            if "_exps" in tensor.name:
+                per_layer_experts[il] += tensor.n_bytes
 
     layers = tuple(
         LayerSpec(

@@ -105,7 +105,7 @@ def _main(argv: list[str]) -> int:  # pragma: no cover - runs in the child
     path, flash, gpu = argv[0], argv[1] == "1", argv[2] == "1"
     lines: list[str] = []
 
-    @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+    @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)  # type: ignore[untyped-decorator]
     def on_log(_level: int, text: bytes, _data: ctypes.c_void_p) -> None:
         lines.append(text.decode(errors="replace"))
 

@@ -51,6 +51,11 @@ class ArchFixture:
         assert isinstance(v, int)
         return v
 
+    def int_extra(self, name: str) -> int:
+        v = self.extra[name]
+        assert isinstance(v, int)
+        return v
+
     def per_layer(self, name: str, default: int = 0) -> list[int]:
         v = self.keys.get(name, default)
         if isinstance(v, list):
@@ -187,7 +192,7 @@ def _jamba(fx: ArchFixture) -> list[Tensor]:
     _head(fx, out)
     e, f = fx.n_embd, fx.int_key("feed_forward_length")
     n_expert = fx.int_key("expert_count")
-    every, offset = int(fx.extra["expert_layer_period"]), int(fx.extra["expert_layer_offset"])
+    every, offset = fx.int_extra("expert_layer_period"), fx.int_extra("expert_layer_offset")
     for i in range(fx.n_layer):
         p = _p(i)
         _norm(out, p + "attn_norm", e)

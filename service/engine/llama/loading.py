@@ -307,7 +307,7 @@ def abort_callback(fn: Any) -> Any:
     """``fn`` (no arguments, True to abort) as llama.cpp's ``ggml_abort_callback``; the caller keeps it alive."""
     import llama_cpp
 
-    @llama_cpp.ggml_abort_callback  # type: ignore[misc]
+    @llama_cpp.ggml_abort_callback  # type: ignore[untyped-decorator]
     def _cb(_data: ctypes.c_void_p) -> bool:
         return bool(fn())
 

@@ -133,10 +133,11 @@ class Sequences:
         kept = 0
         for i in range(len(draft) + 1):
             self.on_logits(r, idx + i, ctx)
-            if r.slot is None or i == len(draft) or r.next_token != draft[i]:
+            chosen = r.next_token
+            if r.slot is None or i == len(draft) or chosen is None or chosen != draft[i]:
                 break  # ended (its release dropped the unverified positions), or the draft was not chosen
             kept += 1
-            self._slots.grow(slot, [r.next_token])  # already in the KV: its row is the next one
+            self._slots.grow(slot, [chosen])  # already in the KV: its row is the next one
             r.next_token = None
         r.policy.record(r.n_out, len(draft), kept)
         if r.unverified:

@@ -159,7 +159,7 @@ class SlotTable:
     def clear(self, slot: Slot) -> None:
         self.truncate(slot, 0)
 
-    def grow(self, slot: Slot, tokens: list[int]) -> None:
+    def grow(self, slot: Slot, tokens: list[int] | tuple[int, ...]) -> None:
         """``tokens`` were decoded into the slot's sequence after what it holds."""
         slot.tokens.extend(tokens)
         slot.cells.extend(self.cells.new(len(tokens)))
