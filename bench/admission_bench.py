@@ -20,21 +20,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving_bench import service  # noqa: E402
-
-from service.catalog.embedded import embedded_model_path  # noqa: E402
+from harness import run_service
+from service.catalog.embedded import embedded_model_path
 
 OVERSIZED = "lighthouse keeper " * 383_000  # 6.9 MB
 LONG = "sea " * 350_000  # 1.4 MB: fewer characters than 32,768 x 48
@@ -79,7 +72,7 @@ def main() -> None:
         "long": (8, lambda c: c.post(url + "/v1/completions", json={"prompt": LONG, "max_tokens": 2})),
     }
     got: dict[str, list[tuple[float, float]]] = {"idle": [], **{k: [] for k in scenarios}}
-    with service(embedded_model_path()) as url:
+    with run_service(embedded_model_path()) as url:
         short(url)
         for _ in range(args.rounds):
             got["idle"].append((short(url), 0.0))

@@ -15,20 +15,12 @@ Run it alone on an idle machine (figures from a loaded one measure the neighbour
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.llama_server import free_port, stop, wait_until_answers  # noqa: E402
+from harness import run_service
 
 MODEL = "gemma-3-270m-q4_k_m"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -49,14 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    port = free_port()
-    env = {**os.environ, "GGUF_PORT": str(port), "GGUF_CONFIRM_LOADS": "false", "GGUF_CONTEXT_LENGTH": "4096",
-           "GGUF_EMBEDDING_TOKENS": "128", "GGUF_MODELS_DIR": tempfile.mkdtemp(prefix="agents-bench-")}
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_answers(proc, url + "/ready", 180, "the service")
+    with run_service(GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH="4096", GGUF_EMBEDDING_TOKENS="128") as url:
         c = httpx.Client(base_url=url, timeout=300)
         chat = {"model": MODEL, "messages": ASK, "temperature": 0}
         tool = {**chat, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60}
@@ -99,8 +84,6 @@ def main() -> None:
                 n += batch
             dt = time.perf_counter() - t0
             print(f"FIGURE embeddings: batches of {batch}: {n / dt:.1f} inputs/s ({dt / args.runs * 1e3:.0f} ms a request)")
-    finally:
-        stop(proc)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving_bench import clients, conversation, one_client, service_process, tag  # noqa: E402
-from service.catalog.embedded import embedded_model_path  # noqa: E402
+from harness import ROOT, service_process
+from service.catalog.embedded import embedded_model_path
+from serving_bench import clients, conversation, one_client, tag
 
 
 def main() -> int:

@@ -15,14 +15,10 @@ import asyncio
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from serving_bench import service  # noqa: E402
+from harness import run_service
 
 TARGET_S = 5.0
 
@@ -54,7 +50,7 @@ def main() -> int:
     from service.catalog.embedded import embedded_model_path
 
     fresh: list[float] = []
-    with service(embedded_model_path(), GGUF_QUEUE_SIZE=str(args.clients + 50)) as url:
+    with run_service(embedded_model_path(), GGUF_QUEUE_SIZE=str(args.clients + 50)) as url:
         with httpx.Client(base_url=url, timeout=120) as c:
             assert c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4}).status_code == 200
             for i in range(args.rounds):

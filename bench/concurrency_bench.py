@@ -26,18 +26,14 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from llama_server import CACHE, find_or_build, free_port, request, stop, together, wait_until_answers  # noqa: E402
+from harness import free_port, request, stop, together, wait_until_answers
+from llama_server import CACHE, find_or_build
 
 TOPICS = ("a lighthouse keeper", "a dragon who hates gold", "the first city on Mars", "a lost violin",
           "a robot learning to cook", "two rival bakers", "a storm at sea", "an old library")
@@ -142,11 +138,11 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 
-    from service.engine.base import GenerationParams
     from service.catalog.embedded import embedded_model_path
-    from sizing.probe.devices import host_memory
-    from sizing.probe import probe_path
+    from service.engine.base import GenerationParams
     from sizing.plan.planner import PlanRequest, make_plan
+    from sizing.probe import probe_path
+    from sizing.probe.devices import host_memory
 
     path = args.model or embedded_model_path()
     clients = [int(x) for x in args.clients.split(",")]

@@ -3,7 +3,7 @@ engine for about an hour"; 64 inputs of 480 tokens took 116 s and an 8-token cha
 
     .venv/bin/python bench/embedding_fairness_bench.py [--inputs 64] [--tokens 480] [--interval 1.0]
 
-The real service (``python -m service`` on its defaults, bench/serving_bench.py's ``service()``) serves the
+The real service (``python -m service`` on its defaults, bench/harness.py's ``run_service()``) serves the
 embedded gemma-3-270m. Measured, in this order:
 
 - idle: a 2-token greedy completion (a fresh prompt each time: no cached prefix), ``--idle`` times;
@@ -26,17 +26,12 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving_bench import fresh, service  # noqa: E402
-
-from service.catalog.embedded import embedded_model_path  # noqa: E402
+from harness import run_service
+from service.catalog.embedded import embedded_model_path
+from serving_bench import fresh
 
 TARGET_S = 1.0
 
@@ -90,7 +85,7 @@ def main() -> int:
     rng = random.Random(29)
     # Token ids of ordinary pieces (BOS first): the work of a batch depends on its length, not on the text.
     inputs = [[2] + [rng.randrange(1000, 200_000) for _ in range(args.tokens - 1)] for _ in range(args.inputs)]
-    with service(embedded_model_path()) as url:
+    with run_service(embedded_model_path()) as url:
         with httpx.Client(base_url=url, timeout=600) as c:
             completion(c)  # warm: the first request pays for the scheduler's start
             embeddings(c, inputs[:1])

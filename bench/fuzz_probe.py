@@ -21,11 +21,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sizing.errors import SizingError  # noqa: E402
-from sizing.probe import probe_bytes  # noqa: E402
-from tests.gguf.conftest import minimal_llama  # noqa: E402
+from sizing.errors import SizingError
+from sizing.probe import probe_bytes
+from sizing.testing.raw_gguf import minimal_llama
 
 ALLOC_FACTOR = 64
 ALLOC_SLACK_BYTES = 4 * 1024 * 1024

@@ -22,9 +22,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEMA = {
     "type": "object",
@@ -49,8 +46,8 @@ def sampler_steps(model_path: str, steps: int) -> None:
     from llama_cpp import llama_grammar
 
     from service.engine.base import GenerationParams
-    from service.grammar.schema import compile_grammar
     from service.engine.grammar_sampler import grammar_sampler
+    from service.grammar.schema import compile_grammar
 
     mp = llama_cpp.llama_model_default_params()
     mp.vocab_only = True
@@ -108,8 +105,8 @@ def end_to_end(model_path: str, tokens: int, runs: int) -> None:
     from llama_cpp import Llama, llama_grammar
 
     from service.engine.base import GenerationParams
-    from service.grammar.schema import compile_grammar
     from service.engine.grammar_sampler import grammar_logits_processor
+    from service.grammar.schema import compile_grammar
 
     llm = Llama(model_path=model_path, n_ctx=1024, verbose=False)
     prompt = llm.tokenize(b"A person as JSON:", add_bos=True)

@@ -29,22 +29,15 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving_bench import service_process  # noqa: E402
-
-from service.grammar.worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib  # noqa: E402
+from harness import service_process
+from service.grammar.worker import FAST_MEMORY_MIB, FAST_SLOTS, memory_bound_mib
 
 
 def hostile(n: int, tag: int) -> dict[str, Any]:

@@ -46,13 +46,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 DEFAULT_FIRST = 12
 DEFAULT_LAST = 3
@@ -184,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
 
     src = args.model
     if src is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from service.catalog.embedded import embedded_model_path
 
         src = Path(embedded_model_path())

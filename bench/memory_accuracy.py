@@ -27,22 +27,20 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from service.engine.calibrate import Calibrator  # noqa: E402
-from service.engine.params import ModelParams  # noqa: E402
-from service.planning.planner import LoadOptions, Planner, needs_calibration  # noqa: E402
-from service.settings import Settings  # noqa: E402
-from sizing.memory.compute import compute_bytes, compute_mirrored  # noqa: E402
-from sizing.memory.context import ContextConfig  # noqa: E402
-from sizing.memory.estimate import resolve_flash_attn  # noqa: E402
-from sizing.memory.kv import kv_split_bytes, recurrent_state_bytes  # noqa: E402
-from sizing.model import arch as archs  # noqa: E402
-from sizing.model.spec import ModelSpec  # noqa: E402
-from sizing.plan.device import Device  # noqa: E402
-from sizing.plan.request import context_config  # noqa: E402
-from sizing.probe import probe_path  # noqa: E402
-from sizing.testing.fixtures import ALL_FIXTURES, write_fixture  # noqa: E402
+from service.engine.calibrate import Calibrator
+from service.engine.params import ModelParams
+from service.planning.planner import LoadOptions, Planner, needs_calibration
+from service.settings import Settings
+from sizing.memory.compute import compute_bytes, compute_mirrored
+from sizing.memory.context import ContextConfig
+from sizing.memory.estimate import resolve_flash_attn
+from sizing.memory.kv import kv_split_bytes, recurrent_state_bytes
+from sizing.model import arch as archs
+from sizing.model.spec import ModelSpec
+from sizing.plan.device import Device
+from sizing.plan.request import context_config
+from sizing.probe import probe_path
+from sizing.testing.fixtures import ALL_FIXTURES, write_fixture
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -17,24 +17,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from service.engine.base import Cancel, GenerationParams  # noqa: E402
-from service.engine.calibrate import Calibrator  # noqa: E402
-from service.engine.llama import LlamaEngine  # noqa: E402
+from service.engine.base import Cancel, GenerationParams
+from service.engine.calibrate import Calibrator
+from service.engine.llama import LlamaEngine
+from service.planning.planner import LoadOptions, Planner
+from service.settings import Settings
 from service.text.served import ServedModel
-from service.planning.planner import LoadOptions, Planner  # noqa: E402
-from service.settings import Settings  # noqa: E402
-from sizing.probe import probe_path  # noqa: E402
-from sizing.probe.devices import host_memory  # noqa: E402
-from sizing.testing.fixtures import write_mtp_fixture  # noqa: E402
+from sizing.probe import probe_path
+from sizing.probe.devices import host_memory
+from sizing.testing.fixtures import write_mtp_fixture
 
 
 def main() -> None:

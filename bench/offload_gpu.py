@@ -31,15 +31,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sizing.plan import Device, Plan, PlanRequest, make_plan, plan_table  # noqa: E402
-from sizing.probe import host_memory, probe_path  # noqa: E402
-from sizing.probe.devices import nvml_devices  # noqa: E402
-from sizing.units import MIB  # noqa: E402
+from sizing.plan import Device, Plan, PlanRequest, make_plan, plan_table
+from sizing.probe import host_memory, probe_path
+from sizing.probe.devices import nvml_devices
+from sizing.units import MIB
 
 CASES = ("one-card", "split-like", "partial-offload", "moe-override")
 
@@ -91,7 +88,11 @@ def load_and_run(path: str, plan: Plan, prompt_tokens: int, gen_tokens: int) -> 
     import llama_cpp
 
     from service.engine import loglines as L
-    from service.engine.params import apply_context_params, apply_model_params, plan_params
+    from service.engine.params import (
+        apply_context_params,
+        apply_model_params,
+        plan_params,
+    )
 
     lines = L.LogCollector().lines
     llama_cpp.llama_backend_init()

@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import service.engine.llama.scheduler as llama_engine  # noqa: E402
-from service.engine.base import Cancel, GenerationParams  # noqa: E402
-from service.engine.llama import LlamaEngine  # noqa: E402
+import service.engine.llama.scheduler as llama_engine
+from service.catalog.embedded import embedded_model_path
+from service.engine.base import Cancel, GenerationParams
+from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel
-from service.catalog.embedded import embedded_model_path  # noqa: E402
-from sizing.plan import PlanRequest, make_plan  # noqa: E402
-from sizing.probe import host_memory, probe_path  # noqa: E402
+from sizing.plan import PlanRequest, make_plan
+from sizing.probe import host_memory, probe_path
 
 
 def tokens_per_s(eng: LlamaEngine, n: int) -> float:

@@ -10,17 +10,14 @@ of the second source document; the Qwen3-14B laptop case of the first.
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sizing.plan import Device, PlanRequest, make_plan, plan_table  # noqa: E402
-from sizing.probe import probe_path  # noqa: E402
-from sizing.testing.fixtures import write_fixture  # noqa: E402
+from sizing.plan import Device, PlanRequest, make_plan, plan_table
+from sizing.probe import probe_path
+from sizing.testing.fixtures import write_fixture
 
 GIB = 1 << 30
 MB = 1000 * 1000
@@ -37,6 +34,7 @@ def timed(fn, repeat: int = 20) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     d = tempfile.mkdtemp(prefix="plan-bench-")
     specs = {n: probe_path(write_fixture(n, d, q)) for n, q in
              [("Qwen2.5-14B", "bf16"), ("Qwen3-14B", "bf16"), ("Llama-3.1-8B", "q4_k_m"), ("Qwen3-30B-A3B", "q4_k_m"),

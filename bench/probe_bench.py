@@ -21,9 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sizing.probe import probe_path  # noqa: E402
+from sizing.probe import probe_path
 
 TARGET_MS = 40.0
 

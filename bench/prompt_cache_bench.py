@@ -4,7 +4,7 @@
 
 Both load the embedded gemma-3-270m (or ``--model``) on their defaults (4 slots each; llama-server keeps idle
 prompts in host RAM, ``--cache-ram`` 8,192 MiB; the service its prompt cache beyond the slots), side by side
-(``bench/serving_bench.py``'s ``service``, ``bench/llama_server.py``'s ``serve``); each request goes to both, in
+(``bench/harness.py``'s ``run_service``, ``bench/llama_server.py``'s ``serve``); each request goes to both, in
 alternating order, so neither runs while the other measures.
 
 Scenarios (``--scenarios``, comma-separated):
@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -39,12 +37,9 @@ from typing import Any, Callable
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from llama_server import find_or_build, request, serve  # noqa: E402
-from serving_bench import QUESTIONS, history_text, service, service_process  # noqa: E402
+from harness import med, request, run_service, service_process
+from llama_server import find_or_build, serve
+from serving_bench import QUESTIONS, history_text
 
 
 def _client(url: str) -> httpx.Client:
@@ -85,21 +80,17 @@ def cold(url: str, history_tokens: int) -> float:
     return c.turn(url)
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def restart_scenario(model: str, history_tokens: int, reply_tokens: int, runs: int) -> dict[str, list[float]]:
     """The service alone with a disk cache: warm next turns, next turns after a restart and after a reload, cold."""
     out: dict[str, list[float]] = {"warm": [], "restart": [], "reload": [], "cold": []}
     kv = tempfile.mkdtemp(prefix="prompt-cache-bench-")
     convs = [Conversation(history_tokens, reply_tokens) for _ in range(runs)]
-    with service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:
+    with run_service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:
         for c in convs:
             c.turn(url)
             out["warm"].append(c.turn(url))
             out["cold"].append(cold(url, history_tokens))
-    with service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:  # a new process: only the disk remembers
+    with run_service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:  # a new process: only the disk remembers
         for c in convs:
             out["restart"].append(c.turn(url))
         for c in convs:
@@ -124,7 +115,7 @@ def kill_scenario(model: str, history_tokens: int, reply_tokens: int, runs: int)
         for pid in (proc.pid, runner):
             os.kill(pid, signal.SIGKILL)
         proc.wait()
-    with service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:  # only the disk remembers
+    with run_service(model, GGUF_PROMPT_CACHE_DIR=kv) as url:  # only the disk remembers
         for c in convs:
             out["killed"].append(c.turn(url))
             out["cold"].append(cold(url, history_tokens))
@@ -154,7 +145,7 @@ def main() -> int:
     acc: dict[str, dict[str, list[float]]] = {"service": {}, "llama-server": {}}
     if scenarios & {"rotation", "cold"}:
         binary = find_or_build(args.llama_server)
-        with service(model, **settings) as svc_url, serve(binary, model) as ls_url:
+        with run_service(model, **settings) as svc_url, serve(binary, model) as ls_url:
             sides = {"service": svc_url, "llama-server": ls_url}
             for url in sides.values():
                 cold(url, 64)  # warm-up

@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.engine.base import Cancel, GenerationParams  # noqa: E402
-from service.engine.cpu import host_repack  # noqa: E402
-from service.engine.llama import LlamaEngine  # noqa: E402
+from service.catalog.embedded import embedded_model_path
+from service.engine.base import Cancel, GenerationParams
+from service.engine.cpu import host_repack
+from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel
-from service.catalog.embedded import embedded_model_path  # noqa: E402
-from sizing.probe import host_memory, probe_path  # noqa: E402
-from sizing.testing.fixtures import FixtureShape, write_fixture  # noqa: E402
+from sizing.plan import PlanRequest, make_plan
+from sizing.probe import host_memory, probe_path
+from sizing.testing.fixtures import FixtureShape, write_fixture
 
 ZERO_LLAMA = FixtureShape("llama", 1024, 8, 16, 4, 64, 2816, 32000, 4096, tokenizer="llama")
-from sizing.plan import PlanRequest, make_plan  # noqa: E402
 
 TEXT = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. He noted the wind, the "
         "height of the waves, the ships that passed and the birds that rested on the gallery rail. ")

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import free_port
 
 MIB = 1 << 20
 
@@ -36,9 +35,9 @@ def decision(repeat: int) -> None:
     from service.planning.planner import LoadOptions, Planner
     from service.settings import Settings
     from sizing.plan.device import Device
+    from sizing.plan.residency import Holding
     from sizing.probe import probe_path
     from sizing.testing.fixtures import FixtureShape, write_fixture
-    from sizing.plan.residency import Holding
 
     d = tempfile.mkdtemp(prefix="residency-bench-")
 
@@ -97,7 +96,6 @@ def demand(quick: bool) -> None:
     from service.api.app import create_app
     from service.settings import EMBEDDED_MODEL_NAME, Settings
     from sizing.testing.fixtures import TINY_LLAMA, write_fixture
-    from tests.conftest import free_port
 
     models = Path(tempfile.mkdtemp(prefix="residency-bench-models-"))
     tiny = Path(write_fixture("tiny-llama", models, shape=TINY_LLAMA)).stem

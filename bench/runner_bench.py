@@ -39,17 +39,11 @@ import glob
 import os
 import random
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving_bench import clients, one_client, service, tag  # noqa: E402
-
-from service.catalog.embedded import embedded_model_path  # noqa: E402
+from harness import run_service
+from service.catalog.embedded import embedded_model_path
+from serving_bench import clients, one_client, tag
 
 COMPUTE_SHARE = 0.25
 """A thread that used at least this share of a round's wall time in CPU is counted as llama.cpp's compute."""
@@ -160,7 +154,7 @@ def main() -> None:
             # Both sides' services start afresh each time, in turn first (what a start settles, where the
             # process's memory lies, falls on both alike).
             names = list(sides) if start % 2 == 0 else list(sides)[::-1]
-            urls = {side: stack.enter_context(service(model, **sides[side])) for side in names}
+            urls = {side: stack.enter_context(run_service(model, **sides[side])) for side in names}
             run_rounds(urls, rounds, args.tokens, results)
         mine, other = ({k: v[begin[k]:] for k, v in results[side].items()} for side in (first, "in process"))
         per_start.append((statistics.median(a / b for a, b in zip(mine["decode"], other["decode"])),

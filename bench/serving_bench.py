@@ -28,27 +28,20 @@ Scenarios (``--scenarios``, comma-separated):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from llama_server import Run, find_or_build, free_port, request, serve, stop, together, wait_until_answers  # noqa: E402
+from harness import Run, med, request, run_service, together
+from llama_server import find_or_build, serve
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 SENTENCES = (
@@ -61,41 +54,6 @@ SENTENCES = (
 )
 QUESTIONS = ("What did the keeper do at dusk?", "Who visited him?", "What happened in winter?",
              "Tell me about the rescue.", "What did he write in the log?")
-
-
-@contextlib.contextmanager
-def service(model: str, *, beside: tuple[str, ...] = (), **settings: str) -> Iterator[str]:
-    """``python -m service`` on its defaults (but ``settings``, GGUF_* names), serving ``model`` from a models
-    directory of its own (with the files ``beside``, under their own names: a draft model)."""
-    with service_process(model, beside=beside, **settings) as (url, _):
-        yield url
-
-
-@contextlib.contextmanager
-def service_process(model: str, *, beside: tuple[str, ...] = (), root: Path = ROOT, **settings: str
-                    ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``service``, and its process (to kill it); ``root``: the checkout it runs from (another commit's, to
-    compare)."""
-    models = Path(tempfile.mkdtemp(prefix="serving-bench-"))
-    for src, dst in ((model, models / "bench.gguf"), *((b, models / Path(b).name) for b in beside)):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copyfile(src, dst)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
-    env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=str(models), GGUF_DEFAULT_MODEL="bench", GGUF_LOG_LEVEL="warning",
-               **settings)
-    log = open(models / "service.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_answers(proc, f"{url}/ready", 300, f"the service (log: {models / 'service.log'})")
-        yield url, proc
-    finally:
-        stop(proc)
-        log.close()
-        shutil.rmtree(models, ignore_errors=True)
 
 
 def tag() -> str:
@@ -135,12 +93,12 @@ class InProcess:
 
     def __init__(self, model: str) -> None:
         from service.engine.llama import LlamaEngine
-        from service.text.served import ServedModel
         from service.planning.planner import LoadOptions, plan_request
         from service.settings import Settings
-        from sizing.probe.devices import host_memory
-        from sizing.probe import probe_path
+        from service.text.served import ServedModel
         from sizing.plan.planner import make_plan
+        from sizing.probe import probe_path
+        from sizing.probe.devices import host_memory
 
         settings = Settings()
         plan = make_plan(probe_path(model), [], host_memory(), plan_request(settings, LoadOptions()))
@@ -221,10 +179,6 @@ def conversation(url: str, route: str, history_tokens: int, turns: int, reply_to
     return out
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a GGUF path (default: the embedded gemma-3-270m)")
@@ -252,7 +206,7 @@ def main() -> int:
     settings = dict(kv.split("=", 1) for kv in args.service_setting)
     print(f"model {Path(model).name}; {args.rounds} rounds; service settings {settings or 'defaults'}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    with service(model, **settings) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
+    with run_service(model, **settings) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
         sides = {"service": svc_url, "llama-server": ls_url}
         for url in sides.values():  # warm-up
             one_client(url, 8, True)

@@ -33,19 +33,14 @@ import contextlib
 import functools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from llama_server import find_or_build, serve  # noqa: E402
-from serving_bench import service  # noqa: E402
+from harness import run_service
+from llama_server import find_or_build, serve
 
 STORY = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. He noted the wind, the "
          "height of the waves, the ships that passed and the birds that rested on the gallery. In winter the storms "
@@ -132,7 +127,7 @@ def main() -> None:
             beside = (args.draft_model,)
             peers = {f"{PEER} draft-simple": ("-md", args.draft_model, "--spec-type", "draft-simple")}
             settings["GGUF_DRAFT_MODEL"] = Path(args.draft_model).stem
-        url = stack.enter_context(service(model, beside=beside, **settings))
+        url = stack.enter_context(run_service(model, beside=beside, **settings))
         sides["service"] = lambda p, s: _run(url, p, args.tokens, {}, s)
         sides["service, no drafts"] = lambda p, s: _run(url, p, args.tokens, {"speculative": False}, s)
         if not args.no_llama_server:

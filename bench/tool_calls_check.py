@@ -23,17 +23,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any, Iterator
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.llama_server import free_port, stop, wait_until_answers  # noqa: E402
+from harness import run_service
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
           "required": ["city", "days"]}
@@ -48,16 +40,8 @@ def served(url: str | None) -> Iterator[str]:
     if url:
         yield url.rstrip("/")
         return
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
-    env.update(GGUF_PORT=str(port), GGUF_MODELS_DIR=tempfile.mkdtemp(prefix="tool-calls-check-"))
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_until_answers(proc, f"http://127.0.0.1:{port}/ready", 300, "the service")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+    with run_service() as url:
+        yield url
 
 
 def valid(arguments: Any) -> bool:

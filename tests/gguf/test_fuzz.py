@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sizing.errors import ProbeError, SizingError
 from sizing.probe import probe_bytes
 from sizing.model.spec import ModelSpec
-from tests.gguf.conftest import minimal_llama
+from sizing.testing.raw_gguf import minimal_llama
 
 # 100 tokens: long enough to go through the unchecked skip_strings walk.
 VALID = bytes(minimal_llama(2, n_vocab=100))

@@ -19,7 +19,7 @@ from sizing.errors import (
 from sizing.probe import probe_bytes
 from sizing.probe.reader import parse_header
 from sizing.probe.sources import BytesSource
-from tests.gguf.conftest import RawGGUF, gstr, kv_arr_u32, kv_str, kv_u32, minimal_llama, tensor_info
+from sizing.testing.raw_gguf import RawGGUF, gstr, kv_arr_u32, kv_str, kv_u32, minimal_llama, tensor_info
 
 HUGE = (1 << 63) - 1
 

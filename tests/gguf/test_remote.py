@@ -94,7 +94,7 @@ def test_server_ignoring_range_is_refused(range_server: RangeServer, big_vocab_m
 
 
 def test_small_file_without_range_support_is_read(range_server: RangeServer, tmp_path: Path) -> None:
-    from tests.gguf.conftest import minimal_llama
+    from sizing.testing.raw_gguf import minimal_llama
 
     f = tmp_path / "tiny.gguf"
     f.write_bytes(bytes(minimal_llama(2)))
