@@ -251,3 +251,10 @@ def test_every_sizing_module_has_a_rule_and_the_pure_folders_exist() -> None:
     for rel in PURE:
         assert (ROOT / rel).exists(), rel
     assert os.path.isdir(ROOT / "sizing" / "testing")
+
+
+def test_test_folders_mirror_the_packages() -> None:
+    """Each folder under tests/sizing/ and tests/service/ tests the product folder of the same path."""
+    stray = [str(d.relative_to(ROOT)) for top in ("sizing", "service") for d in (ROOT / "tests" / top).rglob("*")
+             if d.is_dir() and d.name != "__pycache__" and not (ROOT / d.relative_to(ROOT / "tests")).is_dir()]
+    assert not stray, f"test folders naming no product folder: {stray}"

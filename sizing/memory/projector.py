@@ -11,7 +11,7 @@ magnitude (SigLIP at 896 px, 16 heads: 121.25 MiB with it, 1132.00 MiB without, 
 is llama.cpp's figure, measured by mtmd's warmup on the backend the projector runs on (``figures``). Without one the
 plan carries a bound: the attention scores of every head (without flash attention) and eight activations of the
 widest layer for every patch, f32; above every measured figure of a fixed-size projector
-(``tests/plan/test_projector_plan.py``). A dynamic-resolution projector's warmup image is not its ``image_size``
+(``tests/sizing/plan/test_projector_plan.py``). A dynamic-resolution projector's warmup image is not its ``image_size``
 (Qwen2.5-VL warms up at 1288 px): its bound is for the largest image such types take by default
 (``DYNAMIC_MAX_TOKENS``), several times what is measured; its figure is measured where it can be, with images
 capped to the warmup's (``image_max_tokens``).

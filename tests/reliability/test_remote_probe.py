@@ -13,7 +13,7 @@ import pytest
 
 from sizing.errors import ProbeError, RemoteError, ShardError
 from sizing.probe.remote import ProbeLimits, probe_url
-from tests.gguf.conftest import RangeServer, link_into, range_server  # noqa: F401  (a fixture, used here)
+from tests.sizing.probe.conftest import RangeServer, link_into, range_server  # noqa: F401  (a fixture, used here)
 
 from .conftest import FakeService
 

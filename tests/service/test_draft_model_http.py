@@ -13,7 +13,7 @@ import pytest
 from service.settings import Settings
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 from tests.conftest import EMBEDDED_NAME, free_port, in_process_service
-from tests.engine.test_speculation import COPY
+from tests.service.engine.test_speculation import COPY
 
 pytestmark = pytest.mark.slow
 

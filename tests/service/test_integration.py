@@ -168,7 +168,7 @@ def test_measured_speeds_stand_beside_the_predicted_ones(served: Any) -> None:
     assert value(text, "gguf_tokens_per_second", model=EMBEDDED_NAME, phase="decode", kind="predicted") > 0
 
 
-from tests.gguf.conftest import RangeServer, link_into, range_server  # noqa: E402,F401  (a fixture, imported to use here)
+from tests.sizing.probe.conftest import RangeServer, link_into, range_server  # noqa: E402,F401  (a fixture, imported to use here)
 
 
 @pytest.mark.slow

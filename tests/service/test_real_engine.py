@@ -119,7 +119,7 @@ def test_chat_logprobs(served):  # type: ignore[no-untyped-def]
 def test_drafted_tokens_are_in_the_usage_and_the_metrics(served):  # type: ignore[no-untyped-def]
     """Self-speculation on by default: an answer that copies its prompt is drafted, the drafts the model kept are
     OpenAI's ``accepted_prediction_tokens``, the others ``rejected_prediction_tokens``; ``speculative: false``
-    gives the answer one token a step (the same answer: tests/engine/test_speculation.py, without repacked CPU
+    gives the answer one token a step (the same answer: tests/service/engine/test_speculation.py, without repacked CPU
     weights, whose rows round otherwise together than alone)."""
     text = ("The keeper of the lighthouse wrote in his log every evening: the wind, the height of the waves, the "
             "ships that passed and the birds that rested on the gallery.")

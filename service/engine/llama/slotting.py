@@ -66,7 +66,7 @@ class SlotTable:
         ``pos_min < pos_next - n_swa``) is two positions stricter, and refused that continuation whenever the
         window had been trimmed (every next chat turn of a 1,800-token conversation once four of them shared the
         cache; found by bench/prompt_cache_bench.py); what this one allows is checked token for token against a
-        cold evaluation (tests/engine/test_prompt_cache.py). Models without SWA hold every position (``pos_min``
+        cold evaluation (tests/service/engine/test_prompt_cache.py). Models without SWA hold every position (``pos_min``
         0)."""
         import llama_cpp
 

@@ -12,7 +12,7 @@ from sizing.__main__ import main
 from sizing.errors import ProbeError, RemoteError
 from sizing.probe import probe_hf, probe_path, probe_url
 from sizing.probe.remote import shard_urls
-from tests.gguf.conftest import RangeServer, link_into, write_model
+from tests.sizing.probe.conftest import RangeServer, link_into, write_model
 
 
 def _same(a: object, b: object) -> None:

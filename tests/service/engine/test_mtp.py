@@ -22,7 +22,7 @@ from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 from sizing.testing.fixtures import write_mtp_fixture
-from tests.engine.test_speculation import _both, _run
+from tests.service.engine.test_speculation import _both, _run
 
 GREEDY = GenerationParams(max_tokens=40, temperature=0.0, cache_prompt=False, ignore_eos=True)
 PROMPT = "The sea is wide and the"

@@ -88,7 +88,7 @@ def test_state_widths_follow_n_embd_r_and_n_embd_s() -> None:
 
 
 def test_an_unknown_architecture_is_sized_as_attention_and_marked(tmp_path: Path) -> None:
-    from tests.gguf.conftest import write_model
+    from tests.sizing.probe.conftest import write_model
 
     path = write_model(tmp_path / "x.gguf", arch="frobnicator", n_layer=2)[0]
     spec = probe_path(str(path))
@@ -117,7 +117,7 @@ def test_gpt_oss_slides_every_other_layer(fixture_spec: Callable[..., ModelSpec]
 
 
 def test_docs_say_for_every_architecture_whether_it_is_simulated_or_measured() -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "memory.md").read_text(encoding="utf-8")
     rows = {line.split("|")[1].strip(): line for line in doc.splitlines() if line.startswith("| ") and line.count("|") == 7}
     for name, t in archs.ARCHS.items():
         assert name in rows, f"docs/memory.md does not list {name}"

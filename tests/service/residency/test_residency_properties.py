@@ -31,7 +31,7 @@ from sizing.plan.device import MIB, Device
 from sizing.plan.residency import available, decision_request, held_bytes
 from sizing.probe import probe_path
 
-from .test_residency import _shape
+from tests.service.residency.test_residency import _shape
 from service.api.errors import code_of, http_of
 
 NAMES = ("a4", "b4", "c8", "d8", "e16", "f24")

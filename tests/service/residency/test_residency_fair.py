@@ -3,7 +3,7 @@ a 409, the busy model yields (finishes what it admitted while new requests for i
 wait is bounded (503 with Retry-After) and visible in the metrics, two models under alternating load are both
 served, refusals stay short, and a reload keeps /ready and new requests pointed at the model.
 
-On the fake engine over real HTTP, on declared cards (``tests/service/test_residency.py``'s setup): two 4-layer
+On the fake engine over real HTTP, on declared cards (``tests/service/residency/test_residency.py``'s setup): two 4-layer
 llama-shaped models, at most one loaded (``GGUF_MAX_LOADED_MODELS=1``), each load taking ``load_delay_s``. One
 check runs the real server with two copies of the embedded model.
 """
@@ -28,7 +28,7 @@ from sizing.testing.fixtures import FixtureShape, write_fixture
 from tests.conftest import stream_events
 from tests.prom import samples
 
-from .conftest import FakeService
+from tests.service.conftest import FakeService
 from tests.figures import figure
 
 CARDS = json.dumps([{"name": "card A", "free_mib": 2500, "total_mib": 8192},

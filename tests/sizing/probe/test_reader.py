@@ -15,7 +15,7 @@ from sizing.probe import probe_bytes, probe_path, tensor_nbytes
 from sizing.probe.gguf import read_header
 from sizing.probe.reader import ArraySummary
 from sizing.probe.sources import FileSource
-from tests.gguf.conftest import write_model
+from tests.sizing.probe.conftest import write_model
 from sizing.testing.raw_gguf import kv_arr_u32, minimal_llama
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from sizing.errors import ProbeError, ShardError
 from sizing.probe import probe_path, shard_paths
-from tests.gguf.conftest import write_model
+from tests.sizing.probe.conftest import write_model
 
 
 @pytest.fixture

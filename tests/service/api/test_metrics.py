@@ -20,7 +20,7 @@ from service.settings import Settings
 from tests.conftest import EMBEDDED_NAME, free_port, in_process_service
 from tests.prom import families, series, value
 
-from .conftest import FakeService
+from tests.service.conftest import FakeService
 
 KEY = "metrics-test-key"
 

@@ -22,7 +22,7 @@ from sizing.plan.planner import Plan, PlanRequest, make_plan
 pytestmark = pytest.mark.slow
 
 PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are")
-# One token a step: these tests compare engines and batch layouts; drafts (tests/engine/test_speculation.py) add
+# One token a step: these tests compare engines and batch layouts; drafts (tests/service/engine/test_speculation.py) add
 # rows to a step, which repacked CPU weights round otherwise than a row alone.
 GREEDY = GenerationParams(max_tokens=16, temperature=0.0, speculative=False)
 COLD = replace(GREEDY, cache_prompt=False)

@@ -21,7 +21,7 @@ from sizing.plan.planner import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture
-from tests.engine.test_speculation import COPY, GREEDY, _both, _run
+from tests.service.engine.test_speculation import COPY, GREEDY, _both, _run
 
 pytestmark = pytest.mark.slow
 

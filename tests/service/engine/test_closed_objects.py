@@ -15,7 +15,7 @@ import pytest
 from service.chat.format import ChatFormat
 from service.grammar.schema import FRACTION_STEP, MAX_FRACTION_DIGITS, compile_source, bounded_schema, closed
 from service.chat.tools import tool_grammar
-from tests.engine.test_bounded_numbers import _answer
+from tests.service.engine.test_bounded_numbers import _answer
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from sizing.testing.fixtures import FixtureShape, write_fixture
 
 from tests.conftest import stream_events
 
-from .conftest import FakeService
+from tests.service.conftest import FakeService
 
 MIB = 1 << 20
 FREE_MIB = 2500

@@ -21,7 +21,7 @@ import ollama
 import pytest
 
 from tests.conftest import EMBEDDED_NAME, ROOT, ServiceProcess
-from tests.service.test_pull import _Hub
+from tests.service.catalog.test_pull import _Hub
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ ASK = [{"role": "user", "content": "Name a colour."}]
 
 
 class _TreeHub(_Hub):
-    """The hub's resolve protocol (tests/service/test_pull.py) and its file listing, which
+    """The hub's resolve protocol (tests/service/catalog/test_pull.py) and its file listing, which
     ``hf.co/OWNER/REPO:QUANT`` reads (``GET /api/models/OWNER/REPO/tree/REVISION``)."""
 
     def do_GET(self) -> None:  # noqa: N802
@@ -250,7 +250,7 @@ def test_embed(client: ollama.Client) -> None:
     one = client.embeddings(model=EMBEDDED_NAME, prompt="a red apple")
     # The same text alone and in a batch: equal up to the CPU kernels' batch-dependent rounding, which is larger on
     # some hosts (AVX512 with AMX: 4e-3 at most, measured) than on others (AVX2: 1e-5); the engine's test bounds
-    # it by the cosine the same way (tests/engine/test_choices_bias_embeddings.py).
+    # it by the cosine the same way (tests/service/engine/test_choices_bias_embeddings.py).
     assert len(one.embedding) == 640
     assert sum(x * y for x, y in zip(one.embedding, r.embeddings[0])) > 0.999
 
