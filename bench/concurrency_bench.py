@@ -140,7 +140,7 @@ def main() -> None:
 
     from service.catalog.embedded import embedded_model_path
     from service.engine.base import GenerationParams
-    from sizing.plan.planner import PlanRequest, make_plan
+    from sizing.plan.make import PlanRequest, make_plan
     from sizing.probe import probe_path
     from sizing.probe.devices import host_memory
 

@@ -96,7 +96,7 @@ class InProcess:
         from service.planning.planner import LoadOptions, plan_request
         from service.settings import Settings
         from service.text.served import ServedModel
-        from sizing.plan.planner import make_plan
+        from sizing.plan.make import make_plan
         from sizing.probe import probe_path
         from sizing.probe.devices import host_memory
 

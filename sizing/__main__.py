@@ -59,7 +59,7 @@ def _projector(args: argparse.Namespace) -> "Projector | None":
 def _plan(args: argparse.Namespace) -> int:
     from .probe.devices import ggml_features
     from .probe import probe_location
-    from .plan.planner import PlanRequest, make_plan
+    from .plan.make import PlanRequest, make_plan
     from .memory.repack import auto_reason, auto_repack
     from .memory import DraftModel
     from .plan.report import plan_json, plan_table

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .template import text_content
+from .sandbox import text_content
 
 ToolFormat = Literal["hermes", "llama3", "mistral", "generic"]
 

@@ -1,6 +1,6 @@
 """The one translation of a plan into llama.cpp parameters, used by the engine and the dry run alike.
 
-A ``Plan`` (``sizing.plan.planner``) says what to load in this project's terms (a
+A ``Plan`` (``sizing.plan.make``) says what to load in this project's terms (a
 ``ContextConfig`` and a ``Placement``); llama.cpp takes ``llama_model_params``
 and ``llama_context_params`` (llama.h of the llama.cpp that llama-cpp-python
 0.3.36 vendors). ``model_params`` and ``context_params`` turn the first into

@@ -1,6 +1,6 @@
 """Planning: a load or dry-run request turned into a ``Plan``, calibrated by llama.cpp where the model is not proven.
 
-The pure planner (``sizing.plan.planner.make_plan``) answers in milliseconds from the
+The pure planner (``sizing.plan.make.make_plan``) answers in milliseconds from the
 simulation where it is proven: the mirrored graphs (``sizing.model.arch.MIRRORED``)
 on a CPU build. Everywhere else (architectures whose graph is not mirrored, the
 ``special`` caches, unknown architectures, any GPU backend) ``Planner`` takes

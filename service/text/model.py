@@ -12,7 +12,7 @@ from ..chat.format import ChatFormat
 from ..engine.base import EngineLimits, ImageInput
 from .prompts import Prompter
 from .tasks import FimTokens, TaskPrompter
-from .templates import template_for
+from .chat_template import template_for
 from .vocab import Vocabulary
 
 ImageTokens = Callable[[ImageInput, str], tuple[list[int], list[int], list[int]]]

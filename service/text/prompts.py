@@ -20,10 +20,10 @@ import uuid
 from typing import Any, Iterable, Iterator
 
 from ..chat.format import ChatFormat, detect, prepare
-from ..chat.template import ChatTemplate
+from ..chat.sandbox import ChatTemplate
 from ..engine.base import ImageInput
 from ..errors import BadRequest
-from .templates import BuiltinChatTemplate
+from .chat_template import BuiltinChatTemplate
 from .vocab import Vocabulary
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .auto_cache import choose_cache_type
 from .device import Device, DeviceKind
-from .planner import DRAFT_REFUSAL, CacheTypeOption, Candidate, Plan, make_plan
+from .make import DRAFT_REFUSAL, CacheTypeOption, Candidate, Plan, make_plan
 from .report import plan_json, plan_table, spec_json
 from .request import AUTO_CACHE_TYPE, AUTO_CACHE_TYPES, PlanRequest, context_config, ctx_cap, ctx_floor
 from .residency import (Decision, Holding, available, choose_eviction, decide_placement, decision_request, held_bytes,

@@ -8,7 +8,7 @@ from .device import Device
 from ..units import mib
 from ..memory.estimate import MemoryEstimate
 from ..memory.placement import Placement
-from .planner import CacheTypeOption, Candidate, Plan
+from .make import CacheTypeOption, Candidate, Plan
 from ..model.spec import ModelSpec
 
 

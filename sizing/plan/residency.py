@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Sequence
 
 from .device import Device
 from ..memory.estimate import MemoryEstimate
-from .planner import Plan
+from .make import Plan
 from .request import AUTO_CACHE_TYPE, PlanRequest, ctx_cap, ctx_floor
 from .sizer import held_whole_verdict
 from ..model.spec import ModelSpec

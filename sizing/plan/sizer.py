@@ -2,7 +2,7 @@
 
 ``Sizer`` answers "does this placement hold this context?" for one model, cache
 type and device set, from the pure model or, where a calibration is given, from
-llama.cpp's own figures (``sizing.memory.measured``). ``sizing.plan.planner`` and
+llama.cpp's own figures (``sizing.memory.measured``). ``sizing.plan.make`` and
 ``sizing.plan.offload`` both build on it, and on nothing of each other.
 """
 

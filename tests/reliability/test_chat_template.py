@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from service.chat.template import MAX_RENDERED_CHARS, ChatTemplate
+from service.chat.sandbox import MAX_RENDERED_CHARS, ChatTemplate
 from service.errors import BadRequest
 from service.api.errors import http_of
 from tests.figures import figure

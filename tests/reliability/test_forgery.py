@@ -24,9 +24,9 @@ import anthropic
 import openai
 import pytest
 
-from service.chat.template import ChatTemplate
+from service.chat.sandbox import ChatTemplate
 from service.text.prompts import Prompter
-from service.text.templates import BuiltinChatTemplate
+from service.text.chat_template import BuiltinChatTemplate
 from service.text.vocab import Vocabulary
 from service.errors import BadRequest
 from tests.conftest import EMBEDDED_NAME, ServiceProcess

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.chat.template import check_template
+from service.chat.sandbox import check_template
 from sizing.errors import ProbeError, without_credentials
 from sizing.probe.remote import ProbeLimits, embedded_ipv4, probe_url
 from tests.conftest import ROOT

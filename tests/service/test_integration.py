@@ -11,7 +11,7 @@ import pytest
 
 from sizing.plan.device import MIB, Device
 from sizing.probe import probe_path
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.plan.residency import available
 from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel

@@ -158,7 +158,7 @@ def test_architecture_against_llama_cpp(name: str, fixture_path: Callable[..., s
 def test_models_with_a_recurrent_state_get_no_draft_rows(fixture_path: Callable[..., str]) -> None:
     """Self-speculation's logits rows (``ContextConfig.draft_rows``) only where the engine drafts: a recurrent
     state cannot take back a rejected draft's tokens, so hybrid and recurrent models plan none."""
-    from sizing.plan.planner import PlanRequest, make_plan
+    from sizing.plan.make import PlanRequest, make_plan
 
     host = Device(0, "host memory", 96 * GIB, 128 * GIB, "host")
     for name, fx in ARCH_FIXTURES.items():

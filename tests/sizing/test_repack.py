@@ -9,7 +9,7 @@ import pytest
 
 from sizing.plan.device import MIB, Device
 from sizing.probe import probe_path
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.memory.repack import auto_repack, buffer_of, extra_buffer_bytes
 from sizing.model.spec import TensorInfo
 

@@ -201,7 +201,7 @@ HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 
 
 def test_a_native_template_renders_tools_and_tool_turns() -> None:
-    from service.chat.template import ChatTemplate
+    from service.chat.sandbox import ChatTemplate
 
     fmt = detect(HERMES_TEMPLATE)
     assert (fmt.tools, fmt.native_tools, fmt.arguments_as_object) == ("hermes", True, True)

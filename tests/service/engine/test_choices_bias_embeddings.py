@@ -14,7 +14,7 @@ from service.text.served import ServedModel
 from service.errors import BadRequest, ContextLengthExceeded
 from sizing.probe.devices import host_memory
 from sizing.probe import probe_path
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from service.planning.planner import LoadOptions, plan_request
 from service.settings import Settings
 from sizing.plan.device import Device
 from sizing.probe import probe_path
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 
 # llama_print_system_info of two hosts (the first: the Sapphire Rapids host of the AMX crash).
 AMX_HOST = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | "

@@ -17,7 +17,7 @@ from service.text.served import ServedModel
 from service.residency.views import allocation_rows
 from sizing.memory.draft import DraftModel
 from sizing.plan.device import MIB
-from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.plan.make import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture

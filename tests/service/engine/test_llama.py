@@ -17,7 +17,7 @@ from service.engine.slots import INVARIANT_MIN_ROWS, common_prefix
 from service.errors import ContextLengthExceeded, InsufficientMemory
 from sizing.probe.devices import host_memory
 from sizing.probe import probe_path
-from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.plan.make import Plan, PlanRequest, make_plan
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from service.planning.planner import LoadOptions, Planner
 from service.residency.views import allocation_rows
 from service.settings import Settings
 from sizing.plan.device import MIB, Device
-from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.plan.make import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 from sizing.testing.fixtures import write_mtp_fixture

@@ -66,7 +66,7 @@ def test_physical_cores_is_at_least_one_and_at_most_logical() -> None:
 
 def test_plan_params_use_the_plans_device_indexes(embedded_model: str) -> None:
     from sizing.probe import probe_path
-    from sizing.plan.planner import PlanRequest, make_plan
+    from sizing.plan.make import PlanRequest, make_plan
     from service.engine.params import plan_params
 
     gib = 1 << 30

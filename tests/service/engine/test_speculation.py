@@ -13,7 +13,7 @@ from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel
 from service.engine.speculation import DRAFT_START, PAUSE_AFTER_MISSES, PAUSE_TOKENS, DraftPolicy, NgramDrafter
-from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.plan.make import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 

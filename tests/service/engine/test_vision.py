@@ -21,7 +21,7 @@ from service.engine.speculation import NgramDrafter
 from service.engine.vision import image_run
 from service.errors import BadRequest
 from sizing.memory import Projector
-from sizing.plan.planner import Plan, PlanRequest, make_plan
+from sizing.plan.make import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
 from sizing.probe.mtmd import measure_projector

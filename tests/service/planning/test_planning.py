@@ -22,7 +22,7 @@ from sizing.plan.device import MIB, Device
 from sizing.probe import probe_path
 from sizing.testing.fixtures import write_fixture
 from sizing.memory.measured import Calibrated, Calibration, ConfigKey
-from sizing.plan.planner import make_plan
+from sizing.plan.make import make_plan
 from sizing.plan.request import context_config
 
 GIB = 1 << 30

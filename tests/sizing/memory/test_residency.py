@@ -12,7 +12,7 @@ from sizing.memory.context import ContextConfig
 from sizing.plan.device import MIB, Device
 from sizing.memory.kv import KvCells
 from sizing.memory.estimate import DeviceMemory, MemoryEstimate
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.plan.residency import (Holding, available, choose_eviction, decision_request, eviction_sets, held_bytes,
                               held_summary, held_whole, lru)
 

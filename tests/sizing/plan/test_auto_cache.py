@@ -16,7 +16,7 @@ from sizing.memory.estimate import estimate
 from sizing.memory.placement import Placement
 from sizing.plan import AUTO_CACHE_TYPES, choose_cache_type, plan_json, plan_table
 from sizing.plan.device import Device
-from sizing.plan.planner import CacheTypeOption, Plan, PlanRequest, make_plan
+from sizing.plan.make import CacheTypeOption, Plan, PlanRequest, make_plan
 from sizing.model.spec import ModelSpec
 
 GIB = 1 << 30

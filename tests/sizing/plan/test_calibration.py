@@ -12,7 +12,7 @@ from sizing.errors import ConfigError
 from sizing.memory.kv import kv_cells, kv_split_bytes
 from sizing.memory.measured import Calibrated, Calibration, ConfigKey, Sample, mib_to_bytes
 from sizing.memory.estimate import estimate
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.plan.request import context_config
 from sizing.model.spec import ModelSpec
 

@@ -14,7 +14,7 @@ from sizing.memory.estimate import estimate
 from sizing.memory.placement import Placement
 from sizing.model.spec import ModelSpec
 from sizing.plan.device import MIB, Device
-from sizing.plan.planner import DRAFT_REFUSAL, PlanRequest, make_plan
+from sizing.plan.make import DRAFT_REFUSAL, PlanRequest, make_plan
 
 GIB = 1 << 30
 MB = 1000 * 1000

@@ -16,7 +16,7 @@ from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel
 from sizing.memory.placement import Placement
 from sizing.plan.device import MIB, Device
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.plan.report import spec_json
 from sizing.plan.sizer import Sizer
 from sizing.probe import probe_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sizing.plan.device import Device
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.model.spec import ModelSpec
 
 GIB = 1 << 30
@@ -29,7 +29,7 @@ def test_qwen3_14b_bf16_on_the_laptop_is_a_partial_offload(model_spec: Spec) -> 
     assert gpu.total_bytes <= LAPTOP_GPU.free_bytes
     # The most slots that fit: one more would not.
     from sizing.plan.offload import fits
-    from sizing.plan.planner import Sizer
+    from sizing.plan.make import Sizer
 
     sz = Sizer(spec, [LAPTOP_GPU], LAPTOP_HOST, plan.request, "f16")
     from dataclasses import replace

@@ -13,7 +13,7 @@ from sizing.plan.device import MIB, Device
 from sizing.memory.kv import kv_bytes, kv_bytes_per_token
 from sizing.memory.estimate import estimate
 from sizing.memory.placement import Placement, assign_slots
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.model.spec import ModelSpec
 
 MB = 1000 * 1000

@@ -17,7 +17,7 @@ from sizing.errors import UnsupportedModelError
 from sizing.memory import Projector, compute_bound_bytes, mib_to_bytes
 from sizing.model.spec import ModelSpec
 from sizing.plan.device import Device
-from sizing.plan.planner import PlanRequest, make_plan
+from sizing.plan.make import PlanRequest, make_plan
 from sizing.plan.report import plan_json, plan_table
 from sizing.probe.projector import probe_projector
 from sizing.testing.projector_fixtures import PROJECTORS, TINY, ProjectorShape, write_projector

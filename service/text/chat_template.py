@@ -1,4 +1,4 @@
-"""The chat template a loaded model renders with: its own Jinja template (``service.chat.template``), the
+"""The chat template a loaded model renders with: its own Jinja template (``service.chat.sandbox``), the
 operator's (``GGUF_CHAT_TEMPLATE_FILE``), or, for files without one, one of llama.cpp's built-in templates
 (``llama_chat_apply_template``), which only llama.cpp can render: so this part lives with the engine.
 """
@@ -10,7 +10,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from ..chat.template import ChatTemplate, text_content
+from ..chat.sandbox import ChatTemplate, text_content
 from ..errors import BadRequest
 
 log = logging.getLogger(__name__)
