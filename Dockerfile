@@ -26,10 +26,14 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # GGML_NATIVE=off: no -march=native, so the image runs on other CPUs than the
-# build machine's (llama.cpp then enables AVX2/FMA/F16C, x86-64-v3).
+# build machine's (llama.cpp then enables AVX2/FMA/F16C, x86-64-v3). GGML_RPC=on:
+# the image also runs `python -m service worker` (docs/deployment.md). --no-cache-dir
+# for this one: the wheel cache of pip does not key on CMAKE_ARGS and could return a
+# wheel built with other flags.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    CMAKE_ARGS="-DGGML_NATIVE=off" \
-    pip install llama-cpp-python==0.3.36
+    CMAKE_ARGS="-DGGML_NATIVE=off -DGGML_RPC=on" \
+    pip install --no-cache-dir llama-cpp-python==0.3.36 \
+    && python -c "__import__('sys').exit(0 if __import__('llama_cpp').llama_supports_rpc() else 'no ggml-rpc')"
 WORKDIR /src
 COPY pyproject.toml ./
 COPY sizing ./sizing
@@ -84,8 +88,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN --mount=type=cache,target=/root/.cache/pip \
     ln -sf /usr/local/cuda/lib64/stubs/libcuda.so /usr/local/cuda/lib64/stubs/libcuda.so.1 \
     && LD_LIBRARY_PATH=/usr/local/cuda/lib64/stubs:$LD_LIBRARY_PATH \
-    CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=off -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
-    pip install llama-cpp-python==0.3.36
+    CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=on -DGGML_NATIVE=off -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
+    pip install --no-cache-dir llama-cpp-python==0.3.36 \
+    && LD_LIBRARY_PATH=/usr/local/cuda/lib64/stubs:$LD_LIBRARY_PATH python -c "__import__('sys').exit(0 if __import__('llama_cpp').llama_supports_rpc() else 'no ggml-rpc')"
 WORKDIR /src
 COPY pyproject.toml ./
 COPY sizing ./sizing

@@ -11,8 +11,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Installing llama-cpp-python compiles llama.cpp (see README for the time); pip caches the built wheel.
-$(STAMP): pyproject.toml | $(BIN)/python
+# Installing llama-cpp-python compiles llama.cpp (see README for the time), with ggml-rpc beside the CPU backend
+# (tools/llama-wheel: built once into a folder of pip's cache named by its CMake flags, which pip's own wheel cache
+# does not key on); the project's install then finds it in place.
+$(STAMP): pyproject.toml tools/llama-wheel | $(BIN)/python
+	bash tools/llama-wheel $(BIN)/python
 	$(BIN)/pip install --progress-bar off -e '.[test]'
 	touch $(STAMP)
 

@@ -1,4 +1,5 @@
-"""``python -m service``: serve with uvicorn on the configured host and port.
+"""``python -m service``: serve with uvicorn on the configured host and port; ``python -m service worker``: serve
+this machine's devices to a model planned over several machines (``service.rpc.worker``).
 
 Refuses to start (exit 2, one clear line) with settings it must not serve with: a non-loopback
 address without API keys, an unreadable key file, a malformed CORS origin.
@@ -45,6 +46,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["worker"]:  # this machine's devices for a model planned over several (service.rpc.worker)
+        from .rpc.worker import main as worker
+
+        return worker(sys.argv[2:])
     try:
         settings = Settings()
     except ValueError as exc:

@@ -42,7 +42,11 @@ def libggml() -> ctypes.CDLL | None:
     import llama_cpp
 
     libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
-    path = next((c for c in (libdir / n for n in ("libggml.so", "libggml.dylib", "ggml.dll")) if c.exists()), None)
+    # libggml.so.0 first: the name libllama links (its DT_NEEDED). A wheel holds libggml.so, .so.0 and .so.0.x as
+    # three copies, not links, and loading another copy than libllama's gives a second ggml with a registry of its
+    # own (an RPC server registered there is a device no model sees).
+    names = ("libggml.so.0", "libggml.so", "libggml.dylib", "ggml.dll")
+    path = next((c for c in (libdir / n for n in names) if c.exists()), None)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))

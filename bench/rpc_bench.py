@@ -1,0 +1,103 @@
+"""Decode speed over loopback ggml-rpc workers against one host, in one run.
+
+    .venv/bin/python bench/rpc_bench.py [--rounds 3] [--tokens 64] [--model PATH]
+
+Two workers (``python -m service worker`` on loopback, ``--threads`` each) and the model (default: the embedded
+one) run by ``service.testing.rpc`` in a child process per side and round: on the host alone (``--threads``
+threads), with every layer on one worker, and split over both. The sides alternate within each round, so a
+drifting machine load falls on all alike. Printed: greedy tokens/s per side (median over rounds), the ratio to
+the host, whether the text equals the host's, and the buffers llama.cpp placed per device. Run it alone: the
+workers and the client share this machine's cores, so loopback measures the protocol's cost, not a network's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import httpx
+from harness import ROOT, free_port, stop
+
+from service.catalog.embedded import embedded_model_path
+
+MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def workers(n: int, threads: int) -> Iterator[list[str]]:
+    procs, endpoints = [], []
+    try:
+        for _ in range(n):
+            port = free_port()
+            while port > 65000 or port + 1 in (int(e.rsplit(":", 1)[1]) for e in endpoints):
+                port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "service", "worker", "--listen",
+                                           f"127.0.0.1:{port}", "--threads", str(threads)], cwd=ROOT,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            endpoints.append(f"127.0.0.1:{port}")
+        for e in endpoints:
+            host, port = e.rsplit(":", 1)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    httpx.get(f"http://{host}:{int(port) + 1}/status", timeout=2)
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"the worker at {e} did not start")
+                    time.sleep(0.1)
+        yield endpoints
+    finally:
+        for p in procs:
+            stop(p)
+
+
+def side(model: str, endpoints: list[str], tokens: int) -> dict[str, Any]:
+    r = subprocess.run([sys.executable, "-m", "service.testing.rpc", "--tokens", str(tokens), model, *endpoints],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"run over {endpoints or 'the host'} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each worker")
+    ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
+    args = ap.parse_args()
+    model = args.model or embedded_model_path()
+    speeds: dict[str, list[float]] = {"host": [], "one worker": [], "two workers": []}
+    last: dict[str, dict[str, Any]] = {}
+    with workers(2, args.threads) as eps:
+        plan = {"host": [], "one worker": eps[:1], "two workers": eps}
+        for r in range(args.rounds):
+            order = list(plan) if r % 2 == 0 else list(reversed(plan))
+            for name in order:
+                out = side(model, plan[name], args.tokens)
+                speeds[name].append(out["tokens_per_s"])
+                last[name] = out
+            print(f"  round {r + 1}: " + ", ".join(f"{n} {speeds[n][-1]:.1f} tok/s" for n in plan), flush=True)
+    host = statistics.median(speeds["host"])
+    print(f"\nmodel {model}, {args.tokens} greedy tokens, medians of {args.rounds} rounds, loopback, "
+          f"{args.threads} threads per worker")
+    print(f"{'side':<14}{'tokens/s':>10}{'vs host':>9}  text as host's  buffers per device (MiB: weights/KV/compute)")
+    for name in plan:
+        s = statistics.median(speeds[name])
+        bufs = "; ".join(f"{d} {b['weights'] / MIB:.2f}/{b['kv'] / MIB:.2f}/{b['compute'] / MIB:.2f}"
+                         for d, b in last[name]["buffers"].items())
+        same = "yes" if last[name]["text"] == last["host"]["text"] else "NO"
+        print(f"{name:<14}{s:>10.1f}{s / host:>9.3f}  {same:<15} {bufs}")
+    print("predicted by the planner: not yet (the plan over workers is not built; docs/deployment.md)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""A model run over ggml-rpc workers, for tests and benches: ``python -m service.testing.rpc [--hold] [--tokens N]
+MODEL [ENDPOINT ...]`` loads MODEL in this process with every layer on the workers' devices (split evenly over them), or
+on the host with no endpoint, generates greedily and prints one JSON line: the devices llama.cpp used, the
+buffers it allocated per device (its log lines), the text and the decode speed; ``--hold`` keeps the model loaded
+after that line until a line arrives on stdin.
+
+A child process of its own: registering a worker that cannot be reached aborts (ggml-rpc's ``GGML_ABORT``), and
+ggml-rpc keeps a process's registrations for its life. llama.cpp's extra CPU buffers stay off, as the service's
+default on AMX hosts keeps them (``service.engine.cpu``: the AMX kernel crashes this llama.cpp).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+PROMPT = "The capital of France is"
+
+
+def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512, hold: bool = False
+        ) -> dict[str, Any]:
+    import llama_cpp
+    import llama_cpp.llama_cpp as capi
+
+    from ..engine.loglines import LogCollector, parse_allocations
+    from ..rpc.ggml import rpc_library
+
+    lib = rpc_library()
+    if lib is None:
+        raise SystemExit("llama-cpp-python was built without ggml-rpc")
+    names = [name for e in endpoints for name in lib.add_server(e)]
+    defaults = capi.llama_model_default_params
+
+    def no_extra_buffers() -> Any:
+        mp = defaults()
+        mp.use_extra_bufts = False
+        return mp
+
+    capi.llama_model_default_params = no_extra_buffers
+    kw: dict[str, Any] = {"n_ctx": n_ctx, "n_threads": 2, "verbose": False, "n_gpu_layers": 0}
+    if names:
+        kw.update(n_gpu_layers=999, tensor_split=[1.0] * len(names))
+    log = LogCollector()
+    m = llama_cpp.Llama(model, **kw)
+    allocations, _ = parse_allocations(log.text())
+    buffers = {a.device: {"weights": a.weights_bytes, "kv": a.kv_bytes, "compute": a.compute_bytes,
+                          "output": a.output_bytes} for a in allocations}
+    m.create_completion(PROMPT, max_tokens=1, temperature=0)  # warm: the graphs are built once
+    t0 = time.perf_counter()
+    out: Any = m.create_completion(PROMPT, max_tokens=tokens, temperature=0, seed=1)
+    seconds = time.perf_counter() - t0
+    n = int(out["usage"]["completion_tokens"])
+    result = {"devices": names, "buffers": buffers, "text": out["choices"][0]["text"], "tokens": n,
+              "tokens_per_s": n / seconds}
+    if hold:  # the figures now, the model kept loaded until a line comes on stdin (a test reads the workers then)
+        print(json.dumps(result), flush=True)
+        sys.stdin.readline()
+    m.close()  # while the workers still answer: freeing their buffers is a call to them
+    return result
+
+
+def main(argv: list[str]) -> int:
+    hold = "--hold" in argv
+    argv = [a for a in argv if a != "--hold"]
+    tokens = 24
+    if argv[:1] == ["--tokens"] and len(argv) > 1:
+        tokens, argv = int(argv[1]), argv[2:]
+    if not argv:
+        sys.stderr.write(__doc__ or "")
+        return 2
+    result = run(argv[0], argv[1:], tokens=tokens, hold=hold)
+    if not hold:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

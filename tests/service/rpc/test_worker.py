@@ -1,0 +1,138 @@
+"""``python -m service worker``: ggml-rpc over this machine's devices, its real free memory beside it, loopback
+unless told otherwise; a llama.cpp process that registers workers runs a model on them and answers as on one host.
+Real processes on loopback, killed at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+
+from service.rpc.worker import mem_available_bytes
+from tests.conftest import ROOT, free_port
+
+MIB = 1 << 20
+
+
+@contextlib.contextmanager
+def worker(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-m", "service", "worker", "--listen", f"127.0.0.1:{port}",
+                             "--threads", "1", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port + 1}/status", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the worker did not answer /status"
+                time.sleep(0.1)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def status(port: int) -> dict:  # type: ignore[type-arg]
+    r = httpx.get(f"http://127.0.0.1:{port + 1}/status", timeout=5)
+    assert r.status_code == 200
+    return r.json()  # type: ignore[no-any-return]
+
+
+def two_ports() -> tuple[int, int]:
+    """Two RPC ports whose next port (/status) is free too."""
+    out: list[int] = []
+    while len(out) < 2:
+        p = free_port()
+        if p < 65000 and p not in out and p + 1 not in out and p - 1 not in out:
+            out.append(p)
+    return out[0], out[1]
+
+
+def test_the_build_has_ggml_rpc() -> None:
+    """make setup builds llama-cpp-python with GGML_RPC=ON (tools/llama-wheel): a cached wheel without it is not
+    reused."""
+    import llama_cpp
+
+    from service.rpc.ggml import rpc_library
+
+    assert llama_cpp.llama_supports_rpc()
+    assert rpc_library() is not None
+
+
+def test_status_reports_the_budget_not_the_whole_ram() -> None:
+    port, _ = two_ports()
+    with worker(port, "--memory-mib", "64"):
+        s = status(port)
+    assert s["endpoint"] == f"127.0.0.1:{port}" and s["protocol"] == "7.0.0"
+    (cpu,) = [d for d in s["devices"] if d["kind"] == "cpu"]
+    assert cpu["budget_bytes"] == 64 * MIB
+    assert 0 < cpu["free_bytes"] <= 64 * MIB
+    assert cpu["free_bytes"] + cpu["held_bytes"] == 64 * MIB
+    assert cpu["total_bytes"] > 64 * MIB  # ggml-rpc's own figure: the whole RAM, which the planner must not trust
+    with worker(port):
+        unbounded = [d for d in status(port)["devices"] if d["kind"] == "cpu"][0]
+    assert "budget_bytes" not in unbounded
+    assert abs(unbounded["free_bytes"] - mem_available_bytes()) < 512 * MIB  # MemAvailable, as it is now
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "192.0.2.7", "[::]"])
+def test_a_public_address_is_refused_without_allow_public(address: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "service", "worker", "--listen", f"{address}:{free_port()}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "no authentication" in r.stderr and "--allow-public" in r.stderr
+
+
+@pytest.mark.parametrize("listen", ["50052", "host:", "host:port", "127.0.0.1:70000"])
+def test_a_malformed_listen_address_is_refused(listen: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "service", "worker", "--listen", listen], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
+
+
+def test_a_model_over_two_workers_answers_as_on_one_host(embedded_model: str) -> None:
+    """The embedded model with every layer on two workers' CPU devices (service.testing.rpc, a child process):
+    the greedy text equals the host's, llama.cpp placed buffers on both workers, and each worker's held memory
+    grew by at least what llama.cpp put there."""
+    a, b = two_ports()
+
+    def run(*endpoints: str) -> dict:  # type: ignore[type-arg]
+        r = subprocess.run([sys.executable, "-m", "service.testing.rpc", embedded_model, *endpoints], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    alone = run()
+    with worker(a), worker(b):
+        before = {p: status(p)["devices"][-1]["held_bytes"] for p in (a, b)}
+        child = subprocess.Popen([sys.executable, "-m", "service.testing.rpc", "--hold", embedded_model,
+                                  f"127.0.0.1:{a}", f"127.0.0.1:{b}"], cwd=ROOT, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            line = child.stdout.readline()
+            assert line, child.stderr.read()[-3000:] if child.stderr else ""
+            split = json.loads(line)
+            held = {p: status(p)["devices"][-1]["held_bytes"] for p in (a, b)}
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.wait(120) == 0
+        finally:
+            child.kill()
+            child.wait()
+    assert split["devices"] == ["RPC0", "RPC1"]
+    assert split["text"] == alone["text"] and split["tokens"] == alone["tokens"] > 0
+    for p in (a, b):
+        placed = split["buffers"][f"RPC0[127.0.0.1:{p}]"]
+        assert placed["weights"] > 0 and placed["kv"] > 0
+        # What the model placed there is memory the worker no longer reports free (its figure, not ggml-rpc's).
+        assert held[p] - before[p] >= placed["weights"] + placed["kv"]
+    assert split["buffers"]["CPU"]["weights"] < alone["buffers"]["CPU"]["weights"]
