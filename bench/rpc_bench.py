@@ -18,44 +18,28 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any, Iterator
 
-import httpx
-from harness import ROOT, free_port, stop
+from harness import ROOT, free_port
 
 from service.catalog.embedded import embedded_model_path
+from service.testing.rpc import worker_process
 
 MIB = 1 << 20
 
 
 @contextlib.contextmanager
 def workers(n: int, threads: int) -> Iterator[list[str]]:
-    procs, endpoints = [], []
-    try:
-        for _ in range(n):
-            port = free_port()
-            while port > 65000 or port + 1 in (int(e.rsplit(":", 1)[1]) for e in endpoints):
-                port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "service", "worker", "--listen",
-                                           f"127.0.0.1:{port}", "--threads", str(threads)], cwd=ROOT,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            endpoints.append(f"127.0.0.1:{port}")
-        for e in endpoints:
-            host, port = e.rsplit(":", 1)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    httpx.get(f"http://{host}:{int(port) + 1}/status", timeout=2)
-                    break
-                except httpx.TransportError:
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"the worker at {e} did not start")
-                    time.sleep(0.1)
-        yield endpoints
-    finally:
-        for p in procs:
-            stop(p)
+    """``n`` workers on loopback (``service.testing.rpc.worker_process``), their endpoints."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p < 65000 and all(abs(p - q) > 1 for q in ports):
+            ports.append(p)
+    with contextlib.ExitStack() as stack:
+        for p in ports:
+            stack.enter_context(worker_process(p, threads=threads, cwd=str(ROOT)))
+        yield [f"127.0.0.1:{p}" for p in ports]
 
 
 def side(model: str, endpoints: list[str], tokens: int) -> dict[str, Any]:

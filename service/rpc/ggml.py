@@ -28,8 +28,6 @@ class RpcLibrary:
         lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
         lib.ggml_backend_dev_memory.restype = None
         lib.ggml_backend_dev_memory.argtypes = [_DEV_P, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
-        lib.ggml_backend_dev_description.restype = ctypes.c_char_p
-        lib.ggml_backend_dev_description.argtypes = [_DEV_P]
         lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
         lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
         lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p

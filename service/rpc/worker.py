@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sizing.probe import host_memory
+
 from .ggml import RpcLibrary, rpc_library
 
 log = logging.getLogger("service.rpc.worker")
@@ -56,14 +58,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
-
-
 class Worker:
     """The RPC server over this machine's devices, and the figures ``/status`` reports."""
 
@@ -89,7 +83,7 @@ class Worker:
             row: dict[str, Any] = {"index": i, "name": name, "kind": kind, "total_bytes": total}
             if kind == "cpu":
                 held = max(0, _rss_bytes() - self._rss_at_start)
-                free = mem_available_bytes()
+                free = host_memory().free_bytes  # MemAvailable
                 if self.budget_bytes is not None:
                     free = min(free, max(0, self.budget_bytes - held))
                     row["budget_bytes"] = self.budget_bytes

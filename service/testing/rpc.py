@@ -11,12 +11,43 @@ default on AMX hosts keeps them (``service.engine.cpu``: the AMX kernel crashes 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 PROMPT = "The capital of France is"
+
+
+@contextlib.contextmanager
+def worker_process(port: int, *args: str, threads: int = 1, cwd: str | None = None
+                   ) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m service worker`` on 127.0.0.1:``port`` (``args`` added), yielded once its ``/status`` answers
+    (SystemExit when it exits first or takes over 60 s); killed and reaped on the way out, whatever happened."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "service", "worker", "--listen", f"127.0.0.1:{port}",
+                             "--threads", str(threads), *args], cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port + 1}/status", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None:
+                    raise SystemExit(f"the worker exited with {proc.returncode}: "
+                                     f"{proc.stderr.read().decode() if proc.stderr else ''}")
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the worker on port {port} did not answer /status within 60 s")
+                time.sleep(0.1)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512, hold: bool = False

@@ -8,36 +8,19 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
-from typing import Iterator
 
 import httpx
 import pytest
 
-from service.rpc.worker import mem_available_bytes
+from service.testing.rpc import worker_process
+from sizing.probe import host_memory
 from tests.conftest import ROOT, free_port
 
 MIB = 1 << 20
 
 
-@contextlib.contextmanager
-def worker(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-m", "service", "worker", "--listen", f"127.0.0.1:{port}",
-                             "--threads", "1", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port + 1}/status", timeout=2)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-                assert time.monotonic() < deadline, "the worker did not answer /status"
-                time.sleep(0.1)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
+def worker(port: int, *args: str) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    return worker_process(port, *args, cwd=str(ROOT))
 
 
 def status(port: int) -> dict:  # type: ignore[type-arg]
@@ -80,7 +63,7 @@ def test_status_reports_the_budget_not_the_whole_ram() -> None:
     with worker(port):
         unbounded = [d for d in status(port)["devices"] if d["kind"] == "cpu"][0]
     assert "budget_bytes" not in unbounded
-    assert abs(unbounded["free_bytes"] - mem_available_bytes()) < 512 * MIB  # MemAvailable, as it is now
+    assert abs(unbounded["free_bytes"] - host_memory().free_bytes) < 512 * MIB  # MemAvailable, as it is now
 
 
 @pytest.mark.parametrize("address", ["0.0.0.0", "192.0.2.7", "[::]"])
