@@ -119,3 +119,36 @@ def test_a_model_over_two_workers_answers_as_on_one_host(embedded_model: str) ->
         # What the model placed there is memory the worker no longer reports free (its figure, not ggml-rpc's).
         assert held[p] - before[p] >= placed["weights"] + placed["kv"]
     assert split["buffers"]["CPU"]["weights"] < alone["buffers"]["CPU"]["weights"]
+
+
+def test_the_status_listener_answers_only_status() -> None:
+    """The one client input the worker parses: a path. Anything else is a 404, and the worker goes on."""
+    port, _ = two_ports()
+    with worker(port) as proc:
+        for path in ("/", "/status/../etc", "/x" * 2000, "/status%00"):
+            assert httpx.get(f"http://127.0.0.1:{port + 1}{path}", timeout=5).status_code == 404
+        assert status(port)["devices"] and proc.poll() is None
+
+
+def test_a_worker_killed_under_a_loaded_model_ends_that_process_not_hangs_it(embedded_model: str) -> None:
+    """SIGKILL to a worker while a llama.cpp process holds a model on it: the next call to the worker aborts that
+    process (ggml-rpc's GGML_ABORT, SIGABRT) within seconds instead of leaving it waiting: the runner-crash path the
+    service already has, once it places models on workers, is what a user will see."""
+    import signal
+
+    port, _ = two_ports()
+    with worker(port) as proc:
+        child = subprocess.Popen([sys.executable, "-m", "service.testing.rpc", "--hold", embedded_model,
+                                  f"127.0.0.1:{port}"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert json.loads(child.stdout.readline())["devices"] == ["RPC0"]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            child.stdin.write("\n")  # the child frees its buffers: a call to the dead worker
+            child.stdin.flush()
+            assert child.wait(60) == -signal.SIGABRT
+        finally:
+            child.kill()
+            child.wait()
