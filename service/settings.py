@@ -93,6 +93,17 @@ class Settings(BaseSettings):
     gpus_file: str | None = Field(None, description="Declared GPU inventory (JSON list of {name, free_mib, total_mib}) instead of NVML.")
     gpus_json: str | None = Field(None, description="Declared GPU inventory as JSON text.")
     tensor_split: str | None = Field(None, description="Layer split proportions, comma-separated (GGUF_TENSOR_SPLIT).")
+    host_memory_mib: float | None = Field(
+        None, gt=0,
+        description="The most host memory this server's models may plan on (the rest is left to other work on the "
+        "machine): the host's free memory is MemAvailable or this, whichever is less. Unset: MemAvailable.",
+    )
+    rpc_workers: str | None = Field(
+        None,
+        description="ggml-rpc workers (python -m service worker) a model's layers may be placed on, comma-separated "
+        "host:port. Each one's free memory is read from its /status (the next port) when a model is planned; a "
+        "worker holds one model at a time (docs/deployment.md#workers).",
+    )
     allow_offload: bool = Field(True, description="Let a model larger than the cards run with some layers in host memory.")
     n_threads: int | None = Field(
         None, ge=1, description="CPU threads for generation and prompt evaluation (default: the physical cores, as llama.cpp's tools)."

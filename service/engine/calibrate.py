@@ -131,6 +131,12 @@ class Calibrator:
             if k != key and now - idle.last_used > self.idle_s:
                 idle.close()
                 del self._workers[k]
+        if model.rpc_workers:
+            # A ggml-rpc worker serves one client: another dry run connected to it would make this one wait.
+            for k, other in list(self._workers.items()):
+                if k != key and set(k[1].rpc_workers) & set(model.rpc_workers):
+                    other.close()
+                    del self._workers[k]
         w = self._workers.get(key)
         if w is None:
             while len(self._workers) >= self.max_workers:

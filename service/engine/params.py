@@ -41,7 +41,7 @@ from sizing.model import GGML_TYPE_IDS
 from ..errors import EngineFailure
 
 if TYPE_CHECKING:
-    from sizing.plan import Plan
+    from sizing.plan import Device, Plan
 
     from .cpu import RepackChoice
 
@@ -67,6 +67,9 @@ class ModelParams:
     """The CPU backend's repacked weight layouts (off: batch-invariant outputs, see the engine)."""
     load_mtp: bool = False
     """Load the NextN/MTP blocks' weights too (``llama_model_params.load_mtp``): MTP drafting (``service.engine.mtp``)."""
+    rpc_workers: tuple[str, ...] = ()
+    """ggml-rpc workers (``host:port``) whose devices are registered before the load, in this order: llama.cpp
+    lists their devices first, so ``tensor_split`` gives them the first proportions (``device_params``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +80,7 @@ class ModelParams:
             n_gpu_layers=int(d["n_gpu_layers"]), main_gpu=int(d["main_gpu"]),
             tensor_split=tuple(float(x) for x in d["tensor_split"]),
             cpu_overrides=tuple(str(x) for x in d["cpu_overrides"]), use_extra_bufts=bool(d["use_extra_bufts"]),
-            load_mtp=bool(d.get("load_mtp", False)),
+            load_mtp=bool(d.get("load_mtp", False)), rpc_workers=tuple(str(x) for x in d.get("rpc_workers", ())),
         )
 
 
@@ -130,6 +133,20 @@ def model_params(placement: Placement, device_indexes: Sequence[int] = (), *, n_
                        cpu_overrides=overrides, use_extra_bufts=use_extra_bufts)
 
 
+def device_params(placement: Placement, gpus: Sequence["Device"], *, use_extra_bufts: bool = True) -> ModelParams:
+    """``model_params`` over the plan's devices as llama.cpp lists them: the workers' devices first, in the order
+    their workers are registered (``ModelParams.rpc_workers``), then the local cards by their index."""
+    rpc = [g.label for g in gpus if g.kind == "rpc"]
+    indexes = [rpc.index(g.label) if g.kind == "rpc" else len(rpc) + g.index for g in gpus]
+    mp = model_params(placement, indexes, n_devices=len(gpus), use_extra_bufts=use_extra_bufts)
+    from ..rpc.client import rpc_endpoints
+
+    workers = rpc_endpoints(gpus)
+    # A plan with nothing off the host connects to no worker (each serves one client).
+    return replace(mp, rpc_workers=workers) if workers and not placement.cpu_only else mp
+
+
+
 def context_params(cfg: ContextConfig) -> ContextParams:
     """llama.cpp's context parameters for a configuration."""
     slots = max(1, cfg.n_seq_max)
@@ -158,8 +175,7 @@ def plan_params(plan: "Plan", *, use_extra_bufts: bool = True) -> tuple[ModelPar
     """Both parameter sets for a plan: its placement over its devices, its context configuration. The extra CPU
     buffer types are the plan's choice (``PlanRequest.cpu_repack``); ``use_extra_bufts=False`` turns them off
     whatever it says (the engine's batch-invariant mode)."""
-    mp = model_params(plan.placement, [g.index for g in plan.gpus], n_devices=len(plan.gpus),
-                      use_extra_bufts=use_extra_bufts and repack_of(plan).on)
+    mp = device_params(plan.placement, plan.gpus, use_extra_bufts=use_extra_bufts and repack_of(plan).on)
     if plan.cfg.mtp:
         mp = replace(mp, load_mtp=True)
     return mp, context_params(plan.cfg)
@@ -172,7 +188,7 @@ def draft_params(plan: "Plan", *, use_extra_bufts: bool) -> tuple[ModelParams, C
     draft = plan.draft
     assert draft is not None
     dpl, _ = draft_placement(plan.placement, draft.spec.n_layer_all, plan.model.n_layer_all)
-    mp = model_params(dpl, [g.index for g in plan.gpus], n_devices=len(plan.gpus), use_extra_bufts=use_extra_bufts)
+    mp = device_params(dpl, plan.gpus, use_extra_bufts=use_extra_bufts)
     return mp, context_params(draft_config(plan.cfg))
 
 
@@ -242,6 +258,10 @@ def apply_model_params(mp: Any, params: ModelParams) -> list[Any]:
     import llama_cpp
 
     keep: list[Any] = []
+    if params.rpc_workers:
+        from ..rpc.client import register_workers
+
+        register_workers(params.rpc_workers)
     mp.n_gpu_layers = params.n_gpu_layers
     mp.split_mode = LLAMA_SPLIT_MODE_LAYER
     mp.main_gpu = params.main_gpu

@@ -53,10 +53,11 @@ from ..catalog.projectors import ProjectorSource
 from ..engine.calibrate import Calibrator, FileIdentity, add_samples, points
 from ..engine.cpu import RepackChoice, host_repack
 from ..engine.dryrun import DryRunError, DryRunResult
-from ..engine.params import ModelParams, model_params
+from ..engine.params import device_params, ModelParams
 from ..engine.prompt_cache import plan_budget
 from ..errors import BadRequest
 from ..options import LoadOptions, merged
+from ..rpc.client import Absent, rpc_endpoints
 from ..settings import Settings
 from .confirm import Confirmation, Confirmer
 
@@ -65,6 +66,9 @@ log = logging.getLogger(__name__)
 MAX_ROUNDS = 10
 """Solve-and-confirm rounds (each one batch of dry runs) before the plan falls back to measured contexts only."""
 
+
+WORKERS_ABSENT = "workers not available"
+"""How a refused plan's reason names the workers it could not count on (``Planner.absent_workers``)."""
 
 DraftResolver = Callable[[str], DraftModel]
 """A draft model's name to its probed file (the registry's: ``ModelManager``); ``BadRequest`` for a name it does not
@@ -233,6 +237,8 @@ class Planner:
         self.host_bandwidth_bytes_per_s = host_bandwidth_bytes_per_s
         self.live = not (settings.gpus_file or settings.gpus_json) if live is None else live
         """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
+        self.absent_workers: Sequence[Absent] = ()
+        """The workers of ``GGUF_RPC_WORKERS`` the last inventory left out, and why (``service.rpc.client``)."""
         self.drafts: DraftResolver | None = None
         """Finds the draft model a load names (``draft_model``); set by the model manager, which has the registry."""
         self.confirmer = Confirmer(settings, calibrator, self.plan_on, self.calibrated)
@@ -376,13 +382,18 @@ class Planner:
         if req.draft is not None and path is not None:
             req = self._draft_calibrated(req, gpus, host)
         if path is None or self.calibrator is None or not self.settings.calibrate:
-            plan = make_plan(spec, gpus, host, req)
+            plan = self._with_absent(make_plan(spec, gpus, host, req))
             if needs_calibration(spec, "CPU"):
                 why = "no local file to measure" if path is None else "calibration is off (GGUF_CALIBRATE)"
                 plan = replace(plan, warnings=(*plan.warnings, f"{spec.architecture}: every figure simulated ({why}); "
                                                "the compute buffer of this architecture is an estimate"))
             return plan
         ident = FileIdentity.of(list(spec.source.shards) or [path])
+        workers = rpc_endpoints(gpus)
+        if workers:
+            # Over workers every figure is llama.cpp's, measured with them registered (their buffers' sizes come
+            # from them: GET_ALLOC_SIZE), filed under the set of workers the placements' indexes refer to.
+            return self._with_absent(self.calibrated(spec, path, ident, f"RPC({','.join(workers)})", gpus, host, req))
         try:
             backend = self.calibrator.backend(ident, path)
         except DryRunError as exc:
@@ -390,8 +401,15 @@ class Planner:
             plan = make_plan(spec, gpus, host, req)
             return replace(plan, warnings=(*plan.warnings, f"calibration could not run: {exc}"))
         if not needs_calibration(spec, backend) and not req.mtp:  # an MTP head's compute buffer is not mirrored
-            return make_plan(spec, gpus, host, req)
-        return self.calibrated(spec, path, ident, backend, gpus, host, req)
+            return self._with_absent(make_plan(spec, gpus, host, req))
+        return self._with_absent(self.calibrated(spec, path, ident, backend, gpus, host, req))
+
+    def _with_absent(self, plan: Plan) -> Plan:
+        """A plan that does not fit names the workers it could not count on (``GGUF_RPC_WORKERS``), and why."""
+        if plan.fits or not self.absent_workers:
+            return plan
+        why = WORKERS_ABSENT + ": " + "; ".join(str(a) for a in self.absent_workers)
+        return replace(plan, reasons=(*plan.reasons, why))
 
     # -- calibration
 
@@ -465,7 +483,7 @@ class Planner:
                 pkey, mp = None, ModelParams(use_extra_bufts=req.cpu_repack is not False)
             else:
                 pkey = placement_key(pl.n_gpu_layers, pl.tensor_split, pl.n_cpu_moe)
-                mp = model_params(pl, [g.index for g in gpus], n_devices=len(gpus))
+                mp = device_params(pl, gpus)
             chosen = context_config(req, opt.cache_type, opt.n_ctx or floor)
             sets: list[tuple[ModelParams, Callable[[ContextConfig], ContextConfig]]] = [(mp, lambda c: c)]
             if req.mtp:  # the MTP head's context, on the model loaded with its NextN block (``sizing.memory.mtp``)
@@ -521,5 +539,5 @@ class Planner:
             self.calibrator.close()
 
 
-__all__ = ["Confirmation", "LoadOptions", "Placed", "Planner", "SetMember", "SetPlan", "needs_calibration",
+__all__ = ["WORKERS_ABSENT", "Confirmation", "LoadOptions", "Placed", "Planner", "SetMember", "SetPlan", "needs_calibration",
            "plan_request"]

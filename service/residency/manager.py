@@ -57,6 +57,7 @@ from ..errors import Busy, NotReady, ServiceError
 from ..keepalive import parse_keep_alive
 from ..options import LoadOptions, merged
 from ..planning.planner import Placed, Planner, SetPlan
+from ..rpc.client import parse_workers, worker_devices
 from ..settings import Settings
 from . import views
 from .engines import EngineFactory, start_engine
@@ -94,6 +95,11 @@ class ModelManager:
         """Every model that has a state (loaded, loading, failed, unloaded after being loaded)."""
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
+        self.rpc_workers = parse_workers(settings.rpc_workers)
+        """The ggml-rpc workers a model may be placed on (``GGUF_RPC_WORKERS``)."""
+        if self.rpc_workers and not settings.runner_process:
+            raise ValueError("GGUF_RPC_WORKERS needs GGUF_RUNNER_PROCESS=true: a worker that dies aborts the process "
+                             "that uses it (ggml-rpc), which must be the model's runner, not the server")
         self.load_lock = asyncio.Lock()
         self.reloads: set[str] = set()
         """Models a reload is replacing now: their new requests wait for it; /ready and routing still name them."""
@@ -124,7 +130,17 @@ class ModelManager:
 
     def _live_devices(self) -> tuple[list[Device], Device]:
         gpus = inventory(declared_path=self.settings.gpus_file, declared_json=self.settings.gpus_json)
-        return gpus, host_memory()
+        if self.rpc_workers:
+            # The workers' devices come first, as llama.cpp lists them (service.rpc.client). A worker that serves
+            # a client now (a model of this server's, or another's) is left out: a dry run or load over it would
+            # wait for that client to leave.
+            rpc, self.planner.absent_workers = worker_devices(self.rpc_workers)
+            gpus = [*rpc, *gpus]
+        host = host_memory()
+        if self.settings.host_memory_mib is not None:
+            ceiling = int(self.settings.host_memory_mib * MIB)
+            host = replace(host, free_bytes=min(host.free_bytes, ceiling), total_bytes=min(host.total_bytes, ceiling))
+        return gpus, host
 
     # -- views
 

@@ -9,7 +9,7 @@ from sizing.plan import Plan
 from sizing.units import MIB
 
 from ..errors import BadRequest, Busy, InsufficientMemory, SplitNotHonoured
-from ..planning.planner import Placed
+from ..planning.planner import WORKERS_ABSENT, Placed
 
 PLAN_URL = "/api/dry-run"
 """Where a refused load's whole plan is: POST the load's body there (a refusal carries only a summary)."""
@@ -35,6 +35,8 @@ def refusal_message(plan: Plan, placed: Placed | None = None) -> str:
                 + (" (held by " + ", ".join(f"{n} {b / MIB:.0f} MiB" + (" pinned" if placed and n in placed.pinned else "")
                                              for n, b in holders.items()) + ")" if holders else "")
             )
+    # The workers of GGUF_RPC_WORKERS the plan could not count on, and why (service.planning.planner).
+    parts.extend(r for r in plan.reasons if r.startswith(WORKERS_ABSENT))
     return "; ".join(parts)
 
 

@@ -20,13 +20,14 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from sizing.probe import host_memory
+from sizing.probe import host_memory, measure_host_bandwidth
 
 from .ggml import RpcLibrary, rpc_library
 
@@ -58,6 +59,24 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rpc_clients(port: int, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> int:
+    """Connections established to ``port`` on this machine (the kernel's socket tables): ggml-rpc serves one
+    client at a time and tells nobody whom, so ``/status`` says how many are connected from these."""
+    n = 0
+    for table in tables:
+        try:
+            with open(table, encoding="ascii") as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    # sl local_address rem_address st ...: st 01 is ESTABLISHED; the port is hex after the colon
+                    if len(parts) > 3 and parts[3] == "01" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        n += 1
+        except (OSError, ValueError):
+            continue
+    return n
+
+
 class Worker:
     """The RPC server over this machine's devices, and the figures ``/status`` reports."""
 
@@ -66,6 +85,8 @@ class Worker:
         self.lib, self.endpoint, self.budget_bytes, self.threads = lib, endpoint, budget_bytes, threads
         self.cache_dir = cache_dir
         self.devices = lib.serving_devices()
+        self.bandwidth = measure_host_bandwidth()
+        """This machine's memory read speed (bytes/s), measured once at start: the speed model's figure for its CPU."""
         self._rss_at_start = _rss_bytes()
         self.thread = threading.Thread(target=self._serve, name="ggml-rpc", daemon=True)
 
@@ -88,9 +109,11 @@ class Worker:
                     free = min(free, max(0, self.budget_bytes - held))
                     row["budget_bytes"] = self.budget_bytes
                 row["held_bytes"] = held
+                row["bandwidth_bytes_per_s"] = self.bandwidth
             row["free_bytes"] = free
             out.append(row)
-        return {"endpoint": self.endpoint, "protocol": PROTOCOL, "devices": out}
+        return {"endpoint": self.endpoint, "protocol": PROTOCOL, "clients": rpc_clients(parse_endpoint(self.endpoint)[1]),
+                "devices": out}
 
 
 def _status_handler(worker: Worker) -> type[BaseHTTPRequestHandler]:
@@ -147,6 +170,8 @@ def main(argv: list[str]) -> int:
     budget = int(args.memory_mib * 1024 * 1024) if args.memory_mib is not None else None
     worker = Worker(lib, args.listen, budget_bytes=budget, threads=args.threads, cache_dir=args.cache_dir)
     status = ThreadingHTTPServer((host, args.status_port or port + 1), _status_handler(worker))
+    # As PID 1 in a container SIGTERM has no default action: stop at once (ggml-rpc holds nothing to save).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     worker.thread.start()
     log.info("ggml-rpc on %s, /status on %s:%d, devices: %s", args.listen, host, status.server_address[1],
              ", ".join(lib.device_name(d) for d in worker.devices))

@@ -53,6 +53,8 @@ STATS_TIMEOUT_S = 2.0
 STDERR_TAIL_LINES = 40
 BACKOFF_S = (0.5, 2.0, 8.0)
 """Seconds before each restart after a death, by how many deaths the window holds (the last repeats)."""
+WORKER_WAIT_S = 60.0
+"""How long a restart waits for the plan's workers to answer again (each wait that ends without them is a death)."""
 _END = object()
 
 Listener = Callable[[str, str], None]
@@ -405,6 +407,11 @@ class ProcessEngine:
                 if self._state != "restarting" or self._path is None or self._plan is None:
                     return  # unloaded meanwhile
                 path, plan = self._path, self._plan
+            waiting = self._wait_for_workers(plan)
+            if waiting is not None:
+                reason = f"its workers did not come back within {WORKER_WAIT_S:g} s: {waiting}"
+                log.error("restarting the runner of %s: %s", self.name, reason)
+                continue
             try:
                 ch = self._spawn()
                 limits = self._load_on(ch, path, plan).limits
@@ -427,6 +434,25 @@ class ProcessEngine:
             log.warning("runner of %s restarted (pid %d; restart %d)", self.name, ch.pid, self.restarts)
             self._notify("restarted", f"pid {ch.pid}")
             return
+
+    def _wait_for_workers(self, plan: Plan) -> str | None:
+        """Wait until the plan's workers answer with its memory free again (``WORKER_WAIT_S`` at most); None when
+        they do (or it uses none), else why not. A runner over a worker that died died with it (ggml-rpc aborts)."""
+        from ..rpc.client import plan_workers_ready, rpc_endpoints
+
+        if not rpc_endpoints(plan.gpus):
+            return None
+        deadline = time.monotonic() + WORKER_WAIT_S
+        while True:
+            why = plan_workers_ready(plan)
+            if why is None:
+                return None
+            with self._lock:
+                if self._state != "restarting":
+                    return None  # unloaded meanwhile: the caller sees it
+            if time.monotonic() > deadline:
+                return why
+            time.sleep(1.0)
 
     def _give_up(self, why: str) -> None:
         with self._lock:

@@ -155,6 +155,12 @@ def compute_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool) -> int:
     )
 
 
+def layers_compute_bytes(spec: ModelSpec, cfg: ContextConfig, flash: bool) -> int:
+    """The phase model without the output phase: a first figure for a device that runs only repeating layers (a
+    worker's device without the output layer), before llama.cpp's dry run measures it (``service.planning``)."""
+    return max(attention_phase_bytes(spec, cfg, flash), moe_phase_bytes(spec, cfg), ffn_phase_bytes(spec, cfg))
+
+
 def host_compute_bytes(spec: ModelSpec, cfg: ContextConfig) -> int:
     """The host's compute buffer when the graph runs on a GPU: token embeddings for the ubatch."""
     return F32 * spec.n_embd * cfg.n_ubatch_effective

@@ -7,11 +7,11 @@ that every figure a user sees is read from (dry-run, refusal, status, page).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..model import arch as archs
 from . import gpu
-from .compute import compute_bytes, host_compute_bytes
+from .compute import compute_bytes, host_compute_bytes, layers_compute_bytes
 from .context import ContextConfig
 from .draft import DraftModel, draft_config, draft_placement
 from .mtp import MtpMemory, hidden_rows_bytes, mtp_config
@@ -287,8 +287,13 @@ def estimate(
     draft_figures: Figures | None = None,
     projector: Projector | None = None,
     mtp_figures: Figures | None = None,
+    remote: Mapping[str, str] = {},
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context.
+
+    ``remote``: the labels of workers' devices (``RPC0[host:port]``) and what each is on its machine (``cpu``,
+    ``gpu``): no runner's CUDA context there (the worker's own is in the free memory it reports), and a CUDA pool
+    only on a card.
 
     ``cpu_extra``: the CPU features of a host without GPUs whose load uses llama.cpp's extra CPU buffer types
     (``use_extra_bufts``): the weights they copy are predicted per buffer (``sizing.memory.repack``); None: off.
@@ -309,7 +314,7 @@ def estimate(
     context cannot be sized and no device holds it).
     """
     main = _estimate(spec, cfg, placement, gpu_labels=gpu_labels, allowance_bytes=allowance_bytes, figures=figures,
-                     measured_on=measured_on, cpu_extra=cpu_extra)
+                     measured_on=measured_on, cpu_extra=cpu_extra, remote=remote)
     if cfg.mtp:
         main = _with_mtp(main, spec, cfg, placement, gpu_labels, mtp_figures, cpu_extra, measured_on)
     if projector is not None:
@@ -404,6 +409,7 @@ def _estimate(
     figures: Figures | None,
     measured_on: str,
     cpu_extra: frozenset[str] | None,
+    remote: Mapping[str, str] = {},
 ) -> MemoryEstimate:
     flash = resolve_flash_attn(cfg, spec)
     check_cache_types(spec, cfg, flash)
@@ -484,6 +490,10 @@ def _estimate(
             w += spec.output_layer_bytes if spec.output_tied else spec.output_bytes + max(other, 0)
         if labels[pos] in gpu_measured:
             dev_compute = gpu_measured[labels[pos]]
+        elif labels[pos] in remote and out_dev != pos:
+            # A worker's device without the output layer: its layers' phases, until llama.cpp's dry run (every
+            # plan over workers is calibrated and confirmed by one) measures it.
+            dev_compute = layers_compute_bytes(spec, cfg, flash)
         else:
             # Simulated, or measured on a CPU build: what the CPU dry run cannot show is added (sizing.memory.gpu).
             dev_compute = graph + gpu.unseen_compute_bytes(spec, cfg, flash, placement, pos, bool(host_layers))
@@ -494,8 +504,8 @@ def _estimate(
                 kv_bytes=kv[pos + 1],
                 state_bytes=state[pos + 1],
                 compute_bytes=dev_compute,
-                allowance_bytes=allowance_bytes,
-                pool_bytes=gpu.cuda_pool_bound_bytes(spec, cfg, flash),
+                allowance_bytes=0 if labels[pos] in remote else allowance_bytes,
+                pool_bytes=0 if remote.get(labels[pos]) == "cpu" else gpu.cuda_pool_bound_bytes(spec, cfg, flash),
                 layers=tuple(layers),
             )
         )

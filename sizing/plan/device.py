@@ -11,7 +11,7 @@ from typing import Literal
 
 from ..units import MIB, gpu_label
 
-DeviceKind = Literal["gpu", "host"]
+DeviceKind = Literal["gpu", "host", "rpc"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,14 @@ class Device:
     total_bytes: int
     kind: DeviceKind = "gpu"
     bandwidth_bytes_per_s: float | None = None
+    endpoint: str | None = None
+    """A worker's device (``kind`` ``rpc``): the worker's ``host:port``; ``index`` is llama.cpp's place for it among
+    the workers' devices (they come before the local cards), ``name`` its buffer name (``RPC0[host:port]``)."""
+    remote_kind: str = ""
+    """A worker's device: what it is on its machine (``cpu``, ``gpu``), as its ``/status`` says."""
+    link_latency_s: float = 0.0
+    """A worker's device: one request's round trip to its worker (its ``/status``, timed); a decoded token waits for
+    about two per worker it crosses (the activations in, the graph's result out), on top of the memory it reads."""
 
     @property
     def free_mib(self) -> float:
@@ -35,5 +43,8 @@ class Device:
 
     @property
     def label(self) -> str:
-        """llama.cpp's backend name for the device (CUDA0, ...) or ``CPU`` for host memory."""
+        """llama.cpp's backend name for the device (CUDA0, ..., a worker's ``RPC0[host:port]``) or ``CPU`` for host
+        memory."""
+        if self.kind == "rpc":
+            return self.name
         return "CPU" if self.kind == "host" else gpu_label(self.index)

@@ -89,6 +89,8 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     """
     tb, per_gpu = token_bytes(sz, pl, est, n_ctx)
     gpu_s = sum(b / gpu_bandwidth(sz.gpus[i].name, sz.gpus[i].bandwidth_bytes_per_s) for b, i in zip(per_gpu, pl.gpus))
+    # A worker's device adds its link: about two round trips per token (activations in, results out).
+    gpu_s += sum(2 * sz.gpus[i].link_latency_s for b, i in zip(per_gpu, pl.gpus) if b)
     spec = sz.spec
     params_per_byte = spec.n_params / max(spec.weights_bytes, 1)
     host_stream_s = tb.host / tiers.host + tb.disk / tiers.disk

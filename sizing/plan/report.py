@@ -57,8 +57,11 @@ def spec_json(spec: ModelSpec) -> dict[str, object]:
 
 
 def device_json(dev: Device) -> dict[str, object]:
-    return {"index": dev.index, "name": dev.name, "kind": dev.kind, "label": dev.label,
-            "free_mib": mib(dev.free_bytes), "total_mib": mib(dev.total_bytes)}
+    out: dict[str, object] = {"index": dev.index, "name": dev.name, "kind": dev.kind, "label": dev.label,
+                              "free_mib": mib(dev.free_bytes), "total_mib": mib(dev.total_bytes)}
+    if dev.endpoint is not None:  # a worker's device: the host it is on, and what it is there
+        out.update(host=dev.endpoint, remote_kind=dev.remote_kind)
+    return out
 
 
 def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:

@@ -67,7 +67,11 @@ def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimat
     out: list[Device] = []
     for g in gpus:
         label = g.label
-        if live:
+        if g.kind == "rpc" and any(held_bytes(est).get(label, 0) for est in kept):
+            # A worker serves one client: a resident on it leaves nothing to another model.
+            out.append(replace(g, free_bytes=0))
+            continue
+        if live or g.kind == "rpc":  # a worker's /status is live: it already counts what the residents hold
             free = g.free_bytes + sum(held_bytes(est).get(label, 0) for est in freed)
         else:
             free = g.free_bytes - sum(held_bytes(est).get(label, 0) for est in kept)

@@ -111,6 +111,7 @@ class Sizer:
             cpu_extra=None if self.gpus else self.req.extra_buffers,
             draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg), projector=self.req.projector,
             mtp_figures=self.mtp_figures(placement, cfg),
+            remote={g.label: g.remote_kind for g in self.gpus if g.kind == "rpc"},
         )
 
     def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
@@ -140,7 +141,7 @@ class Sizer:
         slots_n = n_all + 1 if n_gpu_layers is None else n_gpu_layers
         if not idx or slots_n <= 0:
             return None
-        shares = [max(self.gpus[i].free_bytes - self.req.allowance_bytes, 0) for i in idx]
+        shares = [max(self.gpus[i].free_bytes - allowance(self.req, self.gpus[i]), 0) for i in idx]
         if sum(shares) <= 0:
             return None
         slots = assign_slots(n_all, slots_n, [float(s) for s in shares])
@@ -169,6 +170,12 @@ class Sizer:
         return None
 
 
+def allowance(req: PlanRequest, dev: Device) -> int:
+    """The runner's CUDA context a card must keep free beside the plan; none on a worker's device (the worker's
+    own context is already out of the free memory it reports)."""
+    return 0 if dev.kind == "rpc" else req.allowance_bytes
+
+
 def _figures(spec: ModelSpec, cal: Calibration | None, placement: Placement, cfg: ContextConfig) -> Figures | None:
     if cal is None:
         return None
@@ -195,7 +202,7 @@ def split_placement(idx: Sequence[int], counts: Sequence[int]) -> Placement:
 
 def proportional_counts(sz: Sizer, idx: Sequence[int]) -> list[int]:
     """Slots per card under llama.cpp's default split (proportional to free memory less the allowance)."""
-    shares = [float(max(sz.gpus[i].free_bytes - sz.req.allowance_bytes, 0)) for i in idx]
+    shares = [float(max(sz.gpus[i].free_bytes - allowance(sz.req, sz.gpus[i]), 0)) for i in idx]
     if sum(shares) <= 0:
         shares = [1.0] * len(idx)
     slots = assign_slots(sz.spec.n_layer_all, sz.spec.n_layer_all + 1, shares)

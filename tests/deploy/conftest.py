@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -78,3 +83,87 @@ def haproxy_bin() -> str:
     if found is None:
         pytest.fail(f"the router tests need HAProxy (Debian's haproxy package); run: {INSTALL_HAPROXY}", pytrace=False)
     return found
+
+
+# ``python -m service worker``'s options (service/rpc/worker.py): those that take a value, and the switch.
+WORKER_OPTIONS = {"--listen", "--status-port", "--memory-mib", "--threads", "--cache-dir"}
+WORKER_SWITCHES = {"--allow-public"}
+
+
+def worker_args(argv: list[str]) -> dict[str, Any]:
+    """The options of a worker command line (``python -m service worker ...``); fails on anything else."""
+    assert argv[:4] == ["python", "-m", "service", "worker"], f"not the worker module: {argv[:4]}"
+    out: dict[str, Any] = {}
+    rest = list(argv[4:])
+    while rest:
+        arg = rest.pop(0)
+        name, eq, value = arg.partition("=")
+        if name in WORKER_SWITCHES and not eq:
+            out[name] = True
+        elif name in WORKER_OPTIONS:
+            assert eq or rest, f"{name} without a value"
+            out[name] = value if eq else rest.pop(0)
+        else:
+            raise AssertionError(f"{arg!r} is not an option of python -m service worker")
+    return out
+
+
+def worker_ports(args: dict[str, Any]) -> tuple[int, int]:
+    """(RPC port, /status port) of a worker's options: /status is on the RPC port + 1 unless --status-port."""
+    _, _, port = str(args["--listen"]).rpartition(":")
+    rpc = int(port)
+    return rpc, int(args.get("--status-port", rpc + 1))
+
+
+def _two_free_ports() -> tuple[int, int]:
+    """A port and the next, both free on loopback (the worker's RPC port and its /status)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port >= 65535:
+            continue
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port, port + 1
+    raise RuntimeError("no two consecutive free ports")
+
+
+@contextlib.contextmanager
+def running_worker(argv: list[str], cache_dir: Path) -> Iterator[tuple[int, int]]:
+    """Run a manifest's worker command for real, on loopback: its own options, with --listen moved to
+    127.0.0.1 on free ports (and --status-port, when given, to the next), --cache-dir to ``cache_dir`` and one
+    thread unless --threads says otherwise. Yields (RPC port, /status port) once /status answers; killed after."""
+    args = worker_args(argv)
+    rpc, status = _two_free_ports()
+    args["--listen"] = f"127.0.0.1:{rpc}"
+    if "--status-port" in args:
+        args["--status-port"] = str(status)
+    if "--cache-dir" in args:
+        args["--cache-dir"] = str(cache_dir)
+    args.setdefault("--threads", "1")
+    cmd = [sys.executable, "-m", "service", "worker"]
+    for name, value in args.items():
+        cmd += [name] if value is True else [name, str(value)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{status}/status", timeout=2).close()
+                break
+            except (urllib.error.URLError, OSError):
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    pytest.fail(f"{cmd} exited with {proc.returncode}: {err}", pytrace=False)
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{cmd}: no /status within 60 s", pytrace=False)
+                time.sleep(0.1)
+        yield rpc, status
+    finally:
+        proc.kill()
+        proc.wait()

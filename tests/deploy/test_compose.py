@@ -1,10 +1,12 @@
-"""docker-compose.yml and deploy/compose.replicas.yml: the Compose Specification schema, then what this service needs.
+"""docker-compose.yml, deploy/compose.replicas.yml and deploy/compose.workers.yml: the Compose Specification schema,
+then what this service needs.
 
 The schema is vendored: ``compose-spec.json`` here is the Compose Specification
 JSON schema exactly as the PyPI package ``docker-compose==1.29.2`` ships it
 (``compose/config/compose_spec.json``); ``vendor_schemas.py`` rebuilds it. The
 files are validated as written and again after ``${VAR:-default}``
-interpolation, which the tests do the way Compose does.
+interpolation, which the tests do the way Compose does. The workers' command and
+healthcheck are also run for real (``python -m service worker`` on loopback).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import copy
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +26,18 @@ import yaml
 from pydantic import TypeAdapter
 
 from service.settings import Settings
+from tests.deploy.conftest import running_worker, worker_args, worker_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 COMPOSE = ROOT / "docker-compose.yml"
 REPLICAS = ROOT / "deploy" / "compose.replicas.yml"
+WORKERS = ROOT / "deploy" / "compose.workers.yml"
+FILES = [COMPOSE, REPLICAS, WORKERS]
+FILE_IDS = ["docker-compose", "replicas", "workers"]
 
 # Settings the brief of this deployment assumes before they land in service/settings.py.
-PENDING_SETTINGS = {"api_key_file": None, "drain_timeout_s": 30}
+PENDING_SETTINGS = {"api_key_file": None, "drain_timeout_s": 30, "rpc_workers": None}
 # Settings the container fixes, whatever the service's own default (a path inside the image, a bind address).
 CONTAINER_VALUES = {
     "host": "0.0.0.0",
@@ -110,6 +118,20 @@ def replicas() -> dict[str, Any]:
     return load(REPLICAS)
 
 
+@pytest.fixture(scope="module")
+def workers() -> dict[str, Any]:
+    return load(WORKERS)
+
+
+def _is_worker(name: str) -> bool:
+    """The worker services (by name: that they run the worker is what the tests check)."""
+    return name.startswith("gguf-worker")
+
+
+def _servers(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in data["services"].items() if n != "router" and not _is_worker(n)}
+
+
 SAMPLE_ENV = {"GGUF_MODEL_B": "qwen3-14b-q4_k_m"}
 
 
@@ -117,7 +139,7 @@ def _errors(validator: jsonschema.protocols.Validator, data: Any) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(data)]
 
 
-@pytest.mark.parametrize("path", [COMPOSE, REPLICAS], ids=["docker-compose", "replicas"])
+@pytest.mark.parametrize("path", FILES, ids=FILE_IDS)
 def test_valid_compose_specification(validator: jsonschema.protocols.Validator, path: Path) -> None:
     data = load(path)
     assert _errors(validator, data) == []
@@ -166,9 +188,10 @@ def test_cpu_profile_builds_the_cpu_target_without_gpus(compose: dict[str, Any])
     assert cpu["environment"] == compose["services"]["gguf"]["environment"]
 
 
-def test_build_targets_are_dockerfile_stages(compose: dict[str, Any], replicas: dict[str, Any]) -> None:
+def test_build_targets_are_dockerfile_stages(compose: dict[str, Any], replicas: dict[str, Any],
+                                             workers: dict[str, Any]) -> None:
     stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE | re.IGNORECASE))
-    for data in (compose, replicas):
+    for data in (compose, replicas, workers):
         for name, service in data["services"].items():
             if "build" in service:
                 assert service["build"]["target"] in stages, name
@@ -202,9 +225,10 @@ def test_every_setting_is_passed_from_the_environment_with_its_default(compose: 
         assert parsed == default, f"{var}: compose default {m.group(1)!r}, settings default {default!r}"
 
 
-def test_no_unknown_settings_in_the_environment(compose: dict[str, Any], replicas: dict[str, Any]) -> None:
+def test_no_unknown_settings_in_the_environment(compose: dict[str, Any], replicas: dict[str, Any],
+                                                workers: dict[str, Any]) -> None:
     known = {f"GGUF_{n.upper()}" for n in _settings_defaults()}
-    for data in (compose, replicas):
+    for data in (compose, replicas, workers):
         for name, service in data["services"].items():
             if name == "router":
                 continue
@@ -242,10 +266,10 @@ def _drain_s() -> float:
     return float(field.default) if field is not None else float(PENDING_SETTINGS["drain_timeout_s"])
 
 
-@pytest.mark.parametrize("path", [COMPOSE, REPLICAS], ids=["docker-compose", "replicas"])
+@pytest.mark.parametrize("path", FILES, ids=FILE_IDS)
 def test_lifecycle(path: Path, ready_server) -> None:  # type: ignore[no-untyped-def]
     data = interpolate(load(path), SAMPLE_ENV)
-    servers = {n: s for n, s in data["services"].items() if n != "router"}
+    servers = _servers(data)
     assert servers
     for name, service in servers.items():
         assert service["restart"] == "unless-stopped", name
@@ -301,3 +325,105 @@ def test_the_service_accepts_the_compose_environment(compose: dict[str, Any], mo
     for name, field in Settings.model_fields.items():
         if name not in CONTAINER_VALUES:
             assert getattr(settings, name) == field.default, name
+
+
+def _worker_services(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in data["services"].items() if _is_worker(n)}
+
+
+def test_workers_serve_this_machine_over_rpc(workers: dict[str, Any]) -> None:
+    """Each worker runs the worker module on the ports it publishes, on loopback unless told, with a cache
+    volume and a /status healthcheck; the GPU one is the default, the CPU one a profile."""
+    for env_vars in ({}, {"DEPLOY_WORKER_PUBLISH_ADDR": "10.0.0.12", "DEPLOY_WORKER_MEMORY_MIB": "24000"}):
+        data = interpolate(workers, env_vars)
+        services = _worker_services(data)
+        assert set(services) == {"gguf-worker", "gguf-worker-cpu"}
+        for name, service in services.items():
+            args = worker_args(service["command"])
+            host, _, _ = args["--listen"].rpartition(":")
+            # Inside the container: without --allow-public the worker refuses any address but loopback.
+            assert host == "0.0.0.0" and args.get("--allow-public") is True, name
+            rpc, status = worker_ports(args)
+            memory = float(args["--memory-mib"])
+            assert memory > 0 and memory == float(env_vars.get("DEPLOY_WORKER_MEMORY_MIB", memory)), name
+
+            published = [p.split(":") for p in service["ports"]]
+            assert all(len(p) == 3 for p in published), f"{name}: publish as ADDRESS:HOST:CONTAINER"
+            assert {a for a, _, _ in published} == {env_vars.get("DEPLOY_WORKER_PUBLISH_ADDR", "127.0.0.1")}, \
+                f"{name}: published on loopback unless DEPLOY_WORKER_PUBLISH_ADDR names the private address"
+            # The server reads /status on the RPC port + 1 of the address it was given: the host keeps the offset.
+            assert sorted((int(h), int(c)) for _, h, c in published) == [(rpc, rpc), (status, status)], name
+            assert status == rpc + 1, f"{name}: GGUF_RPC_WORKERS names the RPC port; the server reads the next one"
+
+            cache = [v for v in service["volumes"] if args["--cache-dir"].startswith(v["target"].rstrip("/") + "/")]
+            assert cache and cache[0]["type"] == "volume" and cache[0]["source"] in data["volumes"], \
+                f"{name}: ggml-rpc's cache on a named volume"
+
+            check = service["healthcheck"]
+            assert check["test"][0] == "CMD"
+            assert any(f":{status}/status" in a for a in check["test"][1:]), f"{name}: the healthcheck asks /status"
+            assert seconds(check["start_period"]) >= 30, f"{name}: a CUDA backend takes seconds to start"
+            assert service["restart"] == "unless-stopped"
+            assert service.get("init") is True, f"{name}: as PID 1 the worker ignores SIGTERM; an init forwards it"
+
+        gpu, cpu = services["gguf-worker"], services["gguf-worker-cpu"]
+        assert gpu["command"] == cpu["command"]
+        assert "profiles" not in gpu, "`up -d` on a worker machine starts the GPU worker"
+        assert gpu["build"]["target"] == "cuda"
+        (device,) = _gpu_devices(gpu)
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert cpu["profiles"] == ["cpu"] and cpu["build"]["target"] == "cpu" and _gpu_devices(cpu) == []
+
+
+def test_the_server_names_the_workers(workers: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    data = interpolate(workers, {})
+    (server,) = _servers(data).values()
+    assert server["profiles"] == ["server"], "a worker machine's `up -d` starts no server"
+    assert server["build"]["target"] == "cpu" and _gpu_devices(server) == [], \
+        "the serving machine's cards are lent by its worker: the server holding them too would count them twice"
+    env = server["environment"]
+    entries = env["GGUF_RPC_WORKERS"].split(",")
+    rpc_ports = {n: worker_ports(worker_args(s["command"]))[0] for n, s in _worker_services(data).items()}
+    for entry in entries:
+        host, _, port = entry.rpartition(":")
+        assert host in rpc_ports, f"{entry}: not a worker service of this file"
+        assert int(port) == rpc_ports[host], f"{entry}: GGUF_RPC_WORKERS names the RPC port, not /status"
+        assert server["depends_on"][host]["condition"] == "service_healthy"
+    assert set(server["depends_on"]) <= set(rpc_ports)
+    # The other machines' workers come from the shell.
+    given = "gguf-worker:50052,10.0.0.12:50052"
+    assert interpolate(workers, {"GGUF_RPC_WORKERS": given})["services"]["gguf"]["environment"]["GGUF_RPC_WORKERS"] == given
+
+    # The same wiring as the main file: models read-only, the key from a secret, published on loopback.
+    mounts = {v["target"]: v for v in server["volumes"]}
+    assert mounts[env["GGUF_MODELS_DIR"]]["read_only"] is True
+    assert env["GGUF_API_KEY_FILE"].removeprefix("/run/secrets/") in {s["target"] for s in server["secrets"]}
+    assert all(p.startswith("127.0.0.1:") for p in server["ports"])
+
+    for var in [k for k in os.environ if k.startswith("GGUF_")]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        if value is not None:
+            monkeypatch.setenv(var, str(value))
+    settings = Settings()
+    if "rpc_workers" in Settings.model_fields:
+        assert settings.rpc_workers == "gguf-worker:50052"  # type: ignore[attr-defined]
+
+
+def _run(argv: list[str]) -> int:
+    argv = [sys.executable if a == "python" else a for a in argv]
+    return subprocess.run(argv, capture_output=True, timeout=30).returncode
+
+
+def test_the_worker_command_and_healthcheck_run(workers: dict[str, Any], tmp_path: Path) -> None:
+    """The command as written starts the real worker (its options parse, its cache folder is made), and the
+    healthcheck passes against its /status, then fails once it is gone."""
+    service = interpolate(workers, {})["services"]["gguf-worker-cpu"]
+    _, status = worker_ports(worker_args(service["command"]))
+    check = service["healthcheck"]["test"][1:]
+    with running_worker(service["command"], tmp_path / "rpc") as (_, live_status):
+        argv = [a.replace(f":{status}/", f":{live_status}/") for a in check]
+        assert argv != check, "the healthcheck names the status port"
+        assert _run(argv) == 0
+        assert (tmp_path / "rpc").is_dir(), "--cache-dir made"
+    assert _run(argv) != 0

@@ -6,7 +6,8 @@ The tests must run offline, so the schemas they validate against live here:
   PyPI package ``docker-compose==1.29.2`` ships it
   (``compose/config/compose_spec.json``, Apache-2.0).
 - ``k8s-schema.json``: the kinds this project deploys (Deployment, Service,
-  PersistentVolumeClaim, ConfigMap, and the endpoint picker's ServiceAccount and RBAC kinds) cut from the strict Kubernetes v1.37.0
+  PersistentVolumeClaim, ConfigMap, the endpoint picker's ServiceAccount and RBAC kinds, and the
+  workers' StatefulSet and NetworkPolicy once rebuilt: see ``K8S_KINDS``) cut from the strict Kubernetes v1.37.0
   schemas that the PyPI package ``kubernetes-validate==1.37.0`` ships
   (``kubernetes-json-schema/v1.37.0-local-strict``, Apache-2.0): each kind's
   top-level schema plus every definition it reaches, descriptions dropped.
@@ -52,6 +53,10 @@ K8S_KINDS = {
     "RoleBinding": "rolebinding-rbac-v1.json",
     "ClusterRole": "clusterrole-rbac-v1.json",
     "ClusterRoleBinding": "clusterrolebinding-rbac-v1.json",
+    # The workers (deploy/k8s/workers.yaml). Not yet in k8s-schema.json: until a rebuild adds them,
+    # tests/deploy/test_k8s.py validates these two kinds with hand-written stand-ins (STAND_INS there).
+    "StatefulSet": "statefulset-apps-v1.json",
+    "NetworkPolicy": "networkpolicy-networking-v1.json",
 }
 _REF = re.compile(r'"\$ref": "(?:/api/_definitions\.json)?#/\$defs/([^"]+)"')
 

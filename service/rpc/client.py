@@ -1,0 +1,158 @@
+"""The server's side of the workers: their devices as the planner sees them, and their registration in the
+process that loads a model over them.
+
+``worker_devices`` reads each worker's ``GET /status`` (``service.rpc.worker``) into ``Device`` values of kind
+``rpc``, named as llama.cpp names their buffers (``RPC<i>[host:port]``: the device's index on its worker, then the
+endpoint) and indexed in the order llama.cpp lists them: the workers' devices first, in the order they are
+registered, before any local card. A worker that does not answer, answers in another protocol, or already serves
+a client is left out, with the reason: registering it would abort (ggml-rpc's ``GGML_ABORT`` on a failed
+connection) or wait for the other client to leave.
+
+``register_workers`` runs in the runner's and the dry run's child processes only, never in the server: once a
+process has registered a worker, a worker that dies aborts that process (ggml-rpc has no other error path), and
+the service's runner-crash path takes it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from sizing.plan import Device
+from sizing.units import MIB
+
+if TYPE_CHECKING:
+    from sizing.plan import Plan
+
+from ..errors import EngineFailure
+from .worker import PROTOCOL, parse_endpoint
+
+
+@dataclass(frozen=True)
+class Absent:
+    """A worker named in the settings that the plan cannot use now, and why."""
+
+    endpoint: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.endpoint}: {self.why}"
+
+
+def parse_workers(value: str | None) -> list[str]:
+    """``GGUF_RPC_WORKERS`` (comma-separated ``host:port``) as a list, each checked; ValueError naming a bad one."""
+    out: list[str] = []
+    for item in (value or "").split(","):
+        item = item.strip()
+        if item:
+            parse_endpoint(item)
+            if item not in out:
+                out.append(item)
+    return out
+
+
+def label_endpoint(label: str) -> str | None:
+    """The worker of a device label (``RPC0[host:port]`` -> ``host:port``); None for a local device."""
+    if label.startswith("RPC") and label.endswith("]") and "[" in label:
+        return label[label.index("[") + 1:-1]
+    return None
+
+
+def status_url(endpoint: str) -> str:
+    host, port = parse_endpoint(endpoint)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port + 1}/status"
+
+
+def read_status(endpoint: str, timeout_s: float = 2.0) -> dict[str, object]:
+    """A worker's ``/status``; OSError (with the reason) when it does not answer it."""
+    try:
+        with urllib.request.urlopen(status_url(endpoint), timeout=timeout_s) as r:
+            data = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise OSError(f"no answer at {status_url(endpoint)} ({getattr(exc, 'reason', exc)})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
+        raise OSError(f"{status_url(endpoint)} is not a worker's status")
+    return data
+
+
+def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0) -> tuple[list[Device], list[Absent]]:
+    """The workers' devices as llama.cpp will list them, and the workers left out, with why (one that serves a
+    client now is: ggml-rpc serves one at a time, and a model of this server's on it is that client)."""
+    devices: list[Device] = []
+    absent: list[Absent] = []
+    for ep in endpoints:
+        t0 = time.perf_counter()
+        try:
+            st = read_status(ep, timeout_s)
+        except OSError as exc:
+            absent.append(Absent(ep, str(exc)))
+            continue
+        if st.get("protocol") != PROTOCOL:
+            absent.append(Absent(ep, f"ggml-rpc protocol {st.get('protocol')}, this build speaks {PROTOCOL}"))
+            continue
+        if st.get("clients"):
+            absent.append(Absent(ep, "serves a client now (a model loaded on it; a ggml-rpc worker serves one at a "
+                                     "time)"))
+            continue
+        rtt = time.perf_counter() - t0
+        listed = st["devices"]
+        rows = [d for d in listed if isinstance(d, dict)] if isinstance(listed, list) else []
+        for row in rows:
+            i = int(row.get("index", 0))
+            devices.append(Device(index=len(devices), name=f"RPC{i}[{ep}]", kind="rpc", endpoint=ep,
+                                  free_bytes=max(0, int(row.get("free_bytes", 0))),
+                                  total_bytes=max(0, int(row.get("total_bytes", 0))),
+                                  remote_kind=str(row.get("kind", "cpu")), link_latency_s=rtt,
+                                  bandwidth_bytes_per_s=float(row["bandwidth_bytes_per_s"])
+                                  if isinstance(row.get("bandwidth_bytes_per_s"), (int, float)) else None))
+    return devices, absent
+
+
+def register_workers(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    """Register the workers' devices in this (child) process, in order; their llama.cpp names. ``EngineFailure``
+    when ggml-rpc is not built in or a worker's port does not accept a connection (checked first: ggml-rpc
+    aborts the process on a failed one)."""
+    from .ggml import rpc_library
+
+    lib = rpc_library()
+    if lib is None:
+        raise EngineFailure("this llama-cpp-python was built without ggml-rpc: the plan's workers cannot be used")
+    names: list[str] = []
+    for ep in endpoints:
+        host, port = parse_endpoint(ep)
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as exc:
+            raise EngineFailure(f"the worker at {ep} cannot be reached: {exc}") from exc
+        try:
+            names.extend(lib.add_server(ep))
+        except OSError as exc:
+            raise EngineFailure(str(exc)) from exc
+    return names
+
+
+def plan_workers_ready(plan: "Plan") -> str | None:
+    """Whether the workers a plan uses answer and report the memory it puts on each of their devices free again
+    (after a worker died its memory counts only once it says so); None: they do, else why not."""
+    est = plan.estimate
+    need = {d.device: d.total_bytes for d in est.gpus} if est is not None else {}
+    for ep in rpc_endpoints(plan.gpus):
+        devices, absent = worker_devices([ep])
+        if absent:
+            return str(absent[0])
+        for dev in devices:
+            if need.get(dev.label, 0) > dev.free_bytes:
+                return (f"{dev.label} reports {dev.free_bytes / MIB:.0f} MiB free, the plan puts "
+                        f"{need[dev.label] / MIB:.0f} MiB there")
+    return None
+
+
+def rpc_endpoints(gpus: Sequence[Device]) -> tuple[str, ...]:
+    """The workers of these devices, in the order their devices are listed (registered)."""
+    return tuple(dict.fromkeys(g.endpoint for g in gpus if g.kind == "rpc" and g.endpoint))

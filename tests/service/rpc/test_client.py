@@ -1,0 +1,88 @@
+"""The server's side of the workers, without processes: the order llama.cpp gives their devices, what a worker's
+device costs beside a card, the socket table a worker counts its clients from, the settings' list of workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.engine.params import device_params
+from service.rpc.client import label_endpoint, parse_workers
+from service.rpc.worker import rpc_clients
+from sizing.memory import Placement
+from sizing.plan import Device, PlanRequest, available
+from sizing.plan.sizer import Sizer
+from sizing.testing.fixtures import TINY_LLAMA, write_fixture
+from sizing.probe import probe_path
+
+MIB = 1 << 20
+
+
+def rpc(i: int, ep: str, free_mib: int = 1000) -> Device:
+    return Device(index=i, name=f"RPC0[{ep}]", kind="rpc", endpoint=ep, free_bytes=free_mib * MIB,
+                  total_bytes=4000 * MIB, remote_kind="cpu")
+
+
+def test_workers_devices_come_before_the_local_cards_in_llama_cpps_order() -> None:
+    gpus = [rpc(0, "10.0.0.2:50052"), rpc(1, "10.0.0.3:50052"), Device(index=0, name="RTX 4090", free_bytes=MIB,
+                                                                         total_bytes=MIB)]
+    assert [g.label for g in gpus] == ["RPC0[10.0.0.2:50052]", "RPC0[10.0.0.3:50052]", "CUDA0"]
+    # Layers on the second worker and the card: tensor_split indexes llama.cpp's list (workers first).
+    mp = device_params(Placement(gpus=(1, 2), n_gpu_layers=10, tensor_split=(3.0, 7.0)), gpus)
+    assert mp.tensor_split == (0.0, 3.0, 7.0) and mp.main_gpu == 1
+    assert mp.rpc_workers == ("10.0.0.2:50052", "10.0.0.3:50052")  # every worker listed is registered, in order
+    # A worker left out of the list shifts the card's index: it is not registered either.
+    mp = device_params(Placement(gpus=(0, 1), n_gpu_layers=10, tensor_split=(1.0, 1.0)), [gpus[1], gpus[2]])
+    assert mp.tensor_split == (1.0, 1.0) and mp.rpc_workers == ("10.0.0.3:50052",)
+    # A plan with nothing off the host connects to no worker.
+    assert device_params(Placement(), gpus).rpc_workers == ()
+
+
+def test_a_workers_device_keeps_no_runner_context_and_no_cuda_pool(tmp_path: Path) -> None:
+    spec = probe_path(str(write_fixture("tiny", tmp_path, shape=TINY_LLAMA)))
+    host = Device(index=0, name="host memory", free_bytes=8000 * MIB, total_bytes=8000 * MIB, kind="host")
+    card = Device(index=0, name="card", free_bytes=8000 * MIB, total_bytes=8000 * MIB)
+    one = Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,))
+    req = PlanRequest(n_ctx=512)
+    on_card = Sizer(spec, [card], host, req, "f16").estimate(one, 512).gpus[0]
+    on_worker = Sizer(spec, [rpc(0, "127.0.0.1:50052")], host, req, "f16").estimate(one, 512).gpus[0]
+    assert on_card.allowance_bytes == req.allowance_bytes > 0 and on_worker.allowance_bytes == 0
+    assert on_worker.pool_bytes == 0
+    assert on_worker.weights_bytes == on_card.weights_bytes and on_worker.kv_bytes == on_card.kv_bytes
+
+
+def test_a_worker_with_a_resident_offers_nothing_and_its_status_is_live(tmp_path: Path) -> None:
+    spec = probe_path(str(write_fixture("tiny", tmp_path, shape=TINY_LLAMA)))
+    host = Device(index=0, name="host memory", free_bytes=8000 * MIB, total_bytes=8000 * MIB, kind="host")
+    w, other = rpc(0, "127.0.0.1:50052", free_mib=500), rpc(1, "127.0.0.1:50062", free_mib=700)
+    one = Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,))
+    resident = Sizer(spec, [w, other], host, PlanRequest(n_ctx=512), "f16").estimate(one, 512)
+    # Declared cards get the residents subtracted; a worker's /status is live (it counts them already), and a
+    # worker that holds a resident offers nothing to another model (it serves one client).
+    gpus, _ = available([w, other], host, [resident], live=False)
+    assert [g.free_bytes for g in gpus] == [0, 700 * MIB]
+    gpus, _ = available([w, other], host, [], [resident], live=False)
+    assert [g.free_bytes for g in gpus] == [500 * MIB + sum(d.total_bytes for d in resident.gpus[:1]), 700 * MIB]
+
+
+def test_a_worker_counts_its_clients_from_the_socket_table(tmp_path: Path) -> None:
+    table = tmp_path / "tcp"
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    rows = [  # 50052 = 0xC384: one established client, one listener, one client of another port
+        "   0: 0100007F:C384 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1\n",
+        "   1: 0100007F:C384 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 2\n",
+        "   2: 0100007F:D431 0100007F:C384 01 00000000:00000000 00:00000000 00000000     0        0 3\n",
+    ]
+    table.write_text(header + "".join(rows))
+    assert rpc_clients(50052, (str(table),)) == 1
+    assert rpc_clients(50053, (str(table),)) == 0
+    assert rpc_clients(50052, (str(tmp_path / "missing"),)) == 0
+
+
+def test_the_settings_list_of_workers() -> None:
+    assert parse_workers(" 10.0.0.2:50052, [::1]:50060,10.0.0.2:50052 ,") == ["10.0.0.2:50052", "[::1]:50060"]
+    assert parse_workers(None) == []
+    with pytest.raises(ValueError):
+        parse_workers("10.0.0.2")
+    assert label_endpoint("RPC0[10.0.0.2:50052]") == "10.0.0.2:50052" and label_endpoint("CUDA0") is None
