@@ -50,6 +50,28 @@ def side(model: str, endpoints: list[str], tokens: int) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def predict(model: str, endpoints: list[str], threads: int) -> dict[str, float]:
+    """The planner's decode speed for each side's placement, on the workers' devices as the service reads them."""
+    from service.rpc.client import worker_devices
+    from sizing.memory import Placement
+    from sizing.plan import PlanRequest
+    from sizing.plan.offload import speed
+    from sizing.plan.sizer import Sizer
+    from sizing.plan.speed import Tiers
+    from sizing.probe import host_memory, measure_host_bandwidth, probe_path
+
+    spec = probe_path(model)
+    gpus, absent = worker_devices(endpoints)
+    if absent:
+        raise SystemExit(f"workers not available: {absent}")
+    req = PlanRequest(n_ctx=512, host_bandwidth_bytes_per_s=measure_host_bandwidth(), cpu_cores=threads)
+    full = spec.n_layer_all + 1
+    sides = {"host": Placement(), "one worker": Placement(gpus=(0,), n_gpu_layers=full, tensor_split=(1.0,)),
+             "two workers": Placement(gpus=(0, 1), n_gpu_layers=full, tensor_split=(1.0, 1.0))}
+    sz = Sizer(spec, gpus, host_memory(), req, "f16")
+    return {name: speed(sz, pl, sz.estimate(pl, 512), 512, Tiers.for_request(req))[0] for name, pl in sides.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -62,6 +84,7 @@ def main() -> int:
     last: dict[str, dict[str, Any]] = {}
     with workers(2, args.threads) as eps:
         plan = {"host": [], "one worker": eps[:1], "two workers": eps}
+        predicted = predict(model, eps, args.threads)
         for r in range(args.rounds):
             order = list(plan) if r % 2 == 0 else list(reversed(plan))
             for name in order:
@@ -72,14 +95,16 @@ def main() -> int:
     host = statistics.median(speeds["host"])
     print(f"\nmodel {model}, {args.tokens} greedy tokens, medians of {args.rounds} rounds, loopback, "
           f"{args.threads} threads per worker")
-    print(f"{'side':<14}{'tokens/s':>10}{'vs host':>9}  text as host's  buffers per device (MiB: weights/KV/compute)")
+    print(f"{'side':<14}{'tokens/s':>10}{'vs host':>9}{'predicted':>11}  text as host's  buffers per device "
+          "(MiB: weights/KV/compute)")
     for name in plan:
         s = statistics.median(speeds[name])
         bufs = "; ".join(f"{d} {b['weights'] / MIB:.2f}/{b['kv'] / MIB:.2f}/{b['compute'] / MIB:.2f}"
                          for d, b in last[name]["buffers"].items())
         same = "yes" if last[name]["text"] == last["host"]["text"] else "NO"
-        print(f"{name:<14}{s:>10.1f}{s / host:>9.3f}  {same:<15} {bufs}")
-    print("predicted by the planner: not yet (the plan over workers is not built; docs/deployment.md)")
+        print(f"{name:<14}{s:>10.1f}{s / host:>9.3f}{predicted[name]:>11.1f}  {same:<15} {bufs}")
+    print("predicted: the planner's decode speed for the side's placement (sizing.plan.offload.speed), each worker's "
+          "device at the memory bandwidth and round trip its /status gave")
     return 0
 
 

@@ -139,12 +139,15 @@ def device_params(placement: Placement, gpus: Sequence["Device"], *, use_extra_b
     rpc = [g.label for g in gpus if g.kind == "rpc"]
     indexes = [rpc.index(g.label) if g.kind == "rpc" else len(rpc) + g.index for g in gpus]
     mp = model_params(placement, indexes, n_devices=len(gpus), use_extra_bufts=use_extra_bufts)
-    from ..rpc.client import rpc_endpoints
-
     workers = rpc_endpoints(gpus)
     # A plan with nothing off the host connects to no worker (each serves one client).
     return replace(mp, rpc_workers=workers) if workers and not placement.cpu_only else mp
 
+
+
+def rpc_endpoints(gpus: Sequence[Device]) -> tuple[str, ...]:
+    """The workers of these devices, in the order their devices are listed (registered)."""
+    return tuple(dict.fromkeys(g.endpoint for g in gpus if g.kind == "rpc" and g.endpoint))
 
 
 def context_params(cfg: ContextConfig) -> ContextParams:
@@ -259,7 +262,7 @@ def apply_model_params(mp: Any, params: ModelParams) -> list[Any]:
 
     keep: list[Any] = []
     if params.rpc_workers:
-        from ..rpc.client import register_workers
+        from .rpc import register_workers
 
         register_workers(params.rpc_workers)
     mp.n_gpu_layers = params.n_gpu_layers

@@ -53,11 +53,11 @@ from ..catalog.projectors import ProjectorSource
 from ..engine.calibrate import Calibrator, FileIdentity, add_samples, points
 from ..engine.cpu import RepackChoice, host_repack
 from ..engine.dryrun import DryRunError, DryRunResult
-from ..engine.params import device_params, ModelParams
+from ..engine.params import device_params, ModelParams, rpc_endpoints
 from ..engine.prompt_cache import plan_budget
 from ..errors import BadRequest
 from ..options import LoadOptions, merged
-from ..rpc.client import Absent, rpc_endpoints
+from ..rpc.client import Absent
 from ..settings import Settings
 from .confirm import Confirmation, Confirmer
 

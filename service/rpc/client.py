@@ -16,7 +16,6 @@ the service's runner-crash path takes it from there.
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -29,8 +28,9 @@ from sizing.units import MIB
 if TYPE_CHECKING:
     from sizing.plan import Plan
 
-from ..errors import EngineFailure
-from .worker import PROTOCOL, parse_endpoint
+from ..engine.params import rpc_endpoints
+from ..engine.rpc import parse_endpoint
+from .worker import PROTOCOL
 
 
 @dataclass(frozen=True)
@@ -114,29 +114,6 @@ def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0) -> tuple[li
     return devices, absent
 
 
-def register_workers(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[str]:
-    """Register the workers' devices in this (child) process, in order; their llama.cpp names. ``EngineFailure``
-    when ggml-rpc is not built in or a worker's port does not accept a connection (checked first: ggml-rpc
-    aborts the process on a failed one)."""
-    from .ggml import rpc_library
-
-    lib = rpc_library()
-    if lib is None:
-        raise EngineFailure("this llama-cpp-python was built without ggml-rpc: the plan's workers cannot be used")
-    names: list[str] = []
-    for ep in endpoints:
-        host, port = parse_endpoint(ep)
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-        except OSError as exc:
-            raise EngineFailure(f"the worker at {ep} cannot be reached: {exc}") from exc
-        try:
-            names.extend(lib.add_server(ep))
-        except OSError as exc:
-            raise EngineFailure(str(exc)) from exc
-    return names
-
-
 def plan_workers_ready(plan: "Plan") -> str | None:
     """Whether the workers a plan uses answer and report the memory it puts on each of their devices free again
     (after a worker died its memory counts only once it says so); None: they do, else why not."""
@@ -151,8 +128,3 @@ def plan_workers_ready(plan: "Plan") -> str | None:
                 return (f"{dev.label} reports {dev.free_bytes / MIB:.0f} MiB free, the plan puts "
                         f"{need[dev.label] / MIB:.0f} MiB there")
     return None
-
-
-def rpc_endpoints(gpus: Sequence[Device]) -> tuple[str, ...]:
-    """The workers of these devices, in the order their devices are listed (registered)."""
-    return tuple(dict.fromkeys(g.endpoint for g in gpus if g.kind == "rpc" and g.endpoint))

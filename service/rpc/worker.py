@@ -29,20 +29,12 @@ from typing import Any
 
 from sizing.probe import host_memory, measure_host_bandwidth
 
-from .ggml import RpcLibrary, rpc_library
+from ..engine.rpc import parse_endpoint, RpcLibrary, rpc_library
 
 log = logging.getLogger("service.rpc.worker")
 
 PROTOCOL = "7.0.0"
 """ggml-rpc's protocol version in the vendored llama.cpp (``RPC_PROTO_*_VERSION`` of ggml-rpc.h)."""
-
-
-def parse_endpoint(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets) into its parts; ValueError when malformed."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{value!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 def is_loopback(host: str) -> bool:

@@ -438,7 +438,8 @@ class ProcessEngine:
     def _wait_for_workers(self, plan: Plan) -> str | None:
         """Wait until the plan's workers answer with its memory free again (``WORKER_WAIT_S`` at most); None when
         they do (or it uses none), else why not. A runner over a worker that died died with it (ggml-rpc aborts)."""
-        from ..rpc.client import plan_workers_ready, rpc_endpoints
+        from ..engine.params import rpc_endpoints
+        from ..rpc.client import plan_workers_ready
 
         if not rpc_endpoints(plan.gpus):
             return None

@@ -56,7 +56,7 @@ def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512,
     import llama_cpp.llama_cpp as capi
 
     from ..engine.loglines import LogCollector, parse_allocations
-    from ..rpc.ggml import rpc_library
+    from ..engine.rpc import rpc_library
 
     lib = rpc_library()
     if lib is None:

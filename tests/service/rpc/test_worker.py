@@ -44,7 +44,7 @@ def test_the_build_has_ggml_rpc() -> None:
     reused."""
     import llama_cpp
 
-    from service.rpc.ggml import rpc_library
+    from service.engine.rpc import rpc_library
 
     assert llama_cpp.llama_supports_rpc()
     assert rpc_library() is not None

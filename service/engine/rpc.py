@@ -1,18 +1,24 @@
 """ggml-rpc through ctypes: llama-cpp-python binds none of it, and its ``rpc_servers`` option does nothing since
 llama.cpp#11262. The calls mirror llama.cpp's own (common/arg.cpp ``add_rpc_devices``; tools/rpc): the RPC
 backend's registry by name, its functions by ``ggml_backend_reg_get_proc_address``, a server's devices
-registered with ``ggml_backend_register`` so that a model loaded afterwards in the same process sees them after
-the local cards, named ``RPC<n>`` in registration order."""
+registered with ``ggml_backend_register`` so that a model loaded afterwards in the same process sees them, listed
+before the local cards (``service.engine.params.device_params``), each named ``RPC<i>[host:port]``.
+
+Here, in the engine, because the runner's and the dry run's child processes register the workers of their plan
+(``register_workers``) before they load it; ``service.rpc`` (the worker, the server's view of the workers) builds
+on it."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from ..engine.native import GGML_BACKEND_DEVICE_TYPES, libggml
+from ..errors import EngineFailure
+from .native import GGML_BACKEND_DEVICE_TYPES, libggml
 
 _DEV_P = ctypes.c_void_p
 
@@ -93,3 +99,32 @@ def rpc_library() -> RpcLibrary | None:
     lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
     reg = lib.ggml_backend_reg_by_name(b"RPC")
     return RpcLibrary(lib, reg) if reg else None
+
+
+def parse_endpoint(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) into its parts; ValueError when malformed."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def register_workers(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    """Register the workers' devices in this (child) process, in order; their llama.cpp names. ``EngineFailure``
+    when ggml-rpc is not built in or a worker's port does not accept a connection (checked first: ggml-rpc
+    aborts the process on a failed one)."""
+    lib = rpc_library()
+    if lib is None:
+        raise EngineFailure("this llama-cpp-python was built without ggml-rpc: the plan's workers cannot be used")
+    names: list[str] = []
+    for ep in endpoints:
+        host, port = parse_endpoint(ep)
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as exc:
+            raise EngineFailure(f"the worker at {ep} cannot be reached: {exc}") from exc
+        try:
+            names.extend(lib.add_server(ep))
+        except OSError as exc:
+            raise EngineFailure(str(exc)) from exc
+    return names
