@@ -30,8 +30,9 @@ class Device:
     remote_kind: str = ""
     """A worker's device: what it is on its machine (``cpu``, ``gpu``), as its ``/status`` says."""
     link_latency_s: float = 0.0
-    """A worker's device: one request's round trip to its worker (its ``/status``, timed); a decoded token waits for
-    about two per worker it crosses (the activations in, the graph's result out), on top of the memory it reads."""
+    """A worker's device: the network's round trip to its worker (``service.rpc.client.round_trip_s``); a decoded
+    token waits for about two per worker it crosses (the activations in, the graph's result out), and for
+    ``sizing.plan.speed.RPC_TOKEN_OVERHEAD_S``, on top of the memory it reads."""
 
     @property
     def free_mib(self) -> float:

@@ -23,7 +23,7 @@ from .fit import largest_fitting
 from ..memory.estimate import MemoryEstimate
 from ..memory.placement import Placement
 from .sizer import CacheTypeOption, Candidate, Sizer
-from .speed import TokenBytes, Tiers, gpu_bandwidth, prompt_tokens_per_s
+from .speed import RPC_TOKEN_OVERHEAD_S, TokenBytes, Tiers, gpu_bandwidth, prompt_tokens_per_s
 
 def disk_bytes(sz: Sizer, est: MemoryEstimate) -> int:
     """Weight bytes that do not fit in MemAvailable and are read from the file (page cache misses)."""
@@ -89,8 +89,10 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     """
     tb, per_gpu = token_bytes(sz, pl, est, n_ctx)
     gpu_s = sum(b / gpu_bandwidth(sz.gpus[i].name, sz.gpus[i].bandwidth_bytes_per_s) for b, i in zip(per_gpu, pl.gpus))
-    # A worker's device adds its link: about two round trips per token (activations in, results out).
-    gpu_s += sum(2 * sz.gpus[i].link_latency_s for b, i in zip(per_gpu, pl.gpus) if b)
+    # A worker's device adds its link: about two round trips per token (activations in, results out), and the
+    # graph ggml-rpc sends and runs there.
+    gpu_s += sum(2 * sz.gpus[i].link_latency_s + RPC_TOKEN_OVERHEAD_S
+                 for b, i in zip(per_gpu, pl.gpus) if b and sz.gpus[i].kind == "rpc")
     spec = sz.spec
     params_per_byte = spec.n_params / max(spec.weights_bytes, 1)
     host_stream_s = tb.host / tiers.host + tb.disk / tiers.disk

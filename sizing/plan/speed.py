@@ -111,3 +111,9 @@ def prompt_tokens_per_s(active_params: float, gpu_share: float, host_weight_byte
         host_s = 0.0
     total = gpu_s + host_s
     return n_ubatch / total if total > 0 else float("inf")
+
+
+RPC_TOKEN_OVERHEAD_S = 2.0e-3
+"""What each ggml-rpc worker a token crosses costs beyond the network's round trips: the graph sent and run on the
+worker's side each token (``GRAPH_COMPUTE``), measured by ``bench/rpc_bench.py`` (the embedded model over one
+worker on loopback: 2.0 ms a token more than on the host, 2026-12-06)."""

@@ -86,3 +86,26 @@ def test_the_settings_list_of_workers() -> None:
     with pytest.raises(ValueError):
         parse_workers("10.0.0.2")
     assert label_endpoint("RPC0[10.0.0.2:50052]") == "10.0.0.2:50052" and label_endpoint("CUDA0") is None
+
+
+def test_a_token_pays_each_workers_link_in_the_predicted_speed(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from sizing.plan.offload import speed
+    from sizing.plan.speed import RPC_TOKEN_OVERHEAD_S, Tiers
+
+    spec = probe_path(str(write_fixture("tiny", tmp_path, shape=TINY_LLAMA)))
+    host = Device(index=0, name="host memory", free_bytes=8000 * MIB, total_bytes=8000 * MIB, kind="host")
+    near = rpc(0, "127.0.0.1:50052")
+    far = replace(near, link_latency_s=0.005)
+    one = Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,))
+    req = PlanRequest(n_ctx=512)
+
+    def seconds(dev: Device) -> float:
+        sz = Sizer(spec, [dev], host, req, "f16")
+        return 1 / speed(sz, one, sz.estimate(one, 512), 512, Tiers.for_request(req))[0]
+
+    card = Device(index=0, name="card", free_bytes=8000 * MIB, total_bytes=8000 * MIB,
+                  bandwidth_bytes_per_s=near.bandwidth_bytes_per_s)
+    assert abs(seconds(near) - seconds(card) - RPC_TOKEN_OVERHEAD_S) < 1e-9  # the protocol's cost, no round trip
+    assert abs(seconds(far) - seconds(near) - 2 * 0.005) < 1e-9  # two round trips a token
