@@ -17,7 +17,8 @@ from ..errors import NotReady
 from ..grammar import worker as grammar_worker
 from ..residency import EngineFactory, ModelManager, default_engine
 from ..settings import Settings
-from . import anthropic, errors, infill, management, metrics, ollama, openai, ops, rerank, responses, tokenize
+from . import anthropic, errors, infill, management, metrics, ollama, openai, ops, render, rerank, responses
+from . import tokenize
 from . import page, security
 from .admission import Admission
 from .response_store import ResponseStore
@@ -84,7 +85,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
 def _install(app: FastAPI, settings: Settings, keys: tuple[bytes, ...], cors: dict[str, object] | None) -> None:
     """The error table, every API family's routes, the page, and the gates in front of them."""
     errors.install(app)
-    for module in (ops, openai, responses, anthropic, ollama, management, metrics, tokenize, rerank, infill):
+    for module in (ops, render, openai, responses, anthropic, ollama, management, metrics, tokenize, rerank, infill):
         app.include_router(module.router)
     page.install(app)
     # Added innermost first: the last one added sees a request first (order in service/api/security.py).

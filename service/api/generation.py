@@ -123,6 +123,8 @@ class Started:
     params: GenerationParams
     timer: "Timer"
     tools: bool
+    prompt_ids: tuple[int, ...] = ()
+    """The token ids the prompt was evaluated as (vLLM's ``return_token_ids`` answers them)."""
 
 
 def chat_setup(body: "ChatRequest", engine: Any, settings: Any,
@@ -230,26 +232,12 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
     ceiling = min(engine.n_ctx, n_ctx) if n_ctx else engine.n_ctx
     cancel = Cancel()
     choices = Choices(json_kind=json_constraint(params), biased=bool(params.logit_bias))
-    tools: list[dict[str, Any]] | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    prompt_param = "prompt"
-    if prompt_ids is not None:
-        pass  # the route tokenized its prompt: the body gives only parameters
-    elif kind == "completion":
-        assert isinstance(body, CompletionRequest)
-        prompt = body.prompt_text()
-    else:
-        assert isinstance(body, ChatRequest)
-        body.check_messages()
-        params, choices, tools = chat_setup(body, engine, settings, params)
-        prompt = None
-        messages = await chat_messages(body, settings)
-        images = tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
-                       for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
-        if images:  # carried to the engine with the prompt's tokens (it prepares any it dropped meanwhile)
-            params = replace(params, images=images)
-        prompt_param = "messages"
+    source = Source()
+    if prompt_ids is None:  # else the route tokenized its prompt: the body gives only parameters
+        source = await prompt_source(body, kind, engine, settings, params)
+        params = source.params or params
+        choices = source.choices or choices
+    tools, prompt, messages, prompt_param = source.tools, source.prompt, source.messages, source.param
     run = params
     tokens: list[int] = []
 
@@ -293,7 +281,38 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
     finally:
         watcher.cancel()  # Starlette's StreamingResponse listens for the disconnect from here on
     return Started(results=results, cancel=cancel, name=name, kind=kind, choices=choices, params=params,
-                   timer=Timer(metrics, t0, name), tools=choices.tools)
+                   timer=Timer(metrics, t0, name), tools=choices.tools, prompt_ids=tuple(tokens))
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a request's prompt is made of, as the engine tokenizes it (``prompt_tokens``): a completion's text or a
+    chat's messages and tools, and the parameters a chat's tools and images change."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    param: str = "prompt"
+    params: GenerationParams | None = None
+    choices: Choices | None = None
+
+
+async def prompt_source(body: GenerationRequest, kind: Literal["completion", "chat"], engine: Any, settings: Any,
+                        params: GenerationParams) -> Source:
+    """The prompt of a completion or chat request as generation evaluates it, and by the same code the render
+    routes answer with (``service.api.render``): their token ids are the ones a generation would evaluate."""
+    if kind == "completion":
+        assert isinstance(body, CompletionRequest)
+        return Source(prompt=body.prompt_text())
+    assert isinstance(body, ChatRequest)
+    body.check_messages()
+    params, choices, tools = chat_setup(body, engine, settings, params)
+    messages = await chat_messages(body, settings)
+    images = tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
+                   for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
+    if images:  # carried to the engine with the prompt's tokens (it prepares any it dropped meanwhile)
+        params = replace(params, images=images)
+    return Source(messages=messages, tools=tools, param="messages", params=params, choices=choices)
 
 
 async def collect(request: Request, metrics: Metrics, started: Started) -> dict[int, Answer]:

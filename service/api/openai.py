@@ -100,6 +100,8 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: Generatio
         if kind == "completion":
             out.append({"text": a.content, "index": i, "finish_reason": a.finish_reason,
                         "logprobs": _completion_logprobs(a.logprobs) if want_lp else None})
+            if body.return_token_ids:  # vLLM puts a completion's prompt ids in each choice
+                out[-1]["prompt_token_ids"] = list(started.prompt_ids)
         else:
             message: dict[str, Any] = {"role": "assistant", "content": a.content if a.content or not a.calls else None}
             if a.reasoning:
@@ -109,8 +111,11 @@ async def _run(request: Request, manager: Any, metrics: Metrics, body: Generatio
             out.append({"index": i, "message": message, "finish_reason": a.finish_reason,
                         "logprobs": _chat_logprobs(a.logprobs) if want_lp else None})
     obj = "text_completion" if kind == "completion" else "chat.completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": started.name, "choices": out,
-                         "usage": _usage(usage_last(answers))})
+    reply: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": started.name, "choices": out,
+                             "usage": _usage(usage_last(answers))}
+    if body.return_token_ids and kind == "chat":  # and a chat's beside its choices
+        reply["prompt_token_ids"] = list(started.prompt_ids)
+    return JSONResponse(reply)
 
 
 async def _stream(request: Request, started: Started, rid: str, created: int, include_usage: bool,

@@ -118,6 +118,9 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = Field(None, max_length=256, description="vLLM's extension: cached prompts are reused only "
                                    "by requests with the same salt (and, with API keys configured, the same key).")
     keep_alive: KeepAlive = None
+    return_token_ids: bool = Field(False, description="vLLM's extension: the answer names the token ids the prompt "
+                                   "was evaluated as (prompt_token_ids; not in streams). The render routes "
+                                   "(/v1/completions/render, /v1/chat/completions/render) give them without generating.")
     speculative: bool = Field(True, description="Self-speculative decoding where the server has it on "
                               "(GGUF_SPECULATIVE): several tokens a step where the answer repeats its context, the "
                               "same answer. false: one token a step.")

@@ -475,7 +475,9 @@
     for (const d of devices) scale = Math.max(scale, segmentsOf(d, byLabel[d.label] || null, plan).extent);
     for (const d of devices) {
       const e = byLabel[d.label] || null;
-      const sub = "(" + (d.name || "card") + (isNum(d.index) ? ", index " + d.index : "") + ")";
+      // A worker's device (ggml-rpc): the host it is on and what it is there; a card: its name and index.
+      const sub = d.host ? "(worker " + d.host + ", its " + (d.remote_kind || "device") + ")"
+        : "(" + (d.name || "card") + (isNum(d.index) ? ", index " + d.index : "") + ")";
       box.appendChild(drawBar(d.label || d.name, sub, d, e, scale, null, plan));
     }
     const host = plan.host || null;
