@@ -11,24 +11,34 @@ The tests must run offline, so the schemas they validate against live here:
   schemas that the PyPI package ``kubernetes-validate==1.37.0`` ships
   (``kubernetes-json-schema/v1.37.0-local-strict``, Apache-2.0): each kind's
   top-level schema plus every definition it reaches, descriptions dropped.
-- ``gaie-v1.0.0-schema.json``: the Gateway API Inference Extension's custom resources that
-  ``deploy/k8s/inference-gateway.yaml`` uses (InferencePool ``inference.networking.k8s.io/v1``,
-  InferenceObjective ``inference.networking.x-k8s.io/v1alpha2``), converted from the
-  ``openAPIV3Schema`` of the CRDs of release v1.0.0 (``config/crd`` of
-  kubernetes-sigs/gateway-api-inference-extension at tag v1.0.0, Apache-2.0; the text used was the
-  ``kubectl kustomize`` output that istio/istio keeps in
-  ``tests/integration/pilot/testdata/gateway-api-inference-extension-crd.yaml``, commit
-  0e89fc80e42b600216a19bea314b08e944bb16ac, annotated ``bundle-version: v1.0.0``). The conversion
-  (``crd_to_json_schema``) closes every object that lists its properties (the API server prunes
-  unknown fields and ``kubectl --validate=strict`` rejects them) and turns the one CEL rule of that
-  release into JSON Schema; an unknown CEL rule stops it.
+- ``gaie-v1.4.0-schema.json``: the InferencePool (``inference.networking.k8s.io/v1``) of the Gateway
+  API Inference Extension that ``deploy/k8s/inference-gateway/pool.yaml`` uses, converted from the
+  ``openAPIV3Schema`` of the CRD of release bundle v1.4.0 (Apache-2.0): the file
+  ``deploy/components/crds-gie/bases/inference.networking.k8s.io_inferencepools.yaml`` that
+  llm-d/llm-d-inference-scheduler keeps, commit c370d14124526b604776ba10e2170999e889fa24, annotated
+  ``inference.networking.k8s.io/bundle-version: v1.4.0`` (see ``GAIE_SOURCE``). The project no longer
+  defines InferenceObjective, so no other kind is converted. The conversion (``crd_to_json_schema``)
+  closes every object that lists its properties (the API server prunes unknown fields and ``kubectl
+  --validate=strict`` rejects them) and turns each CEL rule of that release into JSON Schema
+  (``CEL_RULES``); an unknown CEL rule stops it. Release v1.5.0 (what llm-d-router's go.mod pins) only
+  made ``endpointPickerRef`` optional (kubernetes-sigs/gateway-api-inference-extension#2898); its CRD
+  text was not found to vendor, and a pool that names its picker, as ours does, is valid under both.
+  (The file here was converted from a copy of that CRD read through a code search, its ``description``
+  strings left out: the conversion drops them anyway.)
+- ``llm-d-router-config-schema.json``: the llm-d router's (endpoint picker's) ``EndpointPickerConfig``
+  and the parameters of the two plugins that read a model server's metrics, as JSON Schema, written
+  from the Go types of llm-d/llm-d-router (``LLMD_ROUTER_SOURCES``: repository, path, commit of each):
+  the config is no Kubernetes resource and ships no schema, so ``LLMD_ROUTER_CONFIG`` below is the
+  transcription (field names from the ``json`` tags, ``required`` from ``+required``), plus the
+  metric flags the router refuses since engine configs replaced them and the plugin types used here.
 
 Usage (needs the two wheels, e.g. ``pip download --no-deps docker-compose==1.29.2
-kubernetes-validate==1.37.0``, and the CRDs, e.g. ``kubectl kustomize
-"https://github.com/kubernetes-sigs/gateway-api-inference-extension/config/crd/?ref=v1.0.0"``)::
+kubernetes-validate==1.37.0``, and the InferencePool CRD of the pinned release, e.g. the file
+``GAIE_SOURCE`` names)::
 
     python tests/deploy/vendor_schemas.py DOCKER_COMPOSE_WHEEL KUBERNETES_VALIDATE_WHEEL
     python tests/deploy/vendor_schemas.py --gaie CRDS_YAML
+    python tests/deploy/vendor_schemas.py --llm-d-router
 """
 
 from __future__ import annotations
@@ -103,10 +113,14 @@ def vendor_k8s(wheel: Path) -> dict[str, Any]:
     return _relink(_strip(out))
 
 
-GAIE_VERSION = "v1.0.0"
+GAIE_VERSION = "v1.4.0"
 GAIE_FILE = f"gaie-{GAIE_VERSION}-schema.json"
-GAIE_KINDS = {("inference.networking.k8s.io", "v1", "InferencePool"),
-              ("inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective")}
+GAIE_SOURCE = {
+    "repo": "llm-d/llm-d-inference-scheduler",
+    "path": "deploy/components/crds-gie/bases/inference.networking.k8s.io_inferencepools.yaml",
+    "commit": "c370d14124526b604776ba10e2170999e889fa24",
+}
+GAIE_KINDS = {("inference.networking.k8s.io", "v1", "InferencePool")}
 # The CEL rules (x-kubernetes-validations) of the vendored release, as JSON Schema. A rule not listed
 # here stops the conversion: each must be translated by hand, and tested (tests/deploy/test_inference_gateway.py).
 CEL_RULES = {
@@ -115,6 +129,9 @@ CEL_RULES = {
         "if": {"anyOf": [{"not": {"required": ["kind"]}}, {"properties": {"kind": {"const": "Service"}}}]},
         "then": {"required": ["port"]},
     },
+    # targetPorts: no port number twice. Exact as uniqueItems because an item holds its number and nothing
+    # else (the conversion closes it: additionalProperties false), so equal items are equal numbers.
+    "self.all(p1, self.exists_one(p2, p1.number==p2.number))": {"uniqueItems": True},
 }
 _DROPPED = {"description", "default", "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type"}
 
@@ -152,7 +169,7 @@ def vendor_gaie(crds_yaml: Path) -> dict[str, Any]:
     for doc in yaml.safe_load_all(crds_yaml.read_text(encoding="utf-8")):
         if not doc or doc.get("kind") != "CustomResourceDefinition":
             continue
-        bundle = doc["metadata"].get("annotations", {}).get("inference.networking.k8s.io/bundle-version")
+        bundle = (doc["metadata"].get("annotations") or {}).get("inference.networking.k8s.io/bundle-version")
         if bundle != GAIE_VERSION:
             raise SystemExit(f"{doc['metadata']['name']}: bundle-version {bundle}, expected {GAIE_VERSION}")
         group, kind = doc["spec"]["group"], doc["spec"]["names"]["kind"]
@@ -165,10 +182,164 @@ def vendor_gaie(crds_yaml: Path) -> dict[str, Any]:
         raise SystemExit(f"{crds_yaml}: no schema for {sorted(missing)}")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$comment": f"Gateway API Inference Extension {GAIE_VERSION} CRDs (config/crd at tag {GAIE_VERSION}), "
+        "$comment": f"Gateway API Inference Extension {GAIE_VERSION} InferencePool CRD (release bundle, as "
+        f"{GAIE_SOURCE['repo']} keeps it: {GAIE_SOURCE['path']} at commit {GAIE_SOURCE['commit']}), "
         "openAPIV3Schema converted by tests/deploy/vendor_schemas.py --gaie; keys: group/version/kind",
         "version": GAIE_VERSION,
+        "source": GAIE_SOURCE,
         "kinds": kinds,
+    }
+
+
+LLMD_ROUTER_FILE = "llm-d-router-config-schema.json"
+# Where each part of LLMD_ROUTER_CONFIG was read (repository, path, commit). llm-d/llm-d-router is the
+# project's repository; its index held the v1alpha1 config types only, so the v1 types come from
+# red-hat-data-services/llm-d-router, its downstream mirror, at the commit whose loader converts
+# v1alpha1 into v1 (pkg/epp/config/loader/conversion.go there).
+LLMD_ROUTER_SOURCES = {
+    "config-v1alpha1": ("llm-d/llm-d-router", "apix/config/v1alpha1/endpointpickerconfig_types.go",
+                        "98f9aa0d59529a4720e7881cb8e1bbd6f45cc785"),
+    "config-v1": ("red-hat-data-services/llm-d-router", "apix/config/v1/endpointpickerconfig_types.go",
+                  "e0412de546de2fd766ceafa41a20524a45df3aa5"),
+    "v1alpha1-to-v1": ("red-hat-data-services/llm-d-router", "pkg/epp/config/loader/conversion.go",
+                       "e0412de546de2fd766ceafa41a20524a45df3aa5"),
+    "strict-decoding": ("llm-d/llm-d-router", "pkg/epp/config/loader/configloader.go",
+                        "98f9aa0d59529a4720e7881cb8e1bbd6f45cc785"),
+    "metrics-data-source": ("llm-d/llm-d-router", "pkg/epp/framework/plugins/datalayer/source/metrics/datasource.go",
+                            "0d4a9c10b7dde84769c9ae63f4d441d550439917"),
+    "core-metrics-extractor": ("llm-d/llm-d-router",
+                               "pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go",
+                               "08cbacc83054c7dfbea810f1d9518e5c22632d60"),
+    "metric-spec": ("llm-d/llm-d-router", "pkg/epp/framework/plugins/datalayer/extractor/metrics/spec.go",
+                    "45c38549346873fd356a6417bc0575d2a615f504"),
+    "rejected-flags": ("llm-d/llm-d-router", "pkg/epp/server/options.go", "03fdf9197a30892cac458515df5139b4267d4c40"),
+    "plugin-types": ("llm-d/llm-d-router", "config/charts/routerlib/templates/_config.yaml",
+                     "00bacf3afcccedca310fad8cec229ba54736094c"),
+    "plugin-types-2": ("llm-d/llm-d-router", "deploy/config/epp-config.yaml", "39404814aa90b4ef260fbfd42c712feedd1f5e18"),
+}
+_STR = {"type": "string"}
+_REF_LIST = {"type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["pluginRef"],
+                                        "properties": {"pluginRef": {"type": "string", "minLength": 1}}}}
+# The EndpointPickerConfig the router reads with --config-file, decoded strictly (serializer.EnableStrict: an
+# unknown field is an error). Top-level fields: those that apix/config v1alpha1 and v1 both have, so a config
+# valid here loads in the releases before and after the v1 types. Plugin parameters are decoded by each
+# plugin's factory; the two whose parameters this project sets are spelled out, closed (a misspelt key the
+# router would silently ignore is an error here).
+LLMD_ROUTER_CONFIG: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "plugins", "schedulingProfiles"],
+    "properties": {
+        # llm-d.ai/v1alpha1 (converted to v1 by the newer loader), llm-d.ai/v1; the old
+        # inference.networking.x-k8s.io/v1alpha1 group is deprecated.
+        "apiVersion": {"enum": ["llm-d.ai/v1alpha1", "llm-d.ai/v1"]},
+        "kind": {"const": "EndpointPickerConfig"},
+        "featureGates": {"type": "array", "items": _STR},
+        "plugins": {"type": "array", "items": {"$ref": "#/$defs/plugin"}},
+        "schedulingProfiles": {"type": "array", "items": {"$ref": "#/$defs/schedulingProfile"}},
+        "dataLayer": {"$ref": "#/$defs/dataLayer"},
+        "flowControl": {"type": "object"},
+    },
+    "$defs": {
+        "plugin": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["type"],
+            "properties": {"name": _STR, "type": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}},
+            "allOf": [
+                {"if": {"properties": {"type": {"const": "metrics-data-source"}}},
+                 "then": {"properties": {"parameters": {"$ref": "#/$defs/metricsDataSourceParameters"}}}},
+                {"if": {"properties": {"type": {"const": "core-metrics-extractor"}}},
+                 "then": {"properties": {"parameters": {"$ref": "#/$defs/coreMetricsExtractorParameters"}}}},
+            ],
+        },
+        "schedulingProfile": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "plugins"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "plugins": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False, "required": ["pluginRef"],
+                    "properties": {"pluginRef": {"type": "string", "minLength": 1}, "weight": {"type": "number"}}}},
+            },
+        },
+        "dataLayer": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "injectDefaults": {"type": "boolean"},
+                "sources": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False, "required": ["pluginRef", "extractors"],
+                    "properties": {"pluginRef": {"type": "string", "minLength": 1}, "extractors": _REF_LIST}}},
+            },
+        },
+        "metricsDataSourceParameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "scheme": {"enum": ["http", "https"]},
+                "path": {"type": "string", "pattern": "^/"},
+                "port": {"type": "integer", "minimum": 0, "maximum": 65535},
+                "insecureSkipVerify": {"type": "boolean"},
+                "caCertPath": _STR,
+                "clientCertPath": _STR,
+                "clientKeyPath": _STR,
+                "interval": _STR,
+            },
+        },
+        "coreMetricsExtractorParameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "engineLabelKey": _STR,
+                "defaultEngine": _STR,
+                "engineConfigs": {"type": "array", "items": {"$ref": "#/$defs/engineConfig"}},
+            },
+        },
+        # A metric spec is a PromQL instant vector selector, name or name{label=value,...}; empty: not read.
+        "engineConfig": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                **{key: _STR for key in (
+                    "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "loraLoadedSpec",
+                    "loraGPULoadedSpec", "loraGPUSlotsSpec", "cacheInfoSpec", "cacheBlockSizeLabelName",
+                    "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec")},
+                "customMetrics": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False, "required": ["attributeKey", "metricSpec"],
+                    "properties": {"attributeKey": _STR, "metricSpec": _STR}}},
+            },
+        },
+    },
+}
+# The extractor's defaults (factories.go): the pod label that names the engine, and the engine read when
+# a pod has none.
+LLMD_ENGINE_LABEL_KEY = "llm-d.ai/engine-type"
+LLMD_DEFAULT_ENGINE = "vllm"
+# Metric flags of the old endpoint picker, "deprecated and cannot be used; configure metrics via
+# engineConfigs" (options.go, Validate): setting one stops the router.
+LLMD_REJECTED_FLAGS = ["total-queued-requests-metric", "total-running-requests-metric",
+                       "kv-cache-usage-percentage-metric", "lora-info-metric", "cache-info-metric"]
+# Plugin types registered by the router that this project's config may name (seen in the router's own
+# configs: the chart's default config and deploy/config/epp-config.yaml).
+LLMD_PLUGIN_TYPES = ["queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "max-score-picker",
+                     "single-profile-handler", "metrics-data-source", "core-metrics-extractor"]
+
+
+def vendor_llm_d_router() -> dict[str, Any]:
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$comment": "The llm-d router's EndpointPickerConfig and the metrics plugins' parameters, transcribed from "
+        "the Go types of the sources listed (repo, path, commit) by tests/deploy/vendor_schemas.py --llm-d-router",
+        "sources": {key: {"repo": r, "path": p, "commit": c} for key, (r, p, c) in LLMD_ROUTER_SOURCES.items()},
+        "config": LLMD_ROUTER_CONFIG,
+        "engineLabelKey": LLMD_ENGINE_LABEL_KEY,
+        "defaultEngine": LLMD_DEFAULT_ENGINE,
+        "rejectedFlags": LLMD_REJECTED_FLAGS,
+        "pluginTypes": LLMD_PLUGIN_TYPES,
     }
 
 
@@ -176,6 +347,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--gaie"]:
         out = vendor_gaie(Path(argv[1]))
         (HERE / GAIE_FILE).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        return 0
+    if argv[:1] == ["--llm-d-router"]:
+        (HERE / LLMD_ROUTER_FILE).write_text(json.dumps(vendor_llm_d_router(), indent=1, sort_keys=True) + "\n")
         return 0
     compose_wheel, k8s_wheel = (Path(a) for a in argv)
     with zipfile.ZipFile(compose_wheel) as zf:
