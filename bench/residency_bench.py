@@ -94,7 +94,7 @@ def demand(quick: bool) -> None:
     import uvicorn
 
     from service.api.app import create_app
-    from service.settings import EMBEDDED_MODEL_NAME, Settings
+    from service.settings import GEMMA_MODEL_NAME, Settings
     from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 
     models = Path(tempfile.mkdtemp(prefix="residency-bench-models-"))
@@ -125,16 +125,16 @@ def demand(quick: bool) -> None:
     url, server, thread = serve()
     with httpx.Client(base_url=url, timeout=300) as c:
         print("load on demand (real llama.cpp, this machine), seconds")
-        for model in (EMBEDDED_MODEL_NAME, tiny):
+        for model in (GEMMA_MODEL_NAME, tiny):
             cold = ask(c, model)
             warm = statistics.median(ask(c, model) for _ in range(3 if quick else 10))
             print(f"  {model:<24} first request (load + answer) {cold:7.3f}   loaded {warm:7.3f}")
         for _ in range(1 if quick else 3):
-            c.post("/api/models/unload", json={"model": EMBEDDED_MODEL_NAME})
+            c.post("/api/models/unload", json={"model": GEMMA_MODEL_NAME})
             with ThreadPoolExecutor(max_workers=20) as pool:
-                lat = sorted(pool.map(lambda _: ask(httpx.Client(base_url=url, timeout=300), EMBEDDED_MODEL_NAME),
+                lat = sorted(pool.map(lambda _: ask(httpx.Client(base_url=url, timeout=300), GEMMA_MODEL_NAME),
                                       range(20)))
-            print(f"  20 concurrent requests for {EMBEDDED_MODEL_NAME} (not loaded): fastest {lat[0]:.3f}, "
+            print(f"  20 concurrent requests for {GEMMA_MODEL_NAME} (not loaded): fastest {lat[0]:.3f}, "
                   f"median {statistics.median(lat):.3f}, slowest {lat[-1]:.3f}")
     server.should_exit = True
     thread.join(60)
@@ -142,7 +142,7 @@ def demand(quick: bool) -> None:
     url, server, thread = serve(max_loaded_models=1)
     with httpx.Client(base_url=url, timeout=300) as c:
         ask(c, tiny)
-        times = [ask(c, (EMBEDDED_MODEL_NAME, tiny)[i % 2]) for i in range(4 if quick else 10)]
+        times = [ask(c, (GEMMA_MODEL_NAME, tiny)[i % 2]) for i in range(4 if quick else 10)]
         print(f"  GGUF_MAX_LOADED_MODELS=1, alternating two models (evict + load + answer): "
               f"median {statistics.median(times):.3f}, slowest {max(times):.3f}")
     server.should_exit = True

