@@ -63,6 +63,16 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
                                                 state="draining", retry_after_s=1))
 
         app.state.drain.on_expire(asyncio.get_running_loop(), drain_expired)
+        publisher = None
+        events_task = None
+        if settings.kv_events_endpoint:
+            from ..residency.kv_events import DEFAULT_TOPIC, KvEventPublisher
+
+            publisher = KvEventPublisher(settings.kv_events_endpoint, block_size=settings.kv_events_block_size,
+                                         topic=settings.kv_events_topic or DEFAULT_TOPIC)
+            app.state.kv_events = publisher
+            events_task = asyncio.create_task(publisher.run(manager))
+            log.info("KV events on %s (blocks of %d tokens)", publisher.endpoint, settings.kv_events_block_size)
         task = None
         at_start = list(dict.fromkeys([*([settings.default_model] if settings.default_model else []),
                                        *registry.pinned()]))
@@ -71,7 +81,11 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
         try:
             yield
         finally:
+            if events_task is not None:
+                events_task.cancel()
             await _shut_down(app, manager, task)
+            if publisher is not None:
+                publisher.close()
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()

@@ -219,6 +219,25 @@ async def models(manager: ManagerDep, metrics: MetricsDep, downloads: DownloadsD
     return {"models": out, "devices": devices, "downloads": [d.to_json() for d in downloads.downloads.values()]}
 
 
+@router.get("/kv-cache")
+async def kv_cache(manager: ManagerDep) -> dict[str, Any]:
+    """The prompts each loaded model holds now (its slots', its prompt cache's in memory and on disk), each with the
+    block hashes its KV events name (``service.residency.kv_events``): what a router following the events should
+    believe."""
+    from ..residency.kv_events import MEDIA, blocks_of
+
+    size = manager.settings.kv_events_block_size
+    out = []
+    for st in manager.loaded():
+        engine = st.engine
+        assert engine is not None
+        prompts = await asyncio.to_thread(engine.cached_prompts)
+        out.append({"model": st.name, "prompts": [
+            {"medium": MEDIA[p.medium], "tokens": len(p.tokens), "block_hashes": [b.hash for b in blocks_of(p, size)]}
+            for p in prompts]})
+    return {"block_size": size, "models": out}
+
+
 class PullBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

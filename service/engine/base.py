@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol
 
 from sizing.plan import Plan
 
@@ -68,6 +68,19 @@ class EngineGauges:
     """Prompt tokens fed to the model since load (cached prefixes and forked choices are not evaluated)."""
     prompt_cache: dict[str, int] = field(default_factory=dict)
     """The prompt cache beyond the slots (``PromptCache.gauges``)."""
+
+
+@dataclass(frozen=True)
+class CachedPrompt:
+    """Tokens whose KV an engine holds for reuse, and where (``Engine.cached_prompts``; the KV events a router
+    routes by, ``service.api.kv_events``)."""
+
+    medium: Literal["GPU", "CPU", "DISK"]
+    """``GPU``: a slot's KV in llama.cpp's cache (on the cards, or in host memory on a CPU-only load); ``CPU``: a
+    saved state in host memory beyond the slots; ``DISK``: one on disk (``service.engine.prompt_cache``)."""
+    scope: str
+    """Whose requests may reuse it (``scope_of``: the API key's and ``cache_salt``'s)."""
+    tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -343,7 +356,7 @@ class Cancel:
 
 class Engine(Protocol):
     """A model's runner: loads a plan, then generates from token ids. ``generate`` may be called from as many
-    threads at once as the engine has slots (the queue's workers); load and unload run alone. Eleven members: a new
+    threads at once as the engine has slots (the queue's workers); load and unload run alone. Twelve members: a new
     capability that the API process can do (text, templates, prompts) is not one of them."""
 
     @property
@@ -389,4 +402,8 @@ class Engine(Protocol):
 
     def forget(self) -> None:
         """Drop every idle slot's cached prompt and the prompt cache beyond the slots."""
+        ...
+
+    def cached_prompts(self) -> tuple[CachedPrompt, ...]:
+        """The prompts whose KV it holds now: each slot's, and the prompt cache's in memory and on disk."""
         ...

@@ -43,7 +43,8 @@ from ..errors import EngineFailure, ServiceError
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"load", "check", "image_tokens", "embed", "rerank", "forget", "set_prompt_cache_budget"})
+CALLS = frozenset({"load", "check", "image_tokens", "embed", "rerank", "forget", "set_prompt_cache_budget",
+                   "cached_prompts"})
 """Engine methods a "call" may name (nothing else of the engine is reachable from the socket)."""
 GENERATIONS = frozenset({"generate"})
 CANCELLABLE = frozenset({"embed", "rerank"})

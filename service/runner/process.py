@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
 
-from ..engine.base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
+from ..engine.base import (Cancel, Chunk, CachedPrompt, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
                            ImageInput, LoadReport, RerankResult, check_limits, current_delivery)
 from ..children import Child
 from ..engine.native import child_env
@@ -523,6 +523,10 @@ class ProcessEngine:
 
     def forget(self) -> None:
         self._channel().call("forget", ())
+
+    def cached_prompts(self) -> tuple[CachedPrompt, ...]:
+        got: tuple[CachedPrompt, ...] = self._channel().call("cached_prompts", ())
+        return got
 
     def generate(self, tokens: list[int], params: GenerationParams, cancel: Cancel) -> Iterator[Chunk]:
         return self._channel().generate((tokens, params), cancel)

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from sizing.plan import Plan
 
 from ..chat.format import ChatFormat
-from ..engine.base import (Allocation, Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
+from ..engine.base import (Allocation, Cancel, Chunk, CachedPrompt, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams,
                            ImageInput, LoadReport, RerankResult, TokenScore, check_limits)
 from ..errors import BadRequest, InsufficientMemory, NotReady
 from ..text.tasks import FimTokens
@@ -145,6 +145,9 @@ class FakeEngine:
 
     def forget(self) -> None:
         self.prompt_cache_bytes = 0
+
+    def cached_prompts(self) -> tuple[CachedPrompt, ...]:
+        return ()  # it keeps no KV
 
     def load(self, path: str, plan: Plan) -> LoadReport:
         if self.load_delay_s:

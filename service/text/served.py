@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from sizing.plan import Plan
 
 from ..chat.format import ChatFormat
-from ..engine.base import (Cancel, Chunk, EmbeddingResult, Engine, EngineGauges, EngineLimits, GenerationParams,
+from ..engine.base import (CachedPrompt, Cancel, Chunk, EmbeddingResult, Engine, EngineGauges, EngineLimits, GenerationParams,
                            LoadReport, RerankResult, current_delivery, direct_delivery)
 from ..errors import NotReady
 from .model import LlamaText, ModelText
@@ -139,6 +139,9 @@ class ServedModel:
 
     def forget(self) -> None:
         self.engine.forget()
+
+    def cached_prompts(self) -> tuple[CachedPrompt, ...]:
+        return self.engine.cached_prompts()
 
     # -- the engine's work
 

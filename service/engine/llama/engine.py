@@ -21,7 +21,7 @@ from sizing.units import MIB
 
 from ...errors import BadRequest, ContextLengthExceeded, NotReady
 from ...grammar.schema import compile_grammar
-from ..base import (Cancel, Chunk, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
+from ..base import (Cancel, Chunk, CachedPrompt, EmbeddingResult, EngineGauges, EngineLimits, GenerationParams, ImageInput,
                     LoadReport, RerankResult, check_limits, current_delivery)
 from ..loglines import parse_allocations, projector_allocations
 from ..mtp import MtpRunner
@@ -145,6 +145,21 @@ class LlamaEngine:
         return EngineGauges(kv_cells_used=current.slots.cells.used, running_sequences=current.scheduler.running,
                             prompt_tokens_evaluated=current.step.evaluated,
                             prompt_cache=current.slots.pcache.gauges())
+
+    def cached_prompts(self) -> tuple[CachedPrompt, ...]:
+        """Each slot's cached tokens (``GPU``: llama.cpp's KV cache) and the prompt cache's entries in host memory
+        (``CPU``) and on disk (``DISK``; an entry in both is in both). Read without stopping generation: a slot
+        changing meanwhile is caught by the next read."""
+        current = self._load
+        if current is None:
+            return ()
+        out = [CachedPrompt("GPU", s.scope, tuple(s.tokens)) for s in current.slots.slots if s.tokens]
+        for e in list(current.slots.pcache.entries):
+            if e.state is not None:
+                out.append(CachedPrompt("CPU", e.scope, tuple(e.tokens)))
+            if e.path is not None:
+                out.append(CachedPrompt("DISK", e.scope, tuple(e.tokens)))
+        return tuple(out)
 
     def check(self, params: GenerationParams) -> None:
         """Compile the request's grammar now, so a bad schema is a 400 before any byte is streamed; token ids of

@@ -47,7 +47,7 @@ def test_chat_render_gives_the_ids_a_chat_evaluates_template_and_tools_included(
 
 
 def test_render_refuses_what_generation_refuses(served: Any) -> None:
-    n_ctx = served.client.get("/api/models").json()["models"][0].get("n_ctx") or 0
+    n_ctx = next(m["n_ctx"] for m in served.client.get("/api/models").json()["models"] if m["state"] == "loaded")
     long = {"prompt": "lighthouse " * (n_ctx + 10), "max_tokens": 1}
     r = served.client.post("/v1/completions/render", json=long)
     g = served.client.post("/v1/completions", json=long)
