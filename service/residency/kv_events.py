@@ -16,9 +16,11 @@ name) for one on disk (``service.engine.prompt_cache``).
 
 The publisher reads what each model holds (``Engine.cached_prompts``) whenever its gauges moved, and sends the
 difference from what it published last: stored blocks in chain order (a parent before its children), removed
-ones. A model seen for the first time or reloaded starts with ``AllBlocksCleared`` (a subscriber may still hold
-what an earlier server process published); a runner process that dies sends it at once (its slots and host memory
-went with it; the disk's blocks come back with the restart), and an unloaded model ends with it. One topic per model
+ones. The process's first batch starts with ``AllBlocksCleared`` (a subscriber may still hold what an earlier
+server process published); after that a model's own losses are ``BlockRemoved`` of everything it had published,
+never ``AllBlocksCleared`` (llm-d's router clears every model of the pod on that event): when its runner process
+dies (its slots and host memory went with it; the disk's blocks come back with the restart), when it is reloaded,
+and when it is unloaded. One topic per model
 (``GGUF_KV_EVENTS_TOPIC``, by default ``kv@<host>@<model>``, llm-d's convention). Not built: vLLM's replay socket
 (a subscriber that missed batches cannot ask for them again; the next change still brings its state).
 """
@@ -147,6 +149,7 @@ class KvEventPublisher:
         self._encode = msgspec.msgpack.Encoder().encode
         self._seq = 0
         self._models: dict[str, _Model] = {}
+        self._started = False
         self.batches = 0
 
     def topic_of(self, model: str) -> bytes:
@@ -163,15 +166,17 @@ class KvEventPublisher:
 
     def update(self, model: str, incarnation: tuple[Any, ...], prompts: Sequence[CachedPrompt]) -> None:
         """Publish what ``model`` holds now (``incarnation`` changes when its cache was emptied: a load, a
-        runner's restart)."""
+        runner's restart; what it had published is removed then, and the new state stored)."""
         m = self._models.get(model)
         events: list[dict[str, Any]] = []
-        if m is None or m.incarnation != incarnation:
-            if m is None or m.published:  # a subscriber may hold what an earlier process published
-                events.append({"type": "AllBlocksCleared"})
+        if not self._started:  # this process's first batch: a subscriber may hold what an earlier one published
+            events.append({"type": "AllBlocksCleared"})
+            self._started = True
+        before = m.published if m is not None else {}
+        if m is None or m.incarnation != incarnation:  # reloaded or restarted: what it held is gone
             m = self._models[model] = _Model(incarnation)
         held = held_blocks(prompts, self.block_size)
-        events.extend(diff_events(m.published, held, self.block_size))
+        events.extend(diff_events(before, held, self.block_size))
         m.published = held
         self.send(model, events)
 
@@ -180,13 +185,14 @@ class KvEventPublisher:
         blocks come back with the restart)."""
         m = self._models.get(model)
         if m is not None and m.published:
-            self.send(model, [{"type": "AllBlocksCleared"}])
+            self.send(model, diff_events(m.published, {}, self.block_size))
             m.published, m.gauges = {}, None
 
     def gone(self, model: str) -> None:
         """``model`` was unloaded: its blocks are all gone."""
-        if self._models.pop(model, None) is not None:
-            self.send(model, [{"type": "AllBlocksCleared"}])
+        m = self._models.pop(model, None)
+        if m is not None:
+            self.send(model, diff_events(m.published, {}, self.block_size))
 
     def changed(self, model: str, incarnation: tuple[Any, ...], gauges: Any) -> bool:
         """Whether the model's gauges (or incarnation) moved since the last read; remembers them."""

@@ -157,7 +157,10 @@ def test_a_subscriber_rebuilds_what_the_publisher_holds(vllm: types.ModuleType) 
             sub.drain(1.0)
             want = {m: set(b) for m, b in held_blocks(prompts, BLOCK).items() if b}
             assert sub.blocks(topic) == want
-        assert sub.kinds.count("AllBlocksCleared") == 2 and "BlockRemoved" in sub.kinds
+        # One AllBlocksCleared, the process's first batch (llm-d clears every model of the pod on it); a restart's
+        # losses are BlockRemoved.
+        assert sub.kinds.count("AllBlocksCleared") == 1 and sub.kinds[0] == "AllBlocksCleared"
+        assert "BlockRemoved" in sub.kinds
         assert sub.media == {"GPU", "CPU", "STORAGE"}
         assert sub.chains(topic, "STORAGE") == [list(a[:64])]
         pub.gone("m")
@@ -242,7 +245,7 @@ def test_events_follow_the_servers_cache_through_requests_and_a_restart(
         assert whole >= 2 * BLOCK and any(ch[:whole] == ids[:whole] for ch in moved), [(len(ch), ch[:8]) for ch in moved]
 
         pid = _runner_pid(svc)
-        cleared = sub.kinds.count("AllBlocksCleared")
+        seen = len(sub.kinds)
         os.kill(pid, signal.SIGKILL)  # the slots and the host memory's cache die with it; the disk's stays
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -252,7 +255,7 @@ def test_events_follow_the_servers_cache_through_requests_and_a_restart(
                 break
             time.sleep(0.2)
         held = _settle(svc, sub, topic)
-        assert sub.kinds.count("AllBlocksCleared") == cleared + 1
+        assert "BlockRemoved" in sub.kinds[seen:] and "AllBlocksCleared" not in sub.kinds[seen:]
         # The new runner holds no slot yet; what it holds came back from disk (warmed into host memory too).
         assert "GPU" not in held and "STORAGE" in held and held.get("CPU", set()) <= held["STORAGE"], held
     finally:
