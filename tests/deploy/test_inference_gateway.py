@@ -10,6 +10,15 @@ references are checked instead. Then the pieces are checked against each other a
 the pool selects the server's pods on its port, the pods' ``llm-d.ai/engine-type`` label names the
 engine config, whose metric names are the gauges ``service.api.metrics`` exports (and, slow, a real
 server's ``/metrics`` scraped the way the picker scrapes it: no key, the configured path).
+
+Precise prefix-cache routing: the picker's ``precise-prefix-cache-producer`` subscribes to each server pod's
+KV events (``service.residency.kv_events``) and its ``token-producer`` asks the server's render routes
+(``service.api.render``) for a request's token ids. Checked against the server's own settings and code: the
+producer's block size is the server's default ``kv_events_block_size``, the port it dials is the container
+port the server binds (``GGUF_KV_EVENTS_ENDPOINT``), the topic the server publishes (``GGUF_KV_EVENTS_TOPIC``
+as Kubernetes expands it, then formatted by the server's publisher) starts with the producer's topic filter
+and names the pod as the picker names the pool's endpoint, every medium the server publishes has a weight,
+and only the picker may reach the events port (the NetworkPolicy, validated with ``test_k8s``'s stand-in).
 """
 
 from __future__ import annotations
@@ -26,6 +35,10 @@ import pytest
 import yaml
 
 from service.api import metrics as server_metrics
+from service.api import render as server_render
+from service.residency import kv_events as server_kv_events
+from service.settings import Settings
+from tests.deploy.test_k8s import STAND_INS
 from tests.prom import families, samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,9 +80,12 @@ def _validator(doc: dict[str, Any]) -> jsonschema.protocols.Validator | None:
     key = f"{group_version}/{doc['kind']}"
     if key in GAIE["kinds"]:
         return jsonschema.Draft202012Validator(GAIE["kinds"][key])
-    if "/" not in group_version or group_version.split("/")[0] in ("apps", "rbac.authorization.k8s.io"):
-        assert doc["kind"] in CORE["kinds"], f"no vendored schema for {doc['kind']}"
-        return jsonschema.Draft202012Validator({**CORE["kinds"][doc["kind"]], "$defs": CORE["$defs"]})
+    if "/" not in group_version or group_version.split("/")[0] in ("apps", "rbac.authorization.k8s.io",
+                                                                    "networking.k8s.io"):
+        # NetworkPolicy: test_k8s's strict stand-in until k8s-schema.json is rebuilt with it.
+        top = CORE["kinds"].get(doc["kind"], STAND_INS.get(doc["kind"]))
+        assert top is not None, f"no vendored schema for {doc['kind']}"
+        return jsonschema.Draft202012Validator({**top, "$defs": CORE["$defs"]})
     return None
 
 
@@ -148,10 +164,43 @@ def test_the_vendored_schemas_are_pinned_and_strict() -> None:
         lambda c: _plugin(c, "metrics-data-source")["parameters"].update(metricsPort=8000),
         lambda c: _plugin(c, "metrics-data-source")["parameters"].update(path="metrics"),
         lambda c: c["plugins"].append({"name": "no-type"}),
+        # precise prefix-cache routing
+        lambda c: _producer(c)["tokenProcessorConfig"].update(blockSize=0),
+        lambda c: _producer(c)["tokenProcessorConfig"].update(blockSizeToken=16),          # misspelt
+        lambda c: _producer(c)["tokenProcessorConfig"].update(hashAlgorithm="sha256"),
+        lambda c: _producer(c)["indexerConfig"].update(tokenizersPoolConfig={"modelName": "m"}),  # refused
+        lambda c: _producer(c)["indexerConfig"]["kvCacheBackendConfigs"].append({"name": "disk"}),
+        lambda c: _producer(c)["kvEventsConfig"].update(zmqEndpoints="tcp://*:5557"),
+        lambda c: _producer(c)["kvEventsConfig"].update(engineType="llama.cpp"),
+        lambda c: _producer(c)["kvEventsConfig"].update(concurrency=0),
+        lambda c: _producer(c)["kvEventsConfig"]["podDiscoveryConfig"].update(socketPort="5557"),
+        lambda c: _producer(c)["kvEventsConfig"]["podDiscoveryConfig"].update(port=5557),
+        lambda c: _producer(c).update(speculativeTTL="2 seconds"),
+        lambda c: _plugin(c, "token-producer")["parameters"].pop("modelName"),
+        lambda c: _plugin(c, "token-producer")["parameters"].update(estimate={}),
+        lambda c: _plugin(c, "token-producer")["parameters"].update(udsTokenizerConfig={"socketFile": "/s"}),
+        lambda c: _plugin(c, "token-producer")["parameters"]["vllm"].update(endpointDiscovery={}),
+        lambda c: _plugin(c, "token-producer")["parameters"]["vllm"].update(url="gguf-fit-server:80"),
+        lambda c: _plugin(c, "token-producer")["parameters"]["vllm"].update(timeout="5"),
+        lambda c: _plugin(c, "token-producer").pop("parameters"),
+        lambda c: _plugin(c, "prefix-cache-scorer")["parameters"].update(prefixLengthWeight=0.5),  # no maxModelLen
+        lambda c: _plugin(c, "prefix-cache-scorer")["parameters"].update(producerName="x"),
+        lambda c: _plugin(c, "endpoint-notification-source").update(parameters={}),
     ):
         bad = copy.deepcopy(config)
         mutate(bad)
         assert _config_errors(bad), "the schema must reject it"
+    # What the sources allow besides: the new name of the block size, a length-weighted score with its
+    # maximum length, speculative indexing with a Go duration, discovery instead of one render URL.
+    for mutate in (
+        lambda c: _producer(c)["tokenProcessorConfig"].update(blockSizeTokens=16),
+        lambda c: _plugin(c, "prefix-cache-scorer")["parameters"].update(prefixLengthWeight=0.5, maxModelLen=4096),
+        lambda c: _producer(c).update(speculativeIndexing=True, speculativeTTL="1m30s"),
+        lambda c: _plugin(c, "token-producer")["parameters"].update(vllm={"endpointDiscovery": {}}),
+    ):
+        ok_config = copy.deepcopy(config)
+        mutate(ok_config)
+        assert _config_errors(ok_config) == []
 
 
 def _epp() -> dict[str, Any]:
@@ -189,6 +238,13 @@ def _plugin(config: dict[str, Any], plugin_type: str) -> dict[str, Any]:
     return plugin
 
 
+def _producer(config: dict[str, Any]) -> dict[str, Any]:
+    """The precise-prefix-cache-producer's parameters."""
+    params = _plugin(config, "precise-prefix-cache-producer").get("parameters")
+    assert isinstance(params, dict)
+    return params
+
+
 def _engine_config() -> tuple[str, dict[str, Any]]:
     """The pod label key the extractor reads, and the one engine config this project defines."""
     params = _plugin(_picker_config(), "core-metrics-extractor").get("parameters") or {}
@@ -213,10 +269,22 @@ def test_the_picker_config_is_complete_and_consistent() -> None:
     by_name = {p.get("name") or p["type"]: p["type"] for p in config["plugins"]}
     assert {"queue-scorer", "kv-cache-utilization-scorer"} <= {by_name[r] for r in refs}
     assert "single-profile-handler" in by_name.values()
-    # The metrics source feeds the extractor that holds the engine config.
-    (source,) = config["dataLayer"]["sources"]
-    assert by_name[source["pluginRef"]] == "metrics-data-source"
-    assert [by_name[e["pluginRef"]] for e in source["extractors"]] == ["core-metrics-extractor"]
+    # The metrics source feeds the extractor that holds the engine config; the endpoint notifications feed
+    # the precise prefix-cache producer (its per-pod subscriptions).
+    sources = {by_name[s["pluginRef"]]: [by_name[e["pluginRef"]] for e in s["extractors"]]
+               for s in config["dataLayer"]["sources"]}
+    assert sources == {"metrics-data-source": ["core-metrics-extractor"],
+                       "endpoint-notification-source": ["precise-prefix-cache-producer"]}
+    # The prefix scorer reads what the producer publishes, by the producer's name, and is weighted.
+    scorer = _plugin(config, "prefix-cache-scorer")
+    (producer,) = [n for n, t in by_name.items() if t == "precise-prefix-cache-producer"]
+    assert scorer["parameters"]["prefixMatchInfoProducerName"] == producer
+    weights = {by_name[p["pluginRef"]]: p.get("weight", 1) for p in profile["plugins"]}
+    assert weights["prefix-cache-scorer"] > 0
+    # The producer needs real token ids: a token-producer with the render backend (not the estimate one the
+    # router would create in its place).
+    tokens = _plugin(config, "token-producer")["parameters"]
+    assert "vllm" in tokens and "udsTokenizerConfig" not in tokens
 
 
 _SPEC = re.compile(r"^\s*([^{}\s]+)\s*(?:\{([^{}]*)\})?\s*$")
@@ -385,3 +453,207 @@ def test_the_engine_config_names_gauges_a_real_server_exports(service_factory: C
     assert not any(n.startswith(("vllm:lora", "gguf_lora")) for n in types), "no adapters: loraSpec stays empty"
     assert httpx.get(svc.url + "/v1/models", timeout=30).status_code == 401, "the rest still needs the key"
     svc.stop()
+
+
+# Precise prefix-cache routing: the picker's producer against the server's KV events and render routes.
+
+KV = LLMD["kvEvents"]
+
+
+def _server_container() -> dict[str, Any]:
+    (container,) = _server()["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _server_settings_env() -> dict[str, str]:
+    """The GGUF_* environment a server pod gets: the ConfigMaps of its envFrom, then its env values."""
+    container = _server_container()
+    maps = {c["metadata"]["name"]: c["data"] for _, c in _docs(K8S) if c["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    return env
+
+
+_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _expanded_env(pod_ip: str) -> dict[str, str]:
+    """The container's env as Kubernetes sets it: each $(NAME) replaced by the value of a variable defined
+    earlier in the list (the downward API's status.podIP being ``pod_ip``); every reference must resolve,
+    or the literal $(NAME) would reach the server."""
+    env: dict[str, str] = {}
+    for entry in _server_container()["env"]:
+        if "value" in entry:
+            value = entry["value"]
+            unresolved = [n for n in _REF.findall(value) if n not in env]
+            assert not unresolved, f"{entry['name']}: $({unresolved[0]}) is not defined before it"
+            env[entry["name"]] = _REF.sub(lambda m: env[m.group(1)], value)
+        elif entry["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[entry["name"]] = pod_ip
+    return env
+
+
+def _server_settings(monkeypatch: pytest.MonkeyPatch, pod_ip: str) -> Settings:
+    """The server's settings in a pod whose IP is ``pod_ip``."""
+    import os
+
+    for var in [k for k in os.environ if k.startswith("GGUF_")]:
+        monkeypatch.delenv(var)
+    for var, value in {**_server_settings_env(), **_expanded_env(pod_ip)}.items():
+        if var.startswith("GGUF_"):
+            monkeypatch.setenv(var, value)
+    return Settings()
+
+
+def _effective_block_size(params: dict[str, Any]) -> int:
+    """The producer's block size as the router resolves it (token_processor.go): blockSizeTokens, else the
+    deprecated blockSize, else the default."""
+    tp = params.get("tokenProcessorConfig") or {}
+    return tp.get("blockSizeTokens") or tp.get("blockSize") or KV["defaultBlockSize"]
+
+
+def _kv_events() -> dict[str, Any]:
+    return _producer(_picker_config()).get("kvEventsConfig") or {}
+
+
+def _discovery() -> dict[str, Any]:
+    return _kv_events().get("podDiscoveryConfig") or {}
+
+
+def test_the_block_size_is_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer hashes events and requests in blocks of the size the server publishes them in."""
+    size = _effective_block_size(_producer(_picker_config()))
+    assert size == Settings.model_fields["kv_events_block_size"].default, "the server's default block size"
+    assert "GGUF_KV_EVENTS_BLOCK_SIZE" not in _server_settings_env(), "the pods keep the default"
+    assert _server_settings(monkeypatch, "10.1.2.3").kv_events_block_size == size
+
+
+def test_the_picker_dials_the_port_the_server_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = _kv_events()
+    assert kv.get("discoverPods", True) is True, "per pod: the server binds, the picker connects"
+    assert "zmqEndpoint" not in kv, "the picker binds no socket of its own for the server to connect to"
+    port = _discovery().get("socketPort", KV["defaultSocketPort"])
+    ports = {p["name"]: p for p in _server_container()["ports"]}
+    assert ports["kv-events"]["containerPort"] == port and ports["kv-events"].get("protocol", "TCP") == "TCP"
+    endpoint = _server_settings(monkeypatch, "10.1.2.3").kv_events_endpoint
+    assert endpoint is not None, "GGUF_KV_EVENTS_ENDPOINT: the server publishes nothing without it"
+    m = re.fullmatch(r"tcp://(\*|0\.0\.0\.0|\[::\]):(\d+)", endpoint)
+    assert m, f"{endpoint}: the pod's every interface (the picker dials the pod IP)"
+    assert int(m.group(2)) == port
+    # One target port, so rank 0: the picker dials socketPort itself.
+    assert len(_one("InferencePool")["spec"]["targetPorts"]) == 1
+    # The server binds it for real (the publisher reports where it listens).
+    publisher = server_kv_events.KvEventPublisher("tcp://127.0.0.1:0", block_size=16, topic="kv@x@{model}")
+    try:
+        assert publisher.endpoint.startswith("tcp://127.0.0.1:")
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("pod_ip", ["10.1.2.3", "fd00:10:244::7"])
+def test_the_topic_names_the_pod_as_the_picker_does(monkeypatch: pytest.MonkeyPatch, pod_ip: str) -> None:
+    """The server's topic for a model, as the pod's env makes it and the server's publisher formats it, passes
+    the producer's topic filter and parses (kv@<pod-id>@<model>) into the pool endpoint's "<address>:<port>"
+    and the model the token producer renders for."""
+    settings = _server_settings(monkeypatch, pod_ip)
+    model = _server_settings_env()["GGUF_DEFAULT_MODEL"]
+    publisher = server_kv_events.KvEventPublisher("tcp://127.0.0.1:0", block_size=settings.kv_events_block_size,
+                                                  topic=settings.kv_events_topic)
+    try:
+        topic = publisher.topic_of(model).decode("utf-8")
+    finally:
+        publisher.close()
+    assert topic.startswith(_kv_events().get("topicFilter", KV["defaultTopicFilter"])), topic
+    parts = topic.split(KV["topicSeparator"])
+    assert len(parts) == 3 and parts[0] == "kv", topic
+    (target,) = _one("InferencePool")["spec"]["targetPorts"]
+    assert parts[1] == KV["topic"].split("@")[1].format(address=pod_ip, port=target["number"])
+    assert parts[2] == model == _plugin(_picker_config(), "token-producer")["parameters"]["modelName"]
+    # The server's default topic names the host, which the picker cannot tie to an endpoint.
+    assert Settings.model_fields["kv_events_topic"].default != settings.kv_events_topic
+
+
+def _selector(text: str) -> dict[str, str]:
+    """An equality-only label selector (k=v,k2=v2) as a dict."""
+    out = {}
+    for term in text.split(","):
+        key, eq, value = term.partition("=")
+        assert eq and key and value and not value.startswith("="), f"{term}: equality terms only here"
+        out[key.strip()] = value.strip()
+    return out
+
+
+def test_the_producer_subscribes_to_the_pool_pods_only() -> None:
+    selector = _selector(_discovery().get("podLabelSelector", KV["defaultPodLabelSelector"]))
+    pod_labels = _server()["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items(), "the server's pods get a subscription"
+    assert selector.items() >= _one("InferencePool")["spec"]["selector"]["matchLabels"].items()
+    assert not selector.items() <= _epp()["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_every_medium_the_server_publishes_has_its_weight() -> None:
+    """Blocks in a slot count most, then host memory, then disk (a medium without a weight would count as
+    much as a slot)."""
+    configured = (_producer(_picker_config()).get("indexerConfig") or {}).get("kvCacheBackendConfigs")
+    weights = {b["name"]: b["weight"] for b in configured} if configured else KV["defaultMediumWeights"]
+    media = {m.lower() for m in server_kv_events.MEDIA.values()}
+    assert media == {"gpu", "cpu", "storage"}
+    assert media <= set(weights), f"no weight for {media - set(weights)}"
+    assert weights["gpu"] > weights["cpu"] > weights["storage"] > 0
+
+
+def test_the_token_producer_renders_on_the_server() -> None:
+    """The token producer posts to the server's render routes through its Service, for the pool's model,
+    and can authenticate with the server's own key."""
+    params = _plugin(_picker_config(), "token-producer")["parameters"]
+    url = re.fullmatch(r"http://([a-z0-9-]+)(?::(\d+))?", params["vllm"]["url"])
+    assert url, params["vllm"]["url"]
+    service = next(d for _, d in _docs(K8S) if d["kind"] == "Service" and d["metadata"]["name"] == url.group(1))
+    (port,) = service["spec"]["ports"]
+    assert int(url.group(2) or 80) == port["port"]
+    assert service["spec"]["selector"].items() <= _server()["spec"]["template"]["metadata"]["labels"].items()
+    assert port["targetPort"] in {p["name"] for p in _server_container()["ports"]} | {8000}
+    routes = {r.path for r in server_render.router.routes}
+    assert {"/v1/completions/render", "/v1/chat/completions/render"} <= routes
+    assert params["modelName"] == _server_settings_env()["GGUF_DEFAULT_MODEL"]
+    # The warm-up probe's key: the server's Secret, optional so that the picker starts without it.
+    (container,) = _epp()["spec"]["template"]["spec"]["containers"]
+    (key,) = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == "VLLM_API_KEY"]
+    volumes = {v["name"]: v for v in _server()["spec"]["template"]["spec"]["volumes"]}
+    secret = volumes["api-key"]["secret"]
+    assert key["name"] == secret["secretName"] and key["key"] in {i["key"] for i in secret["items"]}
+    assert key.get("optional") is True
+
+
+def test_only_the_picker_reaches_the_events_port() -> None:
+    """The events carry the held prompts' token ids: a NetworkPolicy admits the events port from the
+    picker's pods only, and the HTTP port from everywhere (the gateway, scrapers)."""
+    policy = _one("NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == _one("InferencePool")["spec"]["selector"]["matchLabels"]
+    assert "Ingress" in spec["policyTypes"]
+    container = _server_container()
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    events, http_port = _discovery().get("socketPort", KV["defaultSocketPort"]), named["http"]
+    epp_labels = _epp()["spec"]["template"]["metadata"]["labels"]
+    open_ports: set[int] = set()
+    picker_ports: set[int] = set()
+    for rule in spec["ingress"]:
+        ports = {named.get(p["port"], p["port"]) for p in rule["ports"]}
+        assert all(p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+        if not rule.get("from"):
+            open_ports |= ports
+            continue
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"} and peer["podSelector"]["matchLabels"]
+            assert peer["podSelector"]["matchLabels"].items() <= epp_labels.items(), "the picker's pods"
+            assert not peer["podSelector"]["matchLabels"].items() <= \
+                _server()["spec"]["template"]["metadata"]["labels"].items()
+        picker_ports |= ports
+    assert open_ports == {http_port} and picker_ports == {events}
+    assert set(named.values()) == {http_port, events}, "a port the policy does not name would be closed"
+    bad = copy.deepcopy(policy)
+    bad["spec"]["ingress"][1]["from"][0]["podSelecter"] = {}
+    assert _errors(bad), "the stand-in is strict"

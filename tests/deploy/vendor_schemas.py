@@ -31,6 +31,10 @@ The tests must run offline, so the schemas they validate against live here:
   the config is no Kubernetes resource and ships no schema, so ``LLMD_ROUTER_CONFIG`` below is the
   transcription (field names from the ``json`` tags, ``required`` from ``+required``), plus the
   metric flags the router refuses since engine configs replaced them and the plugin types used here.
+  Precise prefix-cache routing adds the parameters of ``token-producer``, ``precise-prefix-cache-producer``
+  and ``prefix-cache-scorer`` (``endpoint-notification-source`` takes none), closed the same way, and the
+  KV-event facts the producer relies on (``LLMD_KV_EVENTS``: how it reaches a pod, the topic it parses,
+  its defaults), each read from the sources named with it.
 
 Usage (needs the two wheels, e.g. ``pip download --no-deps docker-compose==1.29.2
 kubernetes-validate==1.37.0``, and the InferencePool CRD of the pinned release, e.g. the file
@@ -216,6 +220,66 @@ LLMD_ROUTER_SOURCES = {
     "plugin-types": ("llm-d/llm-d-router", "config/charts/routerlib/templates/_config.yaml",
                      "00bacf3afcccedca310fad8cec229ba54736094c"),
     "plugin-types-2": ("llm-d/llm-d-router", "deploy/config/epp-config.yaml", "39404814aa90b4ef260fbfd42c712feedd1f5e18"),
+    # Precise prefix-cache routing. The producer (PluginConfig; refuses indexerConfig.tokenizersPoolConfig)
+    # replaced the all-in-one precise-prefix-cache-scorer, now a deprecated wrapper (llm-d/llm-d-router#1112,
+    # #1121); the generic prefix-cache-scorer reads what it publishes (prefixMatchInfoProducerName).
+    "precise-prefix-cache-producer": (
+        "llm-d/llm-d-router", "pkg/epp/framework/plugins/requestcontrol/dataproducer/preciseprefixcache/producer.go",
+        "953be86fc9f443e25834ff945f90f11dbf74dfd2"),
+    # Its parameters (sessionManager too) and "block keys are recomputed by the EPP from TokenizedPrompt ...
+    # the engine's own block hashes serve only as opaque keys": the events' token_ids are what count.
+    "precise-prefix-cache-producer-readme": (
+        "llm-d/llm-d-router", "pkg/epp/framework/plugins/requestcontrol/dataproducer/preciseprefixcache/README.md",
+        "0539d49a06867609f1dea495945e0c8fca439ec7"),
+    # Per-pod discovery: SUB connects to tcp://<endpoint address>:<socketPort + rank>; the events are indexed
+    # under the endpoint "<address>:<port>" (its source endpoint); podLabelSelector filters the endpoints.
+    "precise-prefix-cache-discovery": (
+        "llm-d/llm-d-router", "pkg/epp/framework/plugins/requestcontrol/dataproducer/preciseprefixcache/extractor.go",
+        "0854a27dfafc990cc41b6c627ee681a089c0685c"),
+    # kvEventsConfig and podDiscoveryConfig (json tags, defaults: topicFilter kv@, concurrency 4, discoverPods,
+    # socketPort 5557, podLabelSelector llm-d.ai/inference-serving=true); a source endpoint overrides the
+    # topic's pod id; AllBlocksCleared clears every entry of the pod; media are lower-cased.
+    "kv-events-config": ("llm-d/llm-d-router", "pkg/kvevents/pool.go", "0557f29683fa67cf493aa5a4bf29f915809ff92c"),
+    # Topic "kv@<pod-id>@<model-name>"; events as positional arrays or, since vllm-project/vllm#42892, maps
+    # tagged by "type".
+    "kv-events-vllm-adapter": ("llm-d/llm-d-router", "pkg/kvevents/engineadapter/vllm_adapter.go",
+                               "0854a27dfafc990cc41b6c627ee681a089c0685c"),
+    # tokenProcessorConfig: blockSize (deprecated) / blockSizeTokens (default 16), hashSeed, hashAlgorithm.
+    "token-processor": ("llm-d/llm-d-router", "pkg/kvcache/kvblock/token_processor.go",
+                        "140f7906662fd566c296bcb7823d50c4743bdee3"),
+    # indexerConfig: kvBlockIndexConfig, kvCacheBackendConfigs, kvCacheDefaultBackendWeight, tokenizersPoolConfig.
+    "indexer-config": ("llm-d/llm-d-router", "pkg/kvcache/indexer.go", "36da54d72db3fcd728d0a4b5c9a77a5bc7fc78ba"),
+    # Medium weights {name, weight}: gpu 1.0, cpu 0.8 by default ...
+    "backend-weights": ("llm-d/llm-d-router", "pkg/kvcache/backend.go", "36da54d72db3fcd728d0a4b5c9a77a5bc7fc78ba"),
+    # ... and 1.0 (DefaultBackendWeight) for a medium not listed.
+    "block-scorer": ("llm-d/llm-d-router", "pkg/kvcache/kvblock_scorer.go", "7624171c9331358bd5d841863e872b03634ccd9b"),
+    "prefix-cache-scorer": ("llm-d/llm-d-router", "pkg/epp/framework/plugins/scheduling/scorer/prefix/plugin.go",
+                            "068b68d08c44a311012602f9e051276c689ef9c3"),
+    # modelName (required), vllm, udsTokenizerConfig (deprecated; not with vllm).
+    "token-producer": ("llm-d/llm-d-router",
+                       "pkg/epp/framework/plugins/requestcontrol/dataproducer/tokenizer/tokenizer.go",
+                       "00e706e30f091db5101cf8228b9b45533eb52675"),
+    # vllm.* parameters; /v1/completions/render and /v1/chat/completions/render; the request's Authorization
+    # header is forwarded; VLLM_API_KEY authenticates the warmup probe.
+    "token-producer-readme": ("llm-d/llm-d-router",
+                              "pkg/epp/framework/plugins/requestcontrol/dataproducer/tokenizer/README.md",
+                              "04c854a6dc0ff688e2c2884788e3375a5383b140"),
+    # endpoint-notification-source: no parameters.
+    "endpoint-notification-source": ("llm-d/llm-d-router",
+                                     "pkg/epp/framework/plugins/datalayer/source/notifications/factory.go",
+                                     "683100dc9f29744f61209af5d42336f15d228bdc"),
+    # A producer + scorer + token-producer configuration of the router's own.
+    "precise-prefix-cache-sample": ("llm-d/llm-d-router", "deploy/config/sim-epp-tokenizer-vllm-http-config.yaml",
+                                    "03b2c3800bbfdb9473e8c8c5f31e00164d68fcb2"),
+    # llm-d's guide: the router side (weights queue 2, KV 2, prefix 3; endpoint-notification-source feeding the
+    # precise plugin) and the model-server side (topic kv@$(POD_IP):$(POD_PORT)@<model>, POD_IP from the
+    # downward API, the ZMQ port declared as a container port named kv-events).
+    "precise-routing-guide-router": ("llm-d/llm-d",
+                                     "guides/precise-prefix-cache-routing/router/precise-prefix-cache-routing.values.yaml",
+                                     "076e65dcd894907839be68cac7a4b235a1406166"),
+    "precise-routing-guide-modelserver": (
+        "llm-d/llm-d", "guides/precise-prefix-cache-routing/modelserver/gpu/vllm/base/patch-vllm.yaml",
+        "34272a6415a3535960d205ff22d7dbac7e8c3e36"),
 }
 _STR = {"type": "string"}
 _REF_LIST = {"type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["pluginRef"],
@@ -251,6 +315,16 @@ LLMD_ROUTER_CONFIG: dict[str, Any] = {
                  "then": {"properties": {"parameters": {"$ref": "#/$defs/metricsDataSourceParameters"}}}},
                 {"if": {"properties": {"type": {"const": "core-metrics-extractor"}}},
                  "then": {"properties": {"parameters": {"$ref": "#/$defs/coreMetricsExtractorParameters"}}}},
+                {"if": {"properties": {"type": {"const": "token-producer"}}},
+                 "then": {"required": ["parameters"],
+                          "properties": {"parameters": {"$ref": "#/$defs/tokenProducerParameters"}}}},
+                {"if": {"properties": {"type": {"const": "precise-prefix-cache-producer"}}},
+                 "then": {"properties": {"parameters": {"$ref": "#/$defs/precisePrefixCacheProducerParameters"}}}},
+                {"if": {"properties": {"type": {"const": "prefix-cache-scorer"}}},
+                 "then": {"properties": {"parameters": {"$ref": "#/$defs/prefixCacheScorerParameters"}}}},
+                # Its factory reads no parameters.
+                {"if": {"properties": {"type": {"const": "endpoint-notification-source"}}},
+                 "then": {"not": {"required": ["parameters"]}}},
             ],
         },
         "schedulingProfile": {
@@ -313,6 +387,115 @@ LLMD_ROUTER_CONFIG: dict[str, Any] = {
                     "properties": {"attributeKey": _STR, "metricSpec": _STR}}},
             },
         },
+        # token-producer (tokenizer.go, README.md): modelName is required; the vllm backend posts to a server's
+        # /v1/completions/render and /v1/chat/completions/render, at one url or at the endpoints discovery
+        # supplies (not both); udsTokenizerConfig is the deprecated sidecar backend, not with vllm. No estimate
+        # backend here: its pseudo-tokens never match an engine's blocks.
+        "tokenProducerParameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["modelName"],
+            "properties": {
+                "modelName": {"type": "string", "minLength": 1},
+                "vllm": {"$ref": "#/$defs/vllmRenderer"},
+                "udsTokenizerConfig": {"type": "object"},
+            },
+            "not": {"required": ["vllm", "udsTokenizerConfig"]},
+        },
+        "vllmRenderer": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "url": {"type": "string", "pattern": "^https?://[^/]+$"},
+                "endpointDiscovery": {"type": "object"},
+                "messagesRenderMode": {"enum": ["auto", "native", "legacy"]},
+                "prefillOnly": {"type": "boolean"},
+                "timeout": {"$ref": "#/$defs/duration"},
+                "mmTimeout": {"$ref": "#/$defs/duration"},
+                "caCertPath": _STR,
+                "clientCertPath": _STR,
+                "clientKeyPath": _STR,
+                "insecureSkipVerify": {"type": "boolean"},
+            },
+            "not": {"required": ["url", "endpointDiscovery"]},
+        },
+        # A Go duration string (time.ParseDuration), e.g. 2s, 500ms, 1m30s.
+        "duration": {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"},
+        # precise-prefix-cache-producer (producer.go, README.md): tokens-only, so indexerConfig takes no
+        # tokenizersPoolConfig (the factory refuses it).
+        "precisePrefixCacheProducerParameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "sessionManager": {"type": "string", "minLength": 1},
+                "tokenProcessorConfig": {"$ref": "#/$defs/tokenProcessorConfig"},
+                "indexerConfig": {"$ref": "#/$defs/indexerConfig"},
+                "kvEventsConfig": {"$ref": "#/$defs/kvEventsConfig"},
+                "speculativeIndexing": {"type": "boolean"},
+                "speculativeTTL": {"$ref": "#/$defs/duration"},
+            },
+        },
+        # token_processor.go: blockSize is the deprecated name of blockSizeTokens (which wins when both are
+        # set); 0 or absent means 16.
+        "tokenProcessorConfig": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "blockSize": {"type": "integer", "minimum": 1},
+                "blockSizeTokens": {"type": "integer", "minimum": 1},
+                "hashSeed": _STR,
+                "hashAlgorithm": {"enum": ["cbor-fnv", "xxh64"]},
+            },
+        },
+        # indexer.go, backend.go: the medium weights are {name, weight}, name the event's medium lower-cased.
+        "indexerConfig": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "kvBlockIndexConfig": {"type": "object"},
+                "kvCacheBackendConfigs": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False, "required": ["name", "weight"],
+                    "properties": {"name": {"type": "string", "pattern": "^[a-z0-9-]+$"},
+                                   "weight": {"type": "number", "minimum": 0}}}},
+                "kvCacheDefaultBackendWeight": {"type": "number", "minimum": 0},
+            },
+        },
+        # pool.go: Config and PodDiscoveryConfig.
+        "kvEventsConfig": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "zmqEndpoint": {"type": "string", "pattern": "^tcp://"},
+                "topicFilter": _STR,
+                "concurrency": {"type": "integer", "minimum": 1},
+                "engineType": {"enum": ["vllm", "sglang"]},
+                "tracing": {"type": "boolean"},
+                "discoverPods": {"type": "boolean"},
+                "podDiscoveryConfig": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "podLabelSelector": _STR,
+                        "podNamespace": _STR,
+                        "socketPort": {"type": "integer", "minimum": 1, "maximum": 65535},
+                        "replaySocketPort": {"type": "integer", "maximum": 65535},
+                    },
+                },
+            },
+        },
+        # prefix/plugin.go: prefixLengthWeight in [0, 1], and above 0 it needs maxModelLen (> 0).
+        "prefixCacheScorerParameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "prefixMatchInfoProducerName": {"type": "string", "minLength": 1},
+                "prefixLengthWeight": {"type": "number", "minimum": 0, "maximum": 1},
+                "maxModelLen": {"type": "integer", "minimum": 1},
+            },
+            "if": {"required": ["prefixLengthWeight"],
+                   "properties": {"prefixLengthWeight": {"exclusiveMinimum": 0}}},
+            "then": {"required": ["maxModelLen"]},
+        },
     },
 }
 # The extractor's defaults (factories.go): the pod label that names the engine, and the engine read when
@@ -326,20 +509,43 @@ LLMD_REJECTED_FLAGS = ["total-queued-requests-metric", "total-running-requests-m
 # Plugin types registered by the router that this project's config may name (seen in the router's own
 # configs: the chart's default config and deploy/config/epp-config.yaml).
 LLMD_PLUGIN_TYPES = ["queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "max-score-picker",
-                     "single-profile-handler", "metrics-data-source", "core-metrics-extractor"]
+                     "single-profile-handler", "metrics-data-source", "core-metrics-extractor",
+                     # precise prefix-cache routing (precise-prefix-cache-sample, precise-routing-guide-router)
+                     "token-producer", "precise-prefix-cache-producer", "endpoint-notification-source"]
+# What the precise-prefix-cache-producer expects of a model server's KV events, and its defaults (sources:
+# precise-prefix-cache-discovery, kv-events-config, kv-events-vllm-adapter, token-processor, backend-weights,
+# block-scorer).
+LLMD_KV_EVENTS = {
+    # The producer dials tcp://<endpoint address>:<socketPort + rank index> (rank 0 for a pool with one target
+    # port) and indexes what arrives under "<endpoint address>:<endpoint port>"; a version without that source
+    # endpoint takes the pod id from the topic instead, so the topic names the same "<pod IP>:<port>".
+    "topic": "kv@{address}:{port}@{model}",
+    "topicSeparator": "@",
+    "defaultTopicFilter": "kv@",
+    "defaultSocketPort": 5557,
+    "defaultConcurrency": 4,
+    "defaultBlockSize": 16,
+    # Endpoints whose labels this selector does not match get no subscriber.
+    "defaultPodLabelSelector": "llm-d.ai/inference-serving=true",
+    # Media as indexed: the event's medium lower-cased ("" counts as gpu).
+    "defaultMediumWeights": {"gpu": 1.0, "cpu": 0.8},
+    "defaultUnlistedMediumWeight": 1.0,
+}
 
 
 def vendor_llm_d_router() -> dict[str, Any]:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$comment": "The llm-d router's EndpointPickerConfig and the metrics plugins' parameters, transcribed from "
-        "the Go types of the sources listed (repo, path, commit) by tests/deploy/vendor_schemas.py --llm-d-router",
+        "$comment": "The llm-d router's EndpointPickerConfig and the parameters of the metrics and precise "
+        "prefix-cache plugins, transcribed from the Go types of the sources listed (repo, path, commit) by "
+        "tests/deploy/vendor_schemas.py --llm-d-router",
         "sources": {key: {"repo": r, "path": p, "commit": c} for key, (r, p, c) in LLMD_ROUTER_SOURCES.items()},
         "config": LLMD_ROUTER_CONFIG,
         "engineLabelKey": LLMD_ENGINE_LABEL_KEY,
         "defaultEngine": LLMD_DEFAULT_ENGINE,
         "rejectedFlags": LLMD_REJECTED_FLAGS,
         "pluginTypes": LLMD_PLUGIN_TYPES,
+        "kvEvents": LLMD_KV_EVENTS,
     }
 
 
