@@ -171,6 +171,13 @@ def in_process_service(settings: Any, ready_timeout_s: float = 180) -> Iterator[
         thread.join(timeout=60)
 
 
+def loaded_model(client: httpx.Client, **kw: Any) -> dict[str, Any]:
+    """The one loaded model of ``/api/models`` (the listing names both embedded models, loaded or not)."""
+    loaded = [m for m in client.get("/api/models", **kw).json()["models"] if m.get("state") == "loaded"]
+    assert len(loaded) == 1, [m.get("name") for m in loaded]
+    return loaded[0]  # type: ignore[no-any-return]
+
+
 class ServiceProcess:
     """``python -m service`` in a subprocess, reached over HTTP on loopback. ``env`` over this process's environment;
     a None value removes that variable."""

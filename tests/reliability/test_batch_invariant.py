@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import EMBEDDED_NAME, ServiceProcess
+from tests.conftest import EMBEDDED_NAME, ServiceProcess, loaded_model
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def test_batch_invariant_text_is_the_same_alone_and_batched(tmp_path: Path, embe
     try:
         svc.wait_healthy()
         svc.wait_ready()
-        model = svc.client.get("/api/models").json()["models"][0]
+        model = loaded_model(svc.client)
         rows = {m["device"]: m for m in model["memory"]}
         assert set(rows) == {"CPU"}, "no repacked copies: the engine loads without them, and the plan knows"
         assert rows["CPU"]["allocated_mib"] == pytest.approx(rows["CPU"]["predicted_mib"], abs=0.011)

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServiceProcess
+from tests.conftest import ServiceProcess, loaded_model
 from tests.figures import figure
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def _metric(svc: ServiceProcess, name: str, key: str | None = None) -> float:
 def test_turns_beyond_the_slot_survive_eviction_and_restart(tmp_path: Path) -> None:
     svc = _start(tmp_path, "first")
     try:
-        model = svc.client.get("/api/models").json()["models"][0]
+        model = loaded_model(svc.client)
         line = model["prompt_cache"]
         assert line["budget_mib"] > 0 and line["ceiling_mib"] == 8192 and line["disk_dir"] == str(tmp_path / "kv")
         dry = svc.client.post("/api/dry-run", json={"model": model["name"]}).json()
@@ -70,7 +70,7 @@ def test_turns_beyond_the_slot_survive_eviction_and_restart(tmp_path: Path) -> N
         assert _metric(svc, "gguf_prompt_cache_hits_total") == 1
         assert _metric(svc, "gguf_prompt_cache_restored_tokens_total") == n
         assert _metric(svc, "gguf_prompt_cache_bytes") > 0  # B, now
-        holds = svc.client.get("/api/models").json()["models"][0]["prompt_cache"]["holds"]
+        holds = loaded_model(svc.client)["prompt_cache"]["holds"]
         assert holds["entries"] == 1 and holds["hits"] == 1
         # evicted and loaded again: what the slot and the cache held comes back from disk
         assert svc.client.post("/api/models/unload", json={"model": model["name"]}).status_code == 200
@@ -110,7 +110,7 @@ def test_a_turn_survives_the_server_killed_after_it(tmp_path: Path) -> None:
         while _metric(svc, "gguf_prompt_cache_disk_entries") < 1:
             assert time.monotonic() < deadline, "the turn was never written to the disk"
             time.sleep(0.05)
-        runner = svc.client.get("/api/models").json()["models"][0]["runner"]["pid"]
+        runner = loaded_model(svc.client)["runner"]["pid"]
         files = sorted((tmp_path / "kv").rglob("*.kv"))
         assert len(files) == 1
     finally:
@@ -140,7 +140,7 @@ def test_a_cached_prompt_is_not_shared_across_keys_or_salts(tmp_path: Path) -> N
         assert _complete(svc, A, one) <= 1
         assert _complete(svc, A, two) <= 1  # the slot holds A for tenant one: tenant two evaluates it all
         assert _complete(svc, A, one) > 150  # tenant one's A, kept when tenant two took the slot
-        name = svc.client.get("/api/models", headers={"Authorization": f"Bearer {one}"}).json()["models"][0]["name"]
+        name = loaded_model(svc.client, headers={"Authorization": f"Bearer {one}"})["name"]
         client = openai.OpenAI(base_url=svc.url + "/v1", api_key=one, http_client=httpx.Client(timeout=120))
         salted = client.completions.create(model=name, prompt=A, max_tokens=4, temperature=0,
                                            extra_body={"cache_salt": "session-9"})
