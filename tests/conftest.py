@@ -171,6 +171,15 @@ def in_process_service(settings: Any, ready_timeout_s: float = 180) -> Iterator[
         thread.join(timeout=60)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
 def loaded_model(client: httpx.Client, **kw: Any) -> dict[str, Any]:
     """The one loaded model of ``/api/models`` (the listing names both embedded models, loaded or not)."""
     loaded = [m for m in client.get("/api/models", **kw).json()["models"] if m.get("state") == "loaded"]

