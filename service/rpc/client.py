@@ -57,13 +57,6 @@ def parse_workers(value: str | None) -> list[str]:
     return out
 
 
-def label_endpoint(label: str) -> str | None:
-    """The worker of a device label (``RPC0[host:port]`` -> ``host:port``); None for a local device."""
-    if label.startswith("RPC") and label.endswith("]") and "[" in label:
-        return label[label.index("[") + 1:-1]
-    return None
-
-
 def status_url(endpoint: str) -> str:
     host, port = parse_endpoint(endpoint)
     host = f"[{host}]" if ":" in host else host

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.engine.params import device_params
-from service.rpc.client import label_endpoint, parse_workers
+from service.rpc.client import parse_workers
 from service.rpc.worker import rpc_clients
 from sizing.memory import Placement
 from sizing.plan import Device, PlanRequest, available
@@ -85,7 +85,6 @@ def test_the_settings_list_of_workers() -> None:
     assert parse_workers(None) == []
     with pytest.raises(ValueError):
         parse_workers("10.0.0.2")
-    assert label_endpoint("RPC0[10.0.0.2:50052]") == "10.0.0.2:50052" and label_endpoint("CUDA0") is None
 
 
 def test_a_token_pays_each_workers_link_in_the_predicted_speed(tmp_path: Path) -> None:
