@@ -70,7 +70,6 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
 
             publisher = KvEventPublisher(settings.kv_events_endpoint, block_size=settings.kv_events_block_size,
                                          topic=settings.kv_events_topic or DEFAULT_TOPIC)
-            app.state.kv_events = publisher
             events_task = asyncio.create_task(publisher.run(manager))
             log.info("KV events on %s (blocks of %d tokens)", publisher.endpoint, settings.kv_events_block_size)
         task = None

@@ -73,7 +73,7 @@ class EngineGauges:
 @dataclass(frozen=True)
 class CachedPrompt:
     """Tokens whose KV an engine holds for reuse, and where (``Engine.cached_prompts``; the KV events a router
-    routes by, ``service.api.kv_events``)."""
+    routes by, ``service.residency.kv_events``)."""
 
     medium: Literal["GPU", "CPU", "DISK"]
     """``GPU``: a slot's KV in llama.cpp's cache (on the cards, or in host memory on a CPU-only load); ``CPU``: a

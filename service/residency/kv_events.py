@@ -150,7 +150,6 @@ class KvEventPublisher:
         self._seq = 0
         self._models: dict[str, _Model] = {}
         self._started = False
-        self.batches = 0
 
     def topic_of(self, model: str) -> bytes:
         return self.topic.format(host=socket.gethostname(), model=model).encode("utf-8")
@@ -162,7 +161,6 @@ class KvEventPublisher:
         payload = self._encode([time.time(), events])
         self._pub.send_multipart([self.topic_of(model), self._seq.to_bytes(8, "big"), payload])
         self._seq += 1
-        self.batches += 1
 
     def update(self, model: str, incarnation: tuple[Any, ...], prompts: Sequence[CachedPrompt]) -> None:
         """Publish what ``model`` holds now (``incarnation`` changes when its cache was emptied: a load, a
@@ -195,17 +193,10 @@ class KvEventPublisher:
             self.send(model, diff_events(m.published, {}, self.block_size))
 
     def changed(self, model: str, incarnation: tuple[Any, ...], gauges: Any) -> bool:
-        """Whether the model's gauges (or incarnation) moved since the last read; remembers them."""
+        """Whether the model's gauges (or incarnation) moved since its last publication (``poll`` records them only
+        once what they describe is published: a read that failed is tried again)."""
         m = self._models.get(model)
-        if m is not None and m.incarnation == incarnation and m.gauges == gauges:
-            return False
-        if m is not None and m.incarnation == incarnation:
-            m.gauges = gauges
-        return True
-
-    def published(self, model: str) -> dict[str, dict[int, Block]]:
-        m = self._models.get(model)
-        return m.published if m is not None else {}
+        return m is None or m.incarnation != incarnation or m.gauges != gauges
 
     def close(self) -> None:
         self._pub.close(0)
