@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,14 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 if TYPE_CHECKING:
     import httpx
 
+from service.testing.ports import free_port
+
+__all__ = ["free_port"]  # the benches take it from here with the rest of the harness
+
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout the benches belong to (the service runs from it unless a bench names another)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -20,9 +20,10 @@ import subprocess
 import sys
 from typing import Any, Iterator
 
-from harness import ROOT, free_port
+from harness import ROOT
 
 from service.catalog.embedded import embedded_model_path
+from service.testing.ports import worker_ports
 from service.testing.rpc import worker_process
 
 MIB = 1 << 20
@@ -31,11 +32,7 @@ MIB = 1 << 20
 @contextlib.contextmanager
 def workers(n: int, threads: int) -> Iterator[list[str]]:
     """``n`` workers on loopback (``service.testing.rpc.worker_process``), their endpoints."""
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p < 65000 and all(abs(p - q) > 1 for q in ports):
-            ports.append(p)
+    ports = worker_ports(n)
     with contextlib.ExitStack() as stack:
         for p in ports:
             stack.enter_context(worker_process(p, threads=threads, cwd=str(ROOT)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ the other's work: two engine tests run side by side took 152 s against 15 s one 
 import httpx
 import pytest
 
+from service.testing.ports import free_port
 from tests import figures
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,12 +114,6 @@ def instruct_model() -> str:
         return instruct_model_path()
     except EmbeddedModelError as exc:
         pytest.fail(exc.message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stream_events(url: str, body: dict[str, Any], first: threading.Event, out: dict[str, Any],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,8 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+
+from service.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -115,31 +116,14 @@ def worker_ports(args: dict[str, Any]) -> tuple[int, int]:
     return rpc, int(args.get("--status-port", rpc + 1))
 
 
-def _two_free_ports() -> tuple[int, int]:
-    """A port and the next, both free on loopback (the worker's RPC port and its /status)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port >= 65535:
-            continue
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port, port + 1
-    raise RuntimeError("no two consecutive free ports")
-
-
 @contextlib.contextmanager
 def running_worker(argv: list[str], cache_dir: Path) -> Iterator[tuple[int, int]]:
     """Run a manifest's worker command for real, on loopback: its own options, with --listen moved to
     127.0.0.1 on free ports (and --status-port, when given, to the next), --cache-dir to ``cache_dir`` and one
     thread unless --threads says otherwise. Yields (RPC port, /status port) once /status answers; killed after."""
     args = worker_args(argv)
-    rpc, status = _two_free_ports()
+    rpc = free_port(span=2)
+    status = rpc + 1
     args["--listen"] = f"127.0.0.1:{rpc}"
     if "--status-port" in args:
         args["--status-port"] = str(status)

@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from service.testing.ports import worker_ports
 from service.testing.rpc import worker_process
 from sizing.probe import host_memory
 from tests.conftest import ROOT, free_port
@@ -31,12 +32,8 @@ def status(port: int) -> dict:  # type: ignore[type-arg]
 
 def two_ports() -> tuple[int, int]:
     """Two RPC ports whose next port (/status) is free too."""
-    out: list[int] = []
-    while len(out) < 2:
-        p = free_port()
-        if p < 65000 and p not in out and p + 1 not in out and p - 1 not in out:
-            out.append(p)
-    return out[0], out[1]
+    a, b = worker_ports(2)
+    return a, b
 
 
 def test_the_build_has_ggml_rpc() -> None:
