@@ -1,5 +1,5 @@
 """A model run over ggml-rpc workers, for tests and benches: ``python -m service.testing.rpc [--hold] [--tokens N]
-MODEL [ENDPOINT ...]`` loads MODEL in this process with every layer on the workers' devices (split evenly over them), or
+[--n-ctx N] [--flash-attn] MODEL [ENDPOINT ...]`` loads MODEL in this process with every layer on the workers' devices (split evenly over them), or
 on the host with no endpoint, generates greedily and prints one JSON line: the devices llama.cpp used, the
 buffers it allocated per device (its log lines), the text and the decode speed; ``--hold`` keeps the model loaded
 after that line until a line arrives on stdin.
@@ -50,8 +50,8 @@ def worker_process(port: int, *args: str, threads: int = 1, cwd: str | None = No
         proc.wait()
 
 
-def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512, hold: bool = False
-        ) -> dict[str, Any]:
+def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512, flash_attn: bool = False,
+        hold: bool = False) -> dict[str, Any]:
     import llama_cpp
     import llama_cpp.llama_cpp as capi
 
@@ -70,7 +70,8 @@ def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512,
         return mp
 
     capi.llama_model_default_params = no_extra_buffers
-    kw: dict[str, Any] = {"n_ctx": n_ctx, "n_threads": 2, "verbose": False, "n_gpu_layers": 0}
+    kw: dict[str, Any] = {"n_ctx": n_ctx, "n_threads": 2, "verbose": False, "n_gpu_layers": 0,
+                          "flash_attn": flash_attn}
     if names:
         kw.update(n_gpu_layers=999, tensor_split=[1.0] * len(names))
     log = LogCollector()
@@ -93,16 +94,20 @@ def run(model: str, endpoints: list[str], *, tokens: int = 24, n_ctx: int = 512,
 
 
 def main(argv: list[str]) -> int:
-    hold = "--hold" in argv
-    argv = [a for a in argv if a != "--hold"]
-    tokens = 24
-    if argv[:1] == ["--tokens"] and len(argv) > 1:
-        tokens, argv = int(argv[1]), argv[2:]
-    if not argv:
-        sys.stderr.write(__doc__ or "")
-        return 2
-    result = run(argv[0], argv[1:], tokens=tokens, hold=hold)
-    if not hold:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m service.testing.rpc", description=__doc__)
+    ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--flash-attn", action="store_true",
+                    help="flash attention on (llama-cpp-python's default is off; the service's plans turn it on)")
+    ap.add_argument("model")
+    ap.add_argument("endpoints", nargs="*")
+    args = ap.parse_args(argv)
+    result = run(args.model, args.endpoints, tokens=args.tokens, n_ctx=args.n_ctx, flash_attn=args.flash_attn,
+                 hold=args.hold)
+    if not args.hold:
         print(json.dumps(result), flush=True)
     return 0
 

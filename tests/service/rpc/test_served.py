@@ -53,15 +53,6 @@ def _complete(c: httpx.Client) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def single_host_text(embedded_model: str) -> str:
-    """The embedded model's greedy text on this host alone (llama.cpp in a process of its own, no worker)."""
-    out = subprocess.run([sys.executable, "-m", "service.testing.rpc", "--tokens", str(TOKENS), embedded_model],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return str(json.loads(out.stdout.strip().splitlines()[-1])["text"])
-
-
-@pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, embedded_model: str
            ) -> Iterator[tuple[ServiceProcess, list[int], contextlib.ExitStack]]:
     d = tmp_path_factory.mktemp("rpc-served")
@@ -86,6 +77,21 @@ def served(tmp_path_factory: pytest.TempPathFactory, embedded_model: str
             while pid and process_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not (pid and process_alive(pid)), f"runner {pid} outlived its server"
+
+
+@pytest.fixture(scope="module")
+def single_host_text(served: tuple[ServiceProcess, list[int], contextlib.ExitStack], embedded_model: str) -> str:
+    """The embedded model's greedy text on this host alone (llama.cpp in a process of its own, no worker), with the
+    context and the attention the served plan chose: flash attention changes the last bits of the logits, and this
+    model's greedy text turns on them (an AVX2 host: 16 tokens in, flash attention on or off picks another word)."""
+    chosen = _model(served[0].client)["plan"]["chosen"]
+    assert chosen["flash_attn"] in ("on", "off"), chosen
+    flash = ["--flash-attn"] if chosen["flash_attn"] == "on" else []
+    out = subprocess.run([sys.executable, "-m", "service.testing.rpc", "--tokens", str(TOKENS), "--n-ctx",
+                          str(chosen["n_ctx"]), *flash, embedded_model],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return str(json.loads(out.stdout.strip().splitlines()[-1])["text"])
 
 
 def test_planned_over_two_workers_and_the_host_answers_as_one_host(
