@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -39,6 +40,8 @@ from .params import ContextParams, ModelParams, context_params
 
 MIB = 1 << 20
 LOG_TAIL_LINES = 40
+NORM_INPUT = re.compile(r"norm-\d+")
+"""A layer's norm (``build_norm``'s ``cb(cur, "norm", il)``) as a split input."""
 log = logging.getLogger(__name__)
 
 FailureKind = Literal["refused", "load_failed", "timeout", "crashed"]
@@ -79,7 +82,11 @@ class DryRunResult:
     n_ctx_seq: int = 0
     kv_caches: tuple[KvCacheReport, ...] = ()
     compute_mib: dict[str, float] = field(default_factory=dict)
-    """``sched_reserve`` compute buffer per buffer type (``CPU``, ``CUDA0``, ...)."""
+    """``sched_reserve`` compute buffer per buffer type (``CPU``, ``CUDA0``, ...): what the load allocates, i.e. the
+    logged figure less ``overcount_mib``."""
+    overcount_mib: dict[str, float] = field(default_factory=dict)
+    """What the dry run's figure counts on a buffer type that the load does not allocate (``forced_norm_overcount``);
+    empty where it counts nothing more."""
     output_mib: float = 0.0
     flash_attn: bool | None = None
     failure: DryRunFailure | None = None
@@ -114,8 +121,48 @@ class DryRunError(Exception):
     """The dry run could not be run at all (bad arguments, no Python, unreadable file)."""
 
 
-def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -> DryRunResult:
-    """The figures of one context creation's log lines (pure; exposed for tests)."""
+def forced_norm_overcount(lines: Sequence[str], n_embd: int) -> dict[str, int]:
+    """Bytes per buffer type that a no_alloc context's ``compute buffer size`` counts and the real load does not.
+
+    llama.cpp (``llama_context::graph_get_cb``) pins each layer's ``norm`` tensors to the layer's own device when
+    everything is offloaded or the batch is under 32 tokens: otherwise the scheduler runs a layer's first norm on
+    the previous layer's device and sends its output over as a second input beside the residual. The load sizes
+    its buffers with ``ggml_backend_sched_reserve``, which keeps those pins; the dry run measures with
+    ``ggml_backend_sched_reserve_size``, which resets the scheduler first (``ggml-backend.cpp``) and so drops them,
+    in the one graph it measures (the first prompt graph; the later token and prompt graphs keep them). With
+    pipeline parallelism each split input has ``sched copies`` copies allocated ahead of the graph and never
+    freed, so every ``norm-<layer>`` input the measured graph has and the load's last graph has not costs the
+    device ``copies x n_embd x n_tokens x 4`` bytes (measured: 5.00 MiB on the second of two ggml-rpc workers,
+    n_embd 640, 512 tokens, 4 copies; the same figure with 256 tokens halved).
+
+    Read from the scheduler's split headers (``GGML_SCHED_DEBUG``, ``loglines.parse_sched_graphs``); nothing is
+    subtracted where the log does not show that shape (no copies, a norm of another size, fewer than the three
+    graphs, unaligned sizes): the dry run's figure, above the load's, stands."""
+    copies = next((int(m.group(1)) for ln in lines if (m := L.SCHED_COPIES.search(ln))), 1)
+    graphs = L.parse_sched_graphs(lines)
+    if copies < 2 or len(graphs) < 3 or n_embd <= 0:
+        return {}
+    measured, last = graphs[-3], graphs[-1]  # the prompt graph reserve_size measured; the one the load keeps
+    if (measured.n_tokens, measured.n_seqs, measured.n_outputs) != (last.n_tokens, last.n_seqs, last.n_outputs):
+        return {}
+    norm = 4 * n_embd * measured.n_tokens  # F32
+    if norm % 256:  # every backend's alignment divides it: the copies cost exactly their bytes
+        return {}
+    kept = {backend: {name for name, _ in inputs} for backend, inputs in last.splits}
+    out: dict[str, int] = {}
+    for backend, inputs in measured.splits:
+        for name, size in inputs:
+            if name in kept.get(backend, set()) or not NORM_INPUT.fullmatch(name):
+                continue
+            if size != L.ggml_fmt_size(norm):
+                return {}
+            out[backend] = out.get(backend, 0) + copies * norm
+    return out
+
+
+def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool, n_embd: int = 0) -> DryRunResult:
+    """The figures of one context creation's log lines (pure; exposed for tests); ``n_embd`` (the model's) lets
+    ``forced_norm_overcount`` take out what the dry run counts and the load does not."""
     kv: list[KvCacheReport] = []
     compute: dict[str, float] = {}
     output = 0.0
@@ -149,12 +196,15 @@ def parse_context_log(cfg: ContextConfig, lines: Sequence[str], created: bool) -
             fa = {"enabled": True, "disabled": False}.get(m.group(1))
         elif m := L.FLASH_ATTN_RESOLVED.search(line):
             fa = m.group(1).lower() == "enabled"
-    tail = tuple(lines[-LOG_TAIL_LINES:])
+    over = {b: round(n / MIB, 2) for b, n in forced_norm_overcount(lines, n_embd).items() if b in compute}
+    for b, mib in over.items():
+        compute[b] = round(compute[b] - mib, 2)
+    tail = tuple(line for line in lines if not L.SCHED_SPLIT.search(line))[-LOG_TAIL_LINES:]
     failure = None
     if not created:
         errors = [ln for ln in lines if "error" in ln.lower() or "requires" in ln or "does not" in ln]
         failure = DryRunFailure("refused", errors[-1].strip() if errors else "llama_init_from_model returned NULL", tail)
-    return DryRunResult(cfg, n_ctx, n_ctx_seq, tuple(kv), compute, output, fa, failure, tail,
+    return DryRunResult(cfg, n_ctx, n_ctx_seq, tuple(kv), compute, over, output, fa, failure, tail,
                         state_mib=round(state_mib, 2), state_layers=state_layers, state_buffer_mib=rs)
 
 
@@ -187,6 +237,8 @@ class DryRunWorker:
         """The load's log lines worth keeping (layer assignments, buffers, offload counts)."""
         self.devices: tuple[tuple[str, str], ...] = ()
         """(name, type) of every device ggml offered llama.cpp in the child (``CPU``/``cpu``, ``CUDA0``/``gpu``...)."""
+        self.n_embd = 0
+        """The model's n_embd (``llama_model_n_embd``), once loaded: ``parse_context_log`` needs it."""
         self.starts = 0
         self.timed_out = False
         self.last_used = time.monotonic()
@@ -264,6 +316,7 @@ class DryRunWorker:
                                  tuple(self._stderr))
         self.load_log = tuple(msg.get("log", ()))
         self.devices = tuple((str(d.get("name", "")), str(d.get("type", ""))) for d in msg.get("devices", ()))
+        self.n_embd = int(msg.get("n_embd", 0))
         if not msg.get("ok"):
             self._kill()
             return DryRunFailure("load_failed", f"llama.cpp could not load {self.path}",
@@ -307,7 +360,7 @@ class DryRunWorker:
                         self._kill()
                         break
                     if msg.get("event") == "context":
-                        out.append(parse_context_log(batch[got], msg["log"], msg["created"]))
+                        out.append(parse_context_log(batch[got], msg["log"], msg["created"], self.n_embd))
                         got += 1
                 i += got
             self.last_used = time.monotonic()
@@ -398,6 +451,7 @@ def _worker() -> int:  # pragma: no cover - runs in the child
     from .loglines import LogCollector
     from .params import apply_context_params, apply_model_params
 
+    os.environ.setdefault("GGML_SCHED_DEBUG", "1")  # the split headers forced_norm_overcount reads (read per context)
     llama_log = LogCollector()
     llama_cpp.llama_backend_init()
 
@@ -426,6 +480,7 @@ def _worker() -> int:  # pragma: no cover - runs in the child
             model = llama_cpp.llama_model_load_from_file(req["path"].encode(), mp)
             lines = llama_log.text()
             emit({"event": "loaded", "ok": bool(model), "devices": devices,
+                  "n_embd": llama_cpp.llama_model_n_embd(model) if model else 0,
                   "log": lines if not model else [ln for ln in lines if any(k in ln for k in _KEEP_LOAD_LINES)]})
             if not model:
                 return 1

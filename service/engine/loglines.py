@@ -13,7 +13,8 @@ import ctypes
 import logging
 import re
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from sizing.units import gpu_label
 
@@ -43,6 +44,11 @@ N_CTX = re.compile(r"llama_context: n_ctx\s+=\s+(\d+)")
 N_CTX_SEQ = re.compile(r"llama_context: n_ctx_seq\s+=\s+(\d+)")
 FLASH_ATTN = re.compile(r"llama_context: flash_attn\s+=\s+(\w+)")
 FLASH_ATTN_RESOLVED = re.compile(r"resolve_fused_ops: Flash Attention (enabled|not supported)", re.I)
+GRAPH_RESERVE = re.compile(r"graph_reserve: reserving a graph for ubatch with n_tokens =\s*(\d+), n_seqs =\s*(\d+), "
+                           r"n_outputs =\s*(\d+)")
+SCHED_SPLIT = re.compile(r"## SPLIT #(\d+): (.+?) # (\d+) inputs")
+SCHED_SPLIT_INPUT = re.compile(r"\[(\S+) \(\s*(\d+[KM])\)\]")
+SCHED_COPIES = re.compile(r"sched_reserve: reserve took .*, sched copies = (\d+)")
 
 
 EXTRA_CPU_BUFFERS = ("AMX", "CPU_REPACK")
@@ -94,6 +100,36 @@ class LogCollector:
     def text(self) -> list[str]:
         """The lines so far, the unfinished one included."""
         return self.lines + ([self.partial] if self.partial else [])
+
+
+@dataclass(frozen=True)
+class SchedGraph:
+    """One graph the scheduler split while a context reserved its buffers: the ``graph_reserve`` line's ubatch and,
+    per split, its backend and input tensors as ``(name, size)`` with llama.cpp's rounded size (``fmt_size``:
+    ``"1M"``, ``"16K"``). Only logged with ``GGML_SCHED_DEBUG`` set (the dry-run child sets it)."""
+
+    n_tokens: int
+    n_seqs: int
+    n_outputs: int
+    splits: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+
+def parse_sched_graphs(lines: Sequence[str]) -> list[SchedGraph]:
+    """The graphs of ``lines`` in their order (``ggml_backend_sched_print_assignments``'s split headers)."""
+    out: list[SchedGraph] = []
+    for line in lines:
+        if m := GRAPH_RESERVE.search(line):
+            out.append(SchedGraph(int(m.group(1)), int(m.group(2)), int(m.group(3))))
+        elif (m := SCHED_SPLIT.search(line)) and out:
+            inputs = tuple((i.group(1), i.group(2)) for i in SCHED_SPLIT_INPUT.finditer(line, m.end()))
+            g = out[-1]
+            out[-1] = SchedGraph(g.n_tokens, g.n_seqs, g.n_outputs, (*g.splits, (m.group(2), inputs)))
+    return out
+
+
+def ggml_fmt_size(n: int) -> str:
+    """ggml-backend.cpp's ``fmt_size``: whole MiB from 1 MiB up, whole KiB below."""
+    return f"{n // MIB}M" if n >= MIB else f"{n // 1024}K"
 
 
 def parse_allocations(lines: list[str]) -> tuple[tuple[Allocation, ...], tuple[int, int] | None]:
