@@ -295,8 +295,9 @@ def estimate(
     ``gpu``): no runner's CUDA context there (the worker's own is in the free memory it reports), and a CUDA pool
     only on a card.
 
-    ``cpu_extra``: the CPU features of a host without GPUs whose load uses llama.cpp's extra CPU buffer types
-    (``use_extra_bufts``): the weights they copy are predicted per buffer (``sizing.memory.repack``); None: off.
+    ``cpu_extra``: the CPU features of a host without GPUs (ggml-rpc workers' devices aside: they have no pinned
+    host buffer) whose load uses llama.cpp's extra CPU buffer types (``use_extra_bufts``): the weights they copy
+    from the host's share are predicted per buffer (``sizing.memory.repack``); None: off.
 
     ``figures`` are llama.cpp's own (a calibration, ``sizing.memory.measured``) for this configuration, measured on
     ``measured_on`` (``CPU``: a CPU build, where the whole graph runs on the CPU; else a GPU backend whose
@@ -509,8 +510,9 @@ def _estimate(
                 layers=tuple(layers),
             )
         )
-    repacked = (extra_buffer_bytes(spec, cpu_extra, nextn=cfg.mtp) if cpu_extra is not None and placement.cpu_only
-                else {})
+    # The host's own weights: its blocks, and the output layer when it stays (sizing.memory.repack).
+    repacked = (extra_buffer_bytes(spec, cpu_extra, nextn=cfg.mtp, layers=host_layers, output=out_dev is None)
+                if cpu_extra is not None else {})
     host = DeviceMemory(
         device="CPU",
         extra_weights=tuple((b, repacked[b]) for b in EXTRA_BUFFERS if b in repacked),

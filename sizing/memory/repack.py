@@ -4,8 +4,9 @@ Pure: a ``ModelSpec`` and the CPU features llama.cpp reports (``llama_print_syst
 ``AMX_INT8``, ``NEON``, ``DOTPROD``, ``MATMUL_INT8``, ``REPACK``...) in, bytes per buffer out. Mirrors the
 llama.cpp that llama-cpp-python 0.3.36 vendors:
 
-- ``src/llama-model.cpp`` ``make_cpu_buft_list``: with ``use_extra_bufts`` and no GPU device the host buffer
-  types are, in order, AMX, CPU_REPACK, CPU; ``select_weight_buft`` gives a weight the first whose buffer
+- ``src/llama-model.cpp`` ``make_cpu_buft_list``: with ``use_extra_bufts`` and no device with a host buffer type
+  (no local GPU: a ggml-rpc worker's device has none) the host buffer types are, in order, AMX, CPU_REPACK, CPU
+  (with a local GPU its pinned host buffer comes first and takes every weight kept on the host); ``select_weight_buft`` gives a weight the first whose buffer
   supports the op the weight is used by (``llm_tensor_info_for``: MUL_MAT for every 2-D weight matrix,
   MUL_MAT_ID for 3-D expert tensors, GET_ROWS for the token embedding), tried with an F32 activation of 512 rows;
 - ``ggml/src/ggml-cpu/repack.cpp`` ``ggml_repack_get_optimal_repack_type``: Q4_0, Q4_K, IQ4_NL and MXFP4 with
@@ -26,7 +27,7 @@ embedded gemma-3-270m maps 235.16 MiB either way and repacks 12.66 MiB on AVX2 (
 
 from __future__ import annotations
 
-from typing import Iterable, Literal
+from typing import Collection, Iterable, Literal
 
 from ..model.spec import ModelSpec, TensorInfo
 
@@ -136,24 +137,33 @@ def buffer_of(t: TensorInfo, features: frozenset[str], op: str | None = None) ->
     return None
 
 
-def _uses(spec: ModelSpec, nextn: bool = False) -> Iterable[tuple[TensorInfo, str]]:
-    """Every (weight, op) a load gives a buffer: each tensor but the NextN blocks' (skipped unless the MTP head is
-    loaded: ``nextn``), and a tied head's second use of the embedding."""
+def _uses(spec: ModelSpec, nextn: bool = False, layers: Collection[int] | None = None, output: bool = True
+          ) -> Iterable[tuple[TensorInfo, str]]:
+    """Every (weight, op) a load gives a host buffer: each tensor but the NextN blocks' (skipped unless the MTP head
+    is loaded: ``nextn``), and a tied head's second use of the embedding; only the blocks in ``layers`` (None: all)
+    and, unless ``output``, none of the tensors outside the blocks (they go with the output layer)."""
     for t in spec.tensors:
-        if not nextn and t.layer is not None and t.layer >= spec.n_layer:
+        if t.layer is None:
+            if output:
+                yield t, _op(t)
+            continue
+        if (not nextn and t.layer >= spec.n_layer) or (layers is not None and t.layer not in layers):
             continue
         yield t, _op(t)
-    if spec.output_tied:
+    if spec.output_tied and output:
         for t in spec.tensors:
             if t.name == "token_embd.weight":
                 yield t, "MUL_MAT"
 
 
-def extra_buffer_bytes(spec: ModelSpec, features: frozenset[str], nextn: bool = False) -> dict[str, int]:
-    """Bytes llama.cpp puts in each extra buffer type for a CPU-only load with ``use_extra_bufts`` on (buffers
-    it does not use are absent); ``nextn``: the NextN blocks are loaded too (an MTP head)."""
+def extra_buffer_bytes(spec: ModelSpec, features: frozenset[str], nextn: bool = False,
+                       layers: Collection[int] | None = None, output: bool = True) -> dict[str, int]:
+    """Bytes llama.cpp puts in each extra buffer type for a load with ``use_extra_bufts`` on (buffers it does not
+    use are absent): of every weight for a CPU-only load, of the host's blocks (``layers``) and, when ``output``,
+    the output layer, where the other devices are all ggml-rpc workers; ``nextn``: the NextN blocks are loaded
+    too (an MTP head)."""
     out: dict[str, int] = {}
-    for t, op in _uses(spec, nextn):
+    for t, op in _uses(spec, nextn, layers, output):
         got = buffer_of(t, features, op)
         if got is not None:
             out[got[0]] = out.get(got[0], 0) + got[1]

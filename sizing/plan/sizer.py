@@ -107,8 +107,9 @@ class Sizer:
             self.spec, cfg, placement, gpu_labels=labels, allowance_bytes=self.req.allowance_bytes,
             figures=self.figures(placement, cfg),
             measured_on=self.calibration.backend if self.calibration is not None else "CPU",
-            # Without GPUs the host's buffer types are llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
-            cpu_extra=None if self.gpus else self.req.extra_buffers,
+            # Without a local GPU (a worker's device has no pinned host buffer) the host's buffer types are
+            # llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
+            cpu_extra=None if any(g.kind != "rpc" for g in self.gpus) else self.req.extra_buffers,
             draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg), projector=self.req.projector,
             mtp_figures=self.mtp_figures(placement, cfg),
             remote={g.label: g.remote_kind for g in self.gpus if g.kind == "rpc"},
