@@ -2,7 +2,8 @@
 this machine's devices to a model planned over several machines (``service.rpc.worker``).
 
 Refuses to start (exit 2, one clear line) with settings it must not serve with: a non-loopback
-address without API keys, an unreadable key file, a malformed CORS origin.
+address without API keys, an unreadable key file, a malformed CORS origin, a malformed ``GGUF_RPC_WORKERS`` (or
+workers without runner processes).
 
 SIGTERM (or SIGINT) drains: the listening socket closes, requests that arrive on open connections
 get 503, requests in flight run to their end for up to ``GGUF_DRAIN_TIMEOUT_S``; past it, queued
@@ -21,6 +22,7 @@ import uvicorn
 
 from .api.app import create_app
 from .api.security import DRAIN_GRACE_S, ConfigurationError, DrainState, check_startup, load_api_keys
+from .rpc.client import parse_workers
 from .settings import Settings
 
 log = logging.getLogger("service")
@@ -52,6 +54,7 @@ def main() -> int:
         return worker(sys.argv[2:])
     try:
         settings = Settings()
+        parse_workers(settings.rpc_workers, runner_process=settings.runner_process)
     except ValueError as exc:
         sys.stderr.write(f"gguf-server: invalid settings: {exc}\n")
         return 2

@@ -95,11 +95,8 @@ class ModelManager:
         """Every model that has a state (loaded, loading, failed, unloaded after being loaded)."""
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
-        self.rpc_workers = parse_workers(settings.rpc_workers)
+        self.rpc_workers = parse_workers(settings.rpc_workers, runner_process=settings.runner_process)
         """The ggml-rpc workers a model may be placed on (``GGUF_RPC_WORKERS``)."""
-        if self.rpc_workers and not settings.runner_process:
-            raise ValueError("GGUF_RPC_WORKERS needs GGUF_RUNNER_PROCESS=true: a worker that dies aborts the process "
-                             "that uses it (ggml-rpc), which must be the model's runner, not the server")
         self.load_lock = asyncio.Lock()
         self.reloads: set[str] = set()
         """Models a reload is replacing now: their new requests wait for it; /ready and routing still name them."""

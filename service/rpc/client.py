@@ -45,15 +45,23 @@ class Absent:
         return f"{self.endpoint}: {self.why}"
 
 
-def parse_workers(value: str | None) -> list[str]:
-    """``GGUF_RPC_WORKERS`` (comma-separated ``host:port``) as a list, each checked; ValueError naming a bad one."""
+def parse_workers(value: str | None, *, runner_process: bool = True) -> list[str]:
+    """``GGUF_RPC_WORKERS`` (comma-separated ``host:port``) as a list, each checked; ValueError naming the variable
+    and the bad entry, or, with workers, when models load in the server's own process (``runner_process`` false:
+    a worker that dies aborts the process that uses it)."""
     out: list[str] = []
     for item in (value or "").split(","):
         item = item.strip()
         if item:
-            parse_endpoint(item)
+            try:
+                parse_endpoint(item)
+            except ValueError as exc:
+                raise ValueError(f"GGUF_RPC_WORKERS: {exc}") from None
             if item not in out:
                 out.append(item)
+    if out and not runner_process:
+        raise ValueError("GGUF_RPC_WORKERS needs GGUF_RUNNER_PROCESS=true: a worker that dies aborts the process "
+                         "that uses it (ggml-rpc), which must be the model's runner, not the server")
     return out
 
 

@@ -1,8 +1,12 @@
-"""The server's side of the workers, without processes: the order llama.cpp gives their devices, what a worker's
-device costs beside a card, the socket table a worker counts its clients from, the settings' list of workers."""
+"""The server's side of the workers, without worker processes: the order llama.cpp gives their devices, what a
+worker's device costs beside a card, the socket table a worker counts its clients from, the settings' list of
+workers (and the server's refusal to start on a bad one)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from sizing.plan import Device, PlanRequest, available
 from sizing.plan.sizer import Sizer
 from sizing.testing.fixtures import TINY_LLAMA, write_fixture
 from sizing.probe import probe_path
+from tests.conftest import ROOT
 
 MIB = 1 << 20
 
@@ -83,8 +88,24 @@ def test_a_worker_counts_its_clients_from_the_socket_table(tmp_path: Path) -> No
 def test_the_settings_list_of_workers() -> None:
     assert parse_workers(" 10.0.0.2:50052, [::1]:50060,10.0.0.2:50052 ,") == ["10.0.0.2:50052", "[::1]:50060"]
     assert parse_workers(None) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="GGUF_RPC_WORKERS: '10.0.0.2': expected HOST:PORT"):
         parse_workers("10.0.0.2")
+    with pytest.raises(ValueError, match="needs GGUF_RUNNER_PROCESS=true"):
+        parse_workers("10.0.0.2:50052", runner_process=False)
+    assert parse_workers("", runner_process=False) == []
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"GGUF_RPC_WORKERS": "10.0.0.2:50052,bogus"}, "invalid settings: GGUF_RPC_WORKERS: 'bogus': expected HOST:PORT"),
+    ({"GGUF_RPC_WORKERS": "10.0.0.2:50052", "GGUF_RUNNER_PROCESS": "false"}, "needs GGUF_RUNNER_PROCESS=true"),
+])
+def test_the_server_refuses_to_start_with_bad_workers_settings(env: dict[str, str], says: str) -> None:
+    """Refused before anything loads or binds: exit 2 and one line naming the variable (not a startup traceback)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_")}
+    full.update({"GGUF_DEFAULT_MODEL": "", "GGUF_PORT": "0", **env})
+    p = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=full, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_a_token_pays_each_workers_link_in_the_predicted_speed(tmp_path: Path) -> None:
