@@ -271,6 +271,7 @@ class Planner:
         which hold none of this server's models)."""
         try:
             if opts.gpus is not None:
+                self.absent_workers = ()  # hypothetical cards: no worker was asked, none is missing
                 return parse_declared(list(opts.gpus)), host_memory(), False
             gpus, host = self._devices()
         except DeviceError as exc:

@@ -8,6 +8,7 @@ figures disagree, the tensor split llama.cpp receives, and a worker that survive
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +220,23 @@ def test_the_dry_run_endpoint_answers_with_llama_cpps_figures_and_says_so(servic
     again = svc.client.post("/api/dry-run", json=body).json()
     assert again["calibration"]["samples"] == samples  # nothing new was measured
     assert [c["n_ctx"] for c in again["cache_types"]] == [c["n_ctx"] for c in plan["cache_types"]]
+
+
+def test_a_refusal_names_the_missing_workers_of_the_live_read_only(tmp_path: Path) -> None:
+    """The live inventory says which workers of GGUF_RPC_WORKERS it could not count on, and a plan that does not fit
+    names them; a plan for hypothetical cards asked no worker, so it names none (it did name the last live read's)."""
+    from service.rpc.client import Absent
+
+    spec = probe_path(write_fixture("Llama-3.1-8B", tmp_path))
+    gone = Absent("10.0.0.9:50052", "no answer at http://10.0.0.9:50053/status (Connection refused)")
+    planner: Planner
+
+    def live() -> tuple[list[Device], Device]:
+        planner.absent_workers = (gone,)  # as the manager's inventory read sets it
+        return [], _host(0, 100)
+
+    planner = Planner(Settings(calibrate=False, allow_offload=False), live, None)  # the card must hold it all
+    refused = planner.plan(spec, LoadOptions())
+    assert not refused.fits and any(str(gone) in r for r in refused.reasons), refused.reasons
+    small = planner.plan(spec, LoadOptions(gpus=({"name": "card", "free_mib": 100, "total_mib": 100},)))
+    assert not small.fits and not any("10.0.0.9" in r for r in small.reasons), small.reasons
