@@ -16,8 +16,8 @@ knob               what it sets                                    also accepted
 ``parallel``       decode slots (llama.cpp's n_seq_max)            ``n_seq_max`` (bodies), ``slots`` (file)
 ``swa_full``       a full-size sliding-window cache
 ``kv_unified``     one KV cache shared by the slots
-``gpu``            a card index, auto or all
-``tensor_split``   layer proportions per card
+``gpu``            a device's position (a card's index), auto or all
+``tensor_split``   layer proportions per device
 ``confirm``        confirm the plan with llama.cpp's dry run       ``confirm_loads`` (GGUF_CONFIRM_LOADS)
 ``batch_invariant`` outputs independent of the batch
 ``draft_model``    a draft model for speculative decoding
@@ -66,9 +66,12 @@ class ModelOptions(BaseModel):
     swa_full: bool | None = Field(None, description="Full-size sliding-window cache (llama.cpp swa_full).")
     kv_unified: bool | None = Field(None, description="One KV cache shared by the slots (llama.cpp kv_unified): "
                                     "any request may use the whole context; off: n_ctx / parallel cells each.")
-    gpu: int | Literal["auto", "all"] | None = Field(None, description="A card index this machine has, auto or all.")
+    gpu: int | Literal["auto", "all"] | None = Field(
+        None, description="A device by its position in the plan's devices (the workers' first, then the cards: a "
+        "card's index where no worker is named), auto or all.")
     tensor_split: tuple[float, ...] | None = Field(None, max_length=64,
-                                                   description="One proportion (>= 0) per card.")
+                                                   description="One proportion (>= 0) per device, in the order of the "
+                                                   "plan's devices (the workers' first, then the cards).")
     confirm: bool | None = Field(None, validation_alias=AliasChoices("confirm", "confirm_loads"),
                                  description="Confirm the plan with llama.cpp's dry run before loading (default: "
                                  "GGUF_CONFIRM, on).")

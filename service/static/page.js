@@ -228,15 +228,18 @@
     const gsel = $("gpu");
     const current = gsel.value;
     const devices = Array.isArray(plan.devices) ? plan.devices : [];
-    const wanted = ["auto", "all"].concat(devices.map((d) => String(d.index)));
+    // A device by its position in plan.devices (what the plan's gpus name): a worker's device and a card both
+    // number from 0 by index.
+    const wanted = ["auto", "all"].concat(devices.map((d, i) => String(i)));
     const now = Array.from(gsel.options).map((o) => o.value);
     if (wanted.join(",") !== now.join(",")) {
       clear(gsel);
       gsel.appendChild(el("option", { value: "auto" }, "auto (one card if one holds it)"));
       gsel.appendChild(el("option", { value: "all" }, "all cards"));
-      for (const d of devices) {
-        gsel.appendChild(el("option", { value: String(d.index) }, "card " + d.index + ": " + (d.name || d.label)));
-      }
+      devices.forEach((d, i) => {
+        const what = d.host ? d.label : "card " + d.index + ": " + (d.name || d.label);
+        gsel.appendChild(el("option", { value: String(i) }, what));
+      });
       gsel.value = wanted.includes(current) ? current : "auto";
     }
   }
@@ -251,8 +254,8 @@
     const devices = Array.isArray(plan.devices) ? plan.devices : [];
     const used = Array.isArray(chosen.gpus) ? chosen.gpus : [];
     const names = used.map((i) => {
-      const d = devices.find((x) => x.index === i);
-      return d ? (d.label + " " + d.name) : ("card " + i);
+      const d = devices[i];
+      return d ? (d.host ? d.label : d.label + " " + d.name) : ("device " + i);
     });
     if ((verdict === "one_card" || verdict === "split" || verdict === "partial_offload") && names.length) {
       words += " Cards: " + names.join(", ") + ".";
@@ -647,7 +650,7 @@
     const devices = Array.isArray(plan.devices) ? plan.devices : [];
     if (data.onCards && devices.length) {
       for (const d of devices) lines.push({ mib: d.free_mib, label: d.label + " free " + fmtMiB(d.free_mib) + " MiB" });
-      const used = ((plan.chosen || {}).gpus || []).map((i) => devices.find((d) => d.index === i)).filter(Boolean);
+      const used = ((plan.chosen || {}).gpus || []).map((i) => devices[i]).filter(Boolean);
       if (used.length > 1) {
         const s = sum(used.map((d) => d.free_mib));
         lines.push({ mib: s, label: "cards together " + fmtMiB(s) + " MiB" });

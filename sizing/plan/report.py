@@ -92,10 +92,12 @@ def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:
 
 
 def placement_json(pl: Placement, plan: Plan) -> dict[str, object]:
-    """Where a row's layers go: llama.cpp's n_gpu_layers over which cards, the split, expert blocks on the host."""
+    """Where a row's layers go: llama.cpp's n_gpu_layers over which devices (``gpus``: positions in the plan's
+    ``devices``, the workers' first: a card's index where no worker is named, unambiguous where both are), the
+    split, expert blocks on the host."""
     return {
         "n_gpu_layers": pl.n_gpu_layers,
-        "gpus": [plan.gpus[i].index for i in pl.gpus],
+        "gpus": list(pl.gpus),
         "tensor_split": list(pl.tensor_split),
         "n_cpu_moe": pl.n_cpu_moe,
         "description": describe_placement(pl, plan),
@@ -167,7 +169,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "draft_rows": plan.cfg.draft_rows,
             "n_gpu_layers": plan.placement.n_gpu_layers,
             "tensor_split": list(plan.placement.tensor_split),
-            "gpus": [plan.gpus[i].index for i in plan.placement.gpus],
+            "gpus": list(plan.placement.gpus),
             "n_cpu_moe": plan.placement.n_cpu_moe,
             "cpu_repack": plan.request.cpu_repack,
             "cpu_repack_reason": plan.request.cpu_repack_reason,
@@ -198,7 +200,7 @@ def candidate_json(c: Candidate, plan: Plan) -> dict[str, object]:
         "description": c.description,
         "n_ctx": c.n_ctx,
         "n_gpu_layers": c.placement.n_gpu_layers,
-        "gpus": [plan.gpus[i].index for i in c.placement.gpus],
+        "gpus": list(c.placement.gpus),
         "tensor_split": list(c.placement.tensor_split),
         "n_cpu_moe": c.placement.n_cpu_moe,
         "gpu_weights_mib": mib(c.gpu_weights_bytes),

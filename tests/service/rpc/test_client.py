@@ -85,6 +85,22 @@ def test_a_worker_counts_its_clients_from_the_socket_table(tmp_path: Path) -> No
     assert rpc_clients(50052, (str(tmp_path / "missing"),)) == 0
 
 
+def test_a_plan_names_a_worker_and_a_card_apart(tmp_path: Path) -> None:
+    """A worker's device and a local card both number from 0 (``Device.index``): the plan's ``gpus`` are positions
+    in its ``devices``, so a plan on the card is not read as a plan on the worker (the page picks devices by it)."""
+    from sizing.plan.make import make_plan
+    from sizing.plan.report import plan_json
+
+    spec = probe_path(str(write_fixture("tiny", tmp_path, shape=TINY_LLAMA)))
+    host = Device(index=0, name="host memory", free_bytes=8000 * MIB, total_bytes=8000 * MIB, kind="host")
+    gpus = [rpc(0, "10.0.0.2:50052"), Device(index=0, name="RTX 4090", free_bytes=8000 * MIB, total_bytes=8000 * MIB)]
+    out = plan_json(make_plan(spec, gpus, host, PlanRequest(n_ctx=512, gpu=1)))
+    chosen = out["chosen"]
+    assert isinstance(chosen, dict) and chosen["gpus"] == [1], chosen
+    devices = out["devices"]
+    assert isinstance(devices, list) and devices[1]["label"] == "CUDA0" and devices[0]["index"] == devices[1]["index"]
+
+
 def test_the_settings_list_of_workers() -> None:
     assert parse_workers(" 10.0.0.2:50052, [::1]:50060,10.0.0.2:50052 ,") == ["10.0.0.2:50052", "[::1]:50060"]
     assert parse_workers(None) == []
