@@ -101,7 +101,8 @@ def main() -> int:
         same = "yes" if last[name]["text"] == last["host"]["text"] else "NO"
         print(f"{name:<14}{s:>10.1f}{s / host:>9.3f}{predicted[name]:>11.1f}  {same:<15} {bufs}")
     print("predicted: the planner's decode speed for the side's placement (sizing.plan.offload.speed), each worker's "
-          "device at the memory bandwidth its /status gave, with its network round trip and ggml-rpc's cost per token")
+          "device at the memory bandwidth its /status gave or its threads' CPU speed, whichever is slower, with its "
+          "network round trip and ggml-rpc's cost per token")
     return 0
 
 

@@ -126,7 +126,8 @@ def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0) -> tuple[li
                                   total_bytes=max(0, int(row.get("total_bytes", 0))),
                                   remote_kind=str(row.get("kind", "cpu")), link_latency_s=rtt,
                                   bandwidth_bytes_per_s=float(row["bandwidth_bytes_per_s"])
-                                  if isinstance(row.get("bandwidth_bytes_per_s"), (int, float)) else None))
+                                  if isinstance(row.get("bandwidth_bytes_per_s"), (int, float)) else None,
+                                  cpu_threads=int(row["threads"]) if isinstance(row.get("threads"), int) else 0))
     return devices, absent
 
 

@@ -102,6 +102,7 @@ class Worker:
                     row["budget_bytes"] = self.budget_bytes
                 row["held_bytes"] = held
                 row["bandwidth_bytes_per_s"] = self.bandwidth
+                row["threads"] = self.threads  # the CPU threads a graph runs on here (--threads)
             row["free_bytes"] = free
             out.append(row)
         return {"endpoint": self.endpoint, "protocol": PROTOCOL, "clients": rpc_clients(parse_endpoint(self.endpoint)[1]),

@@ -33,6 +33,9 @@ class Device:
     """A worker's device: the network's round trip to its worker (``service.rpc.client.round_trip_s``); a decoded
     token waits for about two per worker it crosses (the activations in, the graph's result out), and for
     ``sizing.plan.speed.RPC_TOKEN_OVERHEAD_S``, on top of the memory it reads."""
+    cpu_threads: int = 0
+    """A worker's CPU device: the threads its graphs run on (its ``/status``); its share of a token is computed at
+    the CPU's speed per thread, as the host's is (0: not reported, only its memory bandwidth counts)."""
 
     @property
     def free_mib(self) -> float:

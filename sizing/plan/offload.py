@@ -23,7 +23,9 @@ from .fit import largest_fitting
 from ..memory.estimate import MemoryEstimate
 from ..memory.placement import Placement
 from .sizer import CacheTypeOption, Candidate, Sizer
-from .speed import RPC_TOKEN_OVERHEAD_S, TokenBytes, Tiers, gpu_bandwidth, prompt_tokens_per_s
+from .device import Device
+from .speed import (CPU_FLOPS_PER_CORE, CPU_GEMM_FLOPS_PER_CORE, RPC_TOKEN_OVERHEAD_S, TokenBytes, Tiers, gpu_bandwidth,
+                    prompt_tokens_per_s)
 
 def disk_bytes(sz: Sizer, est: MemoryEstimate) -> int:
     """Weight bytes that do not fit in MemAvailable and are read from the file (page cache misses)."""
@@ -88,13 +90,19 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     launch, sampling).
     """
     tb, per_gpu = token_bytes(sz, pl, est, n_ctx)
-    gpu_s = sum(b / gpu_bandwidth(sz.gpus[i].name, sz.gpus[i].bandwidth_bytes_per_s) for b, i in zip(per_gpu, pl.gpus))
+    spec = sz.spec
+    params_per_byte = spec.n_params / max(spec.weights_bytes, 1)
+    gpu_s = 0.0
+    for b, i in zip(per_gpu, pl.gpus):
+        dev = sz.gpus[i]
+        stream_s = b / gpu_bandwidth(dev.name, dev.bandwidth_bytes_per_s)
+        # A worker's CPU computes its share as the host computes its own: the slower of reading and computing.
+        compute_s = 2.0 * b * params_per_byte / (dev.cpu_threads * CPU_FLOPS_PER_CORE) if _cpu_worker(dev) else 0.0
+        gpu_s += max(stream_s, compute_s)
     # A worker's device adds its link: about two round trips per token (activations in, results out), and the
     # graph ggml-rpc sends and runs there.
     gpu_s += sum(2 * sz.gpus[i].link_latency_s + RPC_TOKEN_OVERHEAD_S
                  for b, i in zip(per_gpu, pl.gpus) if b and sz.gpus[i].kind == "rpc")
-    spec = sz.spec
-    params_per_byte = spec.n_params / max(spec.weights_bytes, 1)
     host_stream_s = tb.host / tiers.host + tb.disk / tiers.disk
     host_compute_s = 2.0 * (tb.host + tb.disk) * params_per_byte / tiers.cpu_flops
     seconds = gpu_s + max(host_stream_s, host_compute_s) + tiers.token_overhead_s
@@ -104,14 +112,31 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     active_bytes = head + sum(layer.weights_bytes - layer.expert_bytes * (1 - frac)
                               for layer in spec.layers[:spec.n_layer])
     active_params = active_bytes * params_per_byte
-    gpu_w = sum(d.weights_bytes for d in est.gpus)
-    gpu_share = gpu_w / max(gpu_w + est.host.weights_bytes - spec.token_embd_bytes, 1)
     host_w = max(est.host.weights_bytes - spec.token_embd_bytes, 0)
+    total_w = max(sum(d.weights_bytes for d in est.gpus) + host_w, 1)
+    # Workers' CPUs evaluate their share of a prompt at a CPU's matrix-matrix speed, not a card's.
+    by_label = {sz.gpus[i].label: sz.gpus[i] for i in pl.gpus}
+    cpu_shares = [(d.weights_bytes / total_w, by_label[d.device]) for d in est.gpus
+                  if d.device in by_label and _cpu_worker(by_label[d.device])]
+    cards_w = sum(d.weights_bytes for d in est.gpus if not (d.device in by_label and _cpu_worker(by_label[d.device])))
+    cpu_share = sum(share for share, _ in cpu_shares)
+    # Host layers go to a card for a prompt (op_offload) only where there is a local card.
+    local_card = any(sz.gpus[i].kind != "rpc" for i in pl.gpus)
     if pl.cpu_only:
         prompt = prompt_tokens_per_s(active_params, 0.0, host_w, sz.req.n_ubatch, tiers, op_offload=False)
     else:
-        prompt = prompt_tokens_per_s(active_params, min(gpu_share, 1.0), host_w, sz.req.n_ubatch, tiers)
+        gpu_share = min(cards_w / total_w, 1.0)
+        prompt = prompt_tokens_per_s(active_params, gpu_share, host_w, sz.req.n_ubatch, tiers,
+                                     op_offload=local_card, worker_share=cpu_share)
+        worker_s = sum(2.0 * active_params * sz.req.n_ubatch * share / (dev.cpu_threads * CPU_GEMM_FLOPS_PER_CORE)
+                       for share, dev in cpu_shares)
+        prompt = sz.req.n_ubatch / (sz.req.n_ubatch / prompt + worker_s) if prompt > 0 else prompt
     return decode, prompt, tb
+
+
+def _cpu_worker(dev: Device) -> bool:
+    """A worker's CPU device whose threads its ``/status`` reported."""
+    return dev.kind == "rpc" and dev.remote_kind == "cpu" and dev.cpu_threads > 0
 
 
 def plan_offload(sz: Sizer, idx: list[int], floor: int, cap: int) -> CacheTypeOption | None:

@@ -96,12 +96,13 @@ class TokenBytes:
 
 
 def prompt_tokens_per_s(active_params: float, gpu_share: float, host_weight_bytes: int, n_ubatch: int,
-                        t: Tiers, op_offload: bool = True) -> float:
+                        t: Tiers, op_offload: bool = True, worker_share: float = 0.0) -> float:
     """Prompt tokens/s: GPU compute for the offloaded share; host layers computed on the GPU after a PCIe copy
-    (op_offload) or on the CPU."""
+    (op_offload) or on the CPU. ``worker_share``: the share workers' CPUs compute, left out here (the caller adds
+    their time)."""
     flops_per_token = 2.0 * active_params
     gpu_s = flops_per_token * n_ubatch * gpu_share / t.gpu_flops
-    host_share = 1.0 - gpu_share
+    host_share = max(1.0 - gpu_share - worker_share, 0.0)
     if host_share > 0:
         if op_offload:
             host_s = host_weight_bytes / t.pcie + flops_per_token * n_ubatch * host_share / t.gpu_flops

@@ -145,3 +145,30 @@ def test_a_token_pays_each_workers_link_in_the_predicted_speed(tmp_path: Path) -
                   bandwidth_bytes_per_s=near.bandwidth_bytes_per_s)
     assert abs(seconds(near) - seconds(card) - RPC_TOKEN_OVERHEAD_S) < 1e-9  # the protocol's cost, no round trip
     assert abs(seconds(far) - seconds(near) - 2 * 0.005) < 1e-9  # two round trips a token
+
+
+def test_a_cpu_workers_share_of_a_token_is_computed_at_a_cpus_speed(tmp_path: Path) -> None:
+    """A worker's CPU (its /status gives its threads) decodes its share as the host does, the slower of reading and
+    computing, and evaluates a prompt at a CPU's matrix speed per thread, not a card's (the plan said 68,000 prompt
+    tokens/s for CPU workers before); without threads reported only its bandwidth counts, as before."""
+    from dataclasses import replace
+
+    from sizing.plan.offload import speed
+    from sizing.plan.speed import Tiers
+
+    spec = probe_path(str(write_fixture("tiny", tmp_path, shape=TINY_LLAMA)))
+    host = Device(index=0, name="host memory", free_bytes=8000 * MIB, total_bytes=8000 * MIB, kind="host")
+    one = Placement(gpus=(0,), n_gpu_layers=spec.n_layer_all + 1, tensor_split=(1.0,))
+    req = PlanRequest(n_ctx=512)
+    fast = replace(rpc(0, "127.0.0.1:50052"), bandwidth_bytes_per_s=1e13)  # reading never the bound
+
+    def on(dev: Device) -> tuple[float, float]:
+        sz = Sizer(spec, [dev], host, req, "f16")
+        decode, prompt, _ = speed(sz, one, sz.estimate(one, 512), 512, Tiers.for_request(req))
+        return decode, prompt
+
+    unknown, two, four = on(fast), on(replace(fast, cpu_threads=2)), on(replace(fast, cpu_threads=4))
+    card = on(Device(index=0, name="card", free_bytes=8000 * MIB, total_bytes=8000 * MIB, bandwidth_bytes_per_s=1e13))
+    assert two[0] < four[0] < unknown[0]  # compute-bound, faster with more threads; unknown threads: bandwidth only
+    assert abs(four[1] / two[1] - 2.0) < 1e-9  # the whole prompt on the worker's CPU: linear in its threads
+    assert card[1] > 100 * four[1] and unknown[1] == card[1]

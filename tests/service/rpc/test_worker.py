@@ -57,6 +57,7 @@ def test_status_reports_the_budget_not_the_whole_ram() -> None:
     assert 0 < cpu["free_bytes"] <= 64 * MIB
     assert cpu["free_bytes"] + cpu["held_bytes"] == 64 * MIB
     assert cpu["total_bytes"] > 64 * MIB  # ggml-rpc's own figure: the whole RAM, which the planner must not trust
+    assert cpu["threads"] == 1  # worker_process's --threads: what the planner computes its share of a token with
     with worker(port):
         unbounded = [d for d in status(port)["devices"] if d["kind"] == "cpu"][0]
     assert "budget_bytes" not in unbounded
