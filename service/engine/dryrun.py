@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import queue
-import re
 import sys
 import threading
 import time
@@ -40,8 +39,6 @@ from .params import ContextParams, ModelParams, context_params
 
 MIB = 1 << 20
 LOG_TAIL_LINES = 40
-NORM_INPUT = re.compile(r"norm-\d+")
-"""A layer's norm (``build_norm``'s ``cb(cur, "norm", il)``) as a split input."""
 log = logging.getLogger(__name__)
 
 FailureKind = Literal["refused", "load_failed", "timeout", "crashed"]
@@ -152,7 +149,7 @@ def forced_norm_overcount(lines: Sequence[str], n_embd: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for backend, inputs in measured.splits:
         for name, size in inputs:
-            if name in kept.get(backend, set()) or not NORM_INPUT.fullmatch(name):
+            if name in kept.get(backend, set()) or not L.SCHED_NORM_INPUT.fullmatch(name):
                 continue
             if size != L.ggml_fmt_size(norm):
                 return {}

@@ -49,6 +49,8 @@ GRAPH_RESERVE = re.compile(r"graph_reserve: reserving a graph for ubatch with n_
 SCHED_SPLIT = re.compile(r"## SPLIT #(\d+): (.+?) # (\d+) inputs")
 SCHED_SPLIT_INPUT = re.compile(r"\[(\S+) \(\s*(\d+[KM])\)\]")
 SCHED_COPIES = re.compile(r"sched_reserve: reserve took .*, sched copies = (\d+)")
+SCHED_NORM_INPUT = re.compile(r"norm-\d+")
+"""A layer's norm (``build_norm``'s ``cb(cur, "norm", il)``) as a split's input name."""
 
 
 EXTRA_CPU_BUFFERS = ("AMX", "CPU_REPACK")

@@ -6,9 +6,10 @@ llama.cpp that llama-cpp-python 0.3.36 vendors:
 
 - ``src/llama-model.cpp`` ``make_cpu_buft_list``: with ``use_extra_bufts`` and no device with a host buffer type
   (no local GPU: a ggml-rpc worker's device has none) the host buffer types are, in order, AMX, CPU_REPACK, CPU
-  (with a local GPU its pinned host buffer comes first and takes every weight kept on the host); ``select_weight_buft`` gives a weight the first whose buffer
-  supports the op the weight is used by (``llm_tensor_info_for``: MUL_MAT for every 2-D weight matrix,
-  MUL_MAT_ID for 3-D expert tensors, GET_ROWS for the token embedding), tried with an F32 activation of 512 rows;
+  (with a local GPU its pinned host buffer comes first and takes every weight kept on the host);
+  ``select_weight_buft`` gives a weight the first whose buffer supports the op the weight is used by
+  (``llm_tensor_info_for``: MUL_MAT for every 2-D weight matrix, MUL_MAT_ID for 3-D expert tensors, GET_ROWS for
+  the token embedding), tried with an F32 activation of 512 rows;
 - ``ggml/src/ggml-cpu/repack.cpp`` ``ggml_repack_get_optimal_repack_type``: Q4_0, Q4_K, IQ4_NL and MXFP4 with
   AVX2 (rows a multiple of 8), Q2_K with AVX512 (8), and NEON's dotprod/i8mm layouts of Q4_0, Q4_K, Q5_K, Q6_K,
   IQ4_NL, MXFP4 and Q8_0 (rows a multiple of 4 or 8); the repacked tensor keeps its size

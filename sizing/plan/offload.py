@@ -99,10 +99,10 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
         # A worker's CPU computes its share as the host computes its own: the slower of reading and computing.
         compute_s = 2.0 * b * params_per_byte / (dev.cpu_threads * CPU_FLOPS_PER_CORE) if _cpu_worker(dev) else 0.0
         gpu_s += max(stream_s, compute_s)
-    # A worker's device adds its link: about two round trips per token (activations in, results out), and the
-    # graph ggml-rpc sends and runs there.
-    gpu_s += sum(2 * sz.gpus[i].link_latency_s + RPC_TOKEN_OVERHEAD_S
-                 for b, i in zip(per_gpu, pl.gpus) if b and sz.gpus[i].kind == "rpc")
+        if b and dev.kind == "rpc":
+            # A worker's device adds its link: about two round trips per token (activations in, results out), and
+            # the graph ggml-rpc sends and runs there.
+            gpu_s += 2 * dev.link_latency_s + RPC_TOKEN_OVERHEAD_S
     host_stream_s = tb.host / tiers.host + tb.disk / tiers.disk
     host_compute_s = 2.0 * (tb.host + tb.disk) * params_per_byte / tiers.cpu_flops
     seconds = gpu_s + max(host_stream_s, host_compute_s) + tiers.token_overhead_s
@@ -115,22 +115,17 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     host_w = max(est.host.weights_bytes - spec.token_embd_bytes, 0)
     total_w = max(sum(d.weights_bytes for d in est.gpus) + host_w, 1)
     # Workers' CPUs evaluate their share of a prompt at a CPU's matrix-matrix speed, not a card's.
-    by_label = {sz.gpus[i].label: sz.gpus[i] for i in pl.gpus}
-    cpu_shares = [(d.weights_bytes / total_w, by_label[d.device]) for d in est.gpus
-                  if d.device in by_label and _cpu_worker(by_label[d.device])]
-    cards_w = sum(d.weights_bytes for d in est.gpus if not (d.device in by_label and _cpu_worker(by_label[d.device])))
-    cpu_share = sum(share for share, _ in cpu_shares)
+    cpu_workers = {sz.gpus[i].label: sz.gpus[i] for i in pl.gpus if _cpu_worker(sz.gpus[i])}
+    workers = [(d.weights_bytes / total_w, cpu_workers[d.device].cpu_threads * CPU_GEMM_FLOPS_PER_CORE)
+               for d in est.gpus if d.device in cpu_workers]
+    cards_w = sum(d.weights_bytes for d in est.gpus if d.device not in cpu_workers)
     # Host layers go to a card for a prompt (op_offload) only where there is a local card.
     local_card = any(sz.gpus[i].kind != "rpc" for i in pl.gpus)
     if pl.cpu_only:
         prompt = prompt_tokens_per_s(active_params, 0.0, host_w, sz.req.n_ubatch, tiers, op_offload=False)
     else:
-        gpu_share = min(cards_w / total_w, 1.0)
-        prompt = prompt_tokens_per_s(active_params, gpu_share, host_w, sz.req.n_ubatch, tiers,
-                                     op_offload=local_card, worker_share=cpu_share)
-        worker_s = sum(2.0 * active_params * sz.req.n_ubatch * share / (dev.cpu_threads * CPU_GEMM_FLOPS_PER_CORE)
-                       for share, dev in cpu_shares)
-        prompt = sz.req.n_ubatch / (sz.req.n_ubatch / prompt + worker_s) if prompt > 0 else prompt
+        prompt = prompt_tokens_per_s(active_params, min(cards_w / total_w, 1.0), host_w, sz.req.n_ubatch, tiers,
+                                     op_offload=local_card, workers=workers)
     return decode, prompt, tb
 
 

@@ -13,7 +13,7 @@ measured speeds beside them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 
 class PlanRequestLike(Protocol):
@@ -96,13 +96,14 @@ class TokenBytes:
 
 
 def prompt_tokens_per_s(active_params: float, gpu_share: float, host_weight_bytes: int, n_ubatch: int,
-                        t: Tiers, op_offload: bool = True, worker_share: float = 0.0) -> float:
+                        t: Tiers, op_offload: bool = True, workers: Sequence[tuple[float, float]] = ()) -> float:
     """Prompt tokens/s: GPU compute for the offloaded share; host layers computed on the GPU after a PCIe copy
-    (op_offload) or on the CPU. ``worker_share``: the share workers' CPUs compute, left out here (the caller adds
-    their time)."""
+    (op_offload) or on the CPU; ``workers``: the shares ggml-rpc workers' CPUs compute, each with its matrix-matrix
+    FLOP/s."""
     flops_per_token = 2.0 * active_params
     gpu_s = flops_per_token * n_ubatch * gpu_share / t.gpu_flops
-    host_share = max(1.0 - gpu_share - worker_share, 0.0)
+    worker_s = sum(flops_per_token * n_ubatch * share / flops for share, flops in workers)
+    host_share = max(1.0 - gpu_share - sum(share for share, _ in workers), 0.0)
     if host_share > 0:
         if op_offload:
             host_s = host_weight_bytes / t.pcie + flops_per_token * n_ubatch * host_share / t.gpu_flops
@@ -110,7 +111,7 @@ def prompt_tokens_per_s(active_params: float, gpu_share: float, host_weight_byte
             host_s = flops_per_token * n_ubatch * host_share / t.cpu_gemm_flops
     else:
         host_s = 0.0
-    total = gpu_s + host_s
+    total = gpu_s + worker_s + host_s
     return n_ubatch / total if total > 0 else float("inf")
 
 
