@@ -227,6 +227,18 @@ class ServiceProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
 
+    @contextlib.contextmanager
+    def running(self, ready: bool = True) -> Iterator["ServiceProcess"]:
+        """The service healthy (and, with ``ready``, its default model loaded) for the block; stopped after it,
+        whatever happened."""
+        try:
+            self.wait_healthy()
+            if ready:
+                self.wait_ready()
+            yield self
+        finally:
+            self.stop()
+
     def stop(self) -> None:
         self.client.close()
         if self.proc.poll() is None:

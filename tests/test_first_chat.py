@@ -32,13 +32,8 @@ def make_run(tmp_path_factory: pytest.TempPathFactory, instruct_model: str, embe
     kept = ("GGUF_TEST_SESSION", "GGUF_HOST", "GGUF_PORT")  # the session's marker; loopback and the port it picked
     env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("GGUF_") and k not in kept}
     env["GGUF_MODELS_DIR"] = str(d / "models")
-    svc = ServiceProcess(env, d / "service.log")
-    try:
-        svc.wait_healthy()
-        svc.wait_ready()
+    with ServiceProcess(env, d / "service.log").running() as svc:
         yield svc
-    finally:
-        svc.stop()
 
 
 def test_the_default_model_is_the_instruct_one(make_run: ServiceProcess) -> None:

@@ -36,14 +36,9 @@ def test_the_character_bound_is_a_lower_bound_on_tokens() -> None:
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory, embedded_model: str) -> Any:
     d = tmp_path_factory.mktemp("admission")
-    s = ServiceProcess({"GGUF_MODELS_DIR": str(d), "GGUF_CONTEXT_LENGTH": "2048", "GGUF_CONFIRM_LOADS": "false"},
-                       d / "service.log")
-    try:
-        s.wait_healthy()
-        s.wait_ready()
+    with ServiceProcess({"GGUF_MODELS_DIR": str(d), "GGUF_CONTEXT_LENGTH": "2048", "GGUF_CONFIRM_LOADS": "false"},
+                        d / "service.log").running() as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _small(url: str) -> float:

@@ -205,11 +205,8 @@ def events_service(tmp_path: Path, embedded_model: str) -> Iterator[tuple[Servic
                           "GGUF_KV_EVENTS_BLOCK_SIZE": str(BLOCK), "GGUF_PROMPT_CACHE_DIR": str(tmp_path / "pcache"),
                           "GGUF_SPECULATIVE": "off"}, tmp_path / "service.log")
     (tmp_path / "models").mkdir()
-    try:
-        svc.wait_healthy()
+    with svc.running(ready=False):
         yield svc, f"tcp://127.0.0.1:{port}"
-    finally:
-        svc.stop()
 
 
 @pytest.mark.slow
