@@ -16,10 +16,15 @@ run out; residency can lower it later (``set_budget``).
 On disk (``GGUF_PROMPT_CACHE_DIR``): each entry is written as a file of its own, atomically (a temporary file, then
 ``os.replace``), under a folder named for the entry's *binding*: the exact model file (its size and a hash of its
 first and last MiB) and every parameter that shapes the KV (cache types, flash attention, cells per sequence,
-SWA mode, the state format). A file whose header, binding, length or checksum does not match is ignored and
-counted (``rejected``), never given to llama.cpp. The disk has a budget of its own; the oldest files go first.
-A load reads the files back into host memory, newest first, as far as the memory budget and ``WARM_S`` go, so
-that the next turn after a restart or a reload restores from memory.
+SWA mode, the state format). Each file is *sealed* (issue 54): an HMAC-SHA256 under a per-install key
+(``install_key``: 32 random bytes in ``KEY_FILE`` at the folder's root, mode 0600) covers the magic, the whole
+header (format and binding, scope, token count, ``pos_min``, ``n_canon``, state length, the state's sha256) and
+the tokens, and through the sha256 the state. Without the key a file cannot be edited, re-paired (one entry's
+tokens before another's state) or moved to another binding's folder or another install: an unsealed sha256 let
+all three through. A file whose seal, header, binding, length or state digest does not match is ignored and
+counted (``rejected``), logged once, never given to llama.cpp. The disk has a budget of its own; the oldest
+files go first. A load reads the files back into host memory, newest first, as far as the memory budget and
+``WARM_S`` go, so that the next turn after a restart or a reload restores from memory.
 
 Entries carry a scope (``scope_of``): with API keys configured, a hash of the key, so that one tenant's cached
 prefix never shortens another's time to first token (a timing side channel), and a request's ``cache_salt``
@@ -29,10 +34,12 @@ prefix never shortens another's time to first token (a timing side channel), and
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -47,15 +54,25 @@ from .base import scope_of
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-"""The file format's version (part of the binding: a file of another format is another model's, never read)."""
-MAGIC = b"GGUFKV1\n"
+FORMAT = 2
+"""The file format's version (part of the binding: a file of another format is another model's, never read).
+2: sealed with the install's key (issue 54); format 1's folders are left as they are, never read."""
+MAGIC = b"GGUFKV2\n"
+"""A file: ``MAGIC``, its seal (``SEAL_BYTES``), the header's length (u32 little-endian), the header (JSON), the
+tokens (int32), the state. The seal is an HMAC-SHA256 of everything before the state but itself; the header
+holds the state's sha256."""
+SEAL_BYTES = 32
+KEY_FILE = "prompt-cache.key"
+"""The install's key, at ``GGUF_PROMPT_CACHE_DIR``'s root beside the binding folders (one key for all of them)."""
+KEY_BYTES = 32
 MIN_TOKENS = 32
 """Slots holding fewer tokens are not kept: evaluating them again costs less than a restore is worth."""
 SUFFIX = ".kv"
 WARM_S = 1.0
 """At most this long of a load reads cached prompts back from disk into memory (a 12 MiB file, gemma-3-270m's
-1,800-token f16 state, took 26-36 ms to read and check); the rest is read when a request needs it."""
+1,800-token f16 state, took 26-36 ms to read and check; 7 ms on an AMD EPYC with SHA extensions, page cache warm,
+sealed as unsealed: the seal adds an HMAC of the header and tokens, 5 us); the rest is read when a request needs
+it."""
 
 
 def budget(ceiling_bytes: int, host_free_bytes: int, plan_host_bytes: int) -> int:
@@ -84,6 +101,87 @@ def model_fingerprint(path: str) -> str:
             f.seek(size - MIB)
             h.update(f.read(MIB))
     return h.hexdigest()
+
+
+class KeyFileRefused(OSError):
+    """The install's key file is not one this process can trust (too open, another owner's, not a key): the disk
+    tier stays off. An ``OSError``, as a folder that cannot be used is (the engine keeps prompts in memory only)."""
+
+
+def install_key(root: Path) -> bytes:
+    """The key that seals this install's cache files (``root``/``KEY_FILE``), made on first use.
+
+    Made whole or not at all: written to a private temporary file (mode 0600), fsynced, then hard-linked to its
+    name, which fails when the name exists; so processes starting at once all read back the one key that was
+    linked first, and none ever reads a partial one (``O_CREAT | O_EXCL`` on the name itself would let one read
+    a file another is still writing, and leave an empty key after a crash). Where the file system has no hard
+    links it falls back to ``O_CREAT | O_EXCL`` on the name.
+
+    A key file readable or writable by anyone but its owner, owned by another user, or not ``KEY_BYTES`` long is
+    refused (``KeyFileRefused``), not replaced: whoever could read it could seal files, so it is for the operator
+    to see why, fix and remove it; and a replacement cannot be made safely while another process may be reading
+    the old key (two processes each replacing it would end with two keys, each rejecting the other's files)."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / KEY_FILE
+    if not path.exists():
+        _create_key(path)
+    return _read_key(path)
+
+
+def _create_key(path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(KEY_BYTES))  # 32 bytes to a regular file: written whole
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another process's key came first: it is the install's
+    except OSError:  # no hard links here (some network and FUSE file systems)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.write(fd, tmp.read_bytes())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:  # the key's name survives a crash with the files it seals
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _read_key(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KeyFileRefused(f"the key file {path} is not a regular file; remove it")
+        if st.st_uid != os.geteuid():
+            raise KeyFileRefused(f"the key file {path} belongs to user {st.st_uid}, not to this process's "
+                                 f"({os.geteuid()}); give it to this user with mode 0600, or remove it")
+        if st.st_mode & 0o077:
+            raise KeyFileRefused(f"the key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: anyone it lets in "
+                                 "could seal cache files; make it 0600 (chmod 600), or remove it (the cached "
+                                 "prompts it sealed are then no longer read)")
+        key = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(key) != KEY_BYTES:
+        raise KeyFileRefused(f"the key file {path} holds {len(key)} bytes, not a key of {KEY_BYTES}; remove it")
+    return key
 
 
 def binding_of(fields: dict[str, Any]) -> str:
@@ -121,7 +219,8 @@ class Stats:
     saved: int = 0
     evicted: int = 0
     rejected: int = 0
-    """Files ignored: another binding, truncated, corrupt, unreadable."""
+    """Files ignored: unsealed (edited, re-paired, another install's), another binding, truncated, corrupt,
+    unreadable."""
     restore_failed: int = 0
     """States llama.cpp did not take back (no cells free): served from a cold prompt."""
     disk_written: int = 0
@@ -147,6 +246,8 @@ class PromptCache:
     """The entries against the writer thread (which only sets ``path`` and reads ``disk bytes``)."""
     _backlog: int = 0
     """Writes queued and not yet done."""
+    _key: bytes = b""
+    """The install's key (``install_key``), which seals the files."""
 
     # -- what it holds ------------------------------------------------------
 
@@ -300,7 +401,10 @@ class PromptCache:
     # -- disk -------------------------------------------------------------------
 
     def open_disk(self, root: Path, binding_fields: dict[str, Any], disk_budget_bytes: int) -> None:
-        """Use ``root``/<binding>/ and index the files already there (their headers and tokens, not their states)."""
+        """Use ``root``/<binding>/ and index the files already there (their headers and tokens, checked against
+        their seals, not their states). ``KeyFileRefused`` (an ``OSError``) when the install's key file cannot be
+        trusted; nothing is set then."""
+        self._key = install_key(root)
         self.binding = binding_of(binding_fields)
         self.directory = root / self.binding
         self.disk_budget_bytes = disk_budget_bytes
@@ -314,8 +418,6 @@ class PromptCache:
                 continue
             e = self._index(p)
             if e is None:
-                self.stats.rejected += 1
-                log.warning("prompt cache: ignored %s (not a cache file of this model and parameters)", p)
                 continue
             found.append((p.stat().st_mtime_ns, e))
         for i, (_, e) in enumerate(sorted(found, key=lambda t: t[0])):
@@ -343,9 +445,19 @@ class PromptCache:
             done.wait()
 
     def _header(self, e: Entry, digest: str) -> bytes:
+        """The header's length and the header: everything that gives the entry its meaning but its tokens."""
         head = json.dumps({"binding": self._fields, "scope": e.scope, "n_tokens": len(e.tokens), "pos_min": e.pos_min,
-                           "n_canon": e.n_canon, "state_bytes": e.nbytes, "sha256": digest}, sort_keys=True).encode()
-        return MAGIC + struct.pack("<I", len(head)) + head
+                           "n_canon": e.n_canon, "state_bytes": e.nbytes, "state_sha256": digest},
+                          sort_keys=True).encode()
+        return struct.pack("<I", len(head)) + head
+
+    def _seal(self, length_and_head: bytes, tokens: bytes) -> bytes:
+        """The HMAC-SHA256 of a file under the install's key: its magic, header (with the state's sha256) and
+        tokens."""
+        mac = hmac.new(self._key, MAGIC, hashlib.sha256)
+        mac.update(length_and_head)
+        mac.update(tokens)
+        return mac.digest()
 
     def _write(self, e: Entry, state: bytearray) -> None:
         if self._writes is not None:
@@ -393,10 +505,11 @@ class PromptCache:
         name = hashlib.blake2b(e.scope.encode() + array("i", e.tokens).tobytes(), digest_size=16).hexdigest()
         path = self.directory / (name + SUFFIX)
         tmp = path.with_name(path.name + ".tmp")
-        digest = hashlib.sha256(state).hexdigest()
+        head = self._header(e, hashlib.sha256(state).hexdigest())
+        tokens = array("i", e.tokens).tobytes()
         with open(tmp, "wb") as f:
-            f.write(self._header(e, digest))
-            f.write(array("i", e.tokens).tobytes())
+            f.write(MAGIC + self._seal(head, tokens) + head)
+            f.write(tokens)
             f.write(state)
             f.flush()
             os.fsync(f.fileno())
@@ -417,37 +530,45 @@ class PromptCache:
             if e.state is None:
                 self.entries.remove(e)
 
-    def _read_head(self, f: Any) -> dict[str, Any] | None:
+    def _open_sealed(self, f: Any, size: int) -> tuple[dict[str, Any], list[int]]:
+        """A file's header and tokens, read up to its state, once its seal, binding and length hold
+        (``ValueError`` naming what does not; nothing of the file's content in it)."""
         if f.read(len(MAGIC)) != MAGIC:
-            return None
+            raise ValueError("not a cache file of this format")
+        seal = f.read(SEAL_BYTES)
         raw = f.read(4)
-        if len(raw) != 4:
-            return None
+        if len(seal) != SEAL_BYTES or len(raw) != 4:
+            raise ValueError("truncated")
         (n,) = struct.unpack("<I", raw)
-        if n > MIB:
-            return None
+        if n > MIB or f.tell() + n > size:
+            raise ValueError("truncated")
+        text = f.read(n)
         try:
-            head = json.loads(f.read(n))
-        except ValueError:
-            return None
-        return head if isinstance(head, dict) and head.get("binding") == self._fields else None
+            head = json.loads(text)  # unsealed yet: read for the tokens' count only
+            n_tokens, n_state = int(head["n_tokens"]), int(head["state_bytes"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError("header unreadable") from exc
+        if n_tokens < 0 or n_state < 0 or f.tell() + 4 * n_tokens + n_state != size:
+            raise ValueError("length other than the header's")  # truncated, or more than was written
+        tokens = f.read(4 * n_tokens)
+        if not hmac.compare_digest(seal, self._seal(raw + text, tokens)):
+            raise ValueError("seal does not match")  # edited, re-paired, or sealed by another install
+        if head.get("binding") != self._fields:
+            raise ValueError("another model's or parameters'")  # sealed here, for another model or parameters
+        ids = array("i")
+        ids.frombytes(tokens)
+        return head, ids.tolist()
 
     def _index(self, path: Path) -> Entry | None:
-        """An entry for a file of this binding (its state left on disk), or None."""
+        """An entry for a sealed file of this binding (its state left on disk), or None (counted, logged)."""
         try:
-            size = path.stat().st_size
             with open(path, "rb") as f:
-                head = self._read_head(f)
-                if head is None:
-                    return None
-                n_tokens, n_state = int(head["n_tokens"]), int(head["state_bytes"])
-                if f.tell() + 4 * n_tokens + n_state != size:
-                    return None  # truncated, or more than was written
-                tokens = array("i")
-                tokens.frombytes(f.read(4 * n_tokens))
-            return Entry(tokens=tokens.tolist(), scope=str(head["scope"]), pos_min=int(head["pos_min"]),
-                         n_canon=int(head["n_canon"]), nbytes=n_state, path=path)
-        except (OSError, KeyError, TypeError, ValueError):
+                head, tokens = self._open_sealed(f, os.fstat(f.fileno()).st_size)
+            return Entry(tokens=tokens, scope=str(head["scope"]), pos_min=int(head["pos_min"]),
+                         n_canon=int(head["n_canon"]), nbytes=int(head["state_bytes"]), path=path)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            self.stats.rejected += 1
+            log.warning("prompt cache: ignored %s (%s)", path, _why(exc))
             return None
 
     def _load(self, e: Entry) -> bytearray | None:
@@ -483,27 +604,34 @@ class PromptCache:
                         e.state = state
 
     def _read(self, e: Entry) -> bytearray | None:
-        """The state of an entry on disk, when the file still holds what its header promises."""
+        """The state of an entry on disk, when the file is still sealed and holds what was indexed."""
         assert e.path is not None
         try:
             with open(e.path, "rb") as f:
-                head = self._read_head(f)
-                if head is None or int(head["n_tokens"]) != len(e.tokens):
-                    raise ValueError("header")
-                tokens = array("i")
-                tokens.frombytes(f.read(4 * len(e.tokens)))
+                head, tokens = self._open_sealed(f, os.fstat(f.fileno()).st_size)
+                if (tokens, head["scope"], head["pos_min"], head["n_canon"], head["state_bytes"]) != \
+                        (e.tokens, e.scope, e.pos_min, e.n_canon, e.nbytes):
+                    raise ValueError("another entry's since it was indexed")
                 state = bytearray(e.nbytes)
                 if f.readinto(state) != e.nbytes or f.read(1):
-                    raise ValueError("length")
-            if tokens.tolist() != e.tokens or len(state) != e.nbytes or \
-                    hashlib.sha256(state).hexdigest() != head["sha256"]:
-                raise ValueError("content")
+                    raise ValueError("length other than the header's")
+            if not hmac.compare_digest(hashlib.sha256(state).hexdigest(), str(head["state_sha256"])):
+                raise ValueError("state digest does not match")
             return state
         except (OSError, KeyError, TypeError, ValueError) as exc:
             self.stats.rejected += 1
-            log.warning("prompt cache: ignored %s (%s does not match)", e.path, exc)
+            log.warning("prompt cache: ignored %s (%s)", e.path, _why(exc))
             return None
 
 
-__all__ = ["Entry", "MIN_TOKENS", "PromptCache", "budget", "binding_of", "model_fingerprint", "plan_budget",
-           "scope_of"]
+def _why(exc: Exception) -> str:
+    """What a rejected file failed, for the log: our own reasons, or an OS error's; never the file's content."""
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    if type(exc) is ValueError:
+        return str(exc)
+    return f"header unreadable ({type(exc).__name__})"
+
+
+__all__ = ["Entry", "KEY_FILE", "KeyFileRefused", "MIN_TOKENS", "PromptCache", "budget", "binding_of", "install_key",
+           "model_fingerprint", "plan_budget", "scope_of"]

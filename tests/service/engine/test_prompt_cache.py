@@ -16,7 +16,7 @@ import pytest
 from service.engine.base import Cancel, Chunk, GenerationParams
 from service.engine.llama import LlamaEngine
 from service.text.served import ServedModel
-from service.engine.prompt_cache import MAGIC, SUFFIX, PromptCache, budget, scope_of
+from service.engine.prompt_cache import KEY_FILE, MAGIC, SEAL_BYTES, SUFFIX, PromptCache, budget, scope_of
 from sizing.plan.make import Plan, PlanRequest, make_plan
 from sizing.probe import probe_path
 from sizing.probe.devices import host_memory
@@ -155,12 +155,15 @@ def test_conversations_survive_an_unload_on_disk(embedded_model: str, tmp_path: 
 
 
 def _rewrite_header(path: Path, change: dict) -> None:
+    """The file's binding changed in its header, its seal kept (tests/service/engine/test_prompt_cache_seal.py
+    tampers with every other field)."""
     raw = path.read_bytes()
-    n = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])[0]
-    head = json.loads(raw[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    at = len(MAGIC) + SEAL_BYTES
+    n = struct.unpack("<I", raw[at:at + 4])[0]
+    head = json.loads(raw[at + 4:at + 4 + n])
     head["binding"].update(change)
     new = json.dumps(head, sort_keys=True).encode()
-    path.write_bytes(MAGIC + struct.pack("<I", len(new)) + new + raw[len(MAGIC) + 4 + n:])
+    path.write_bytes(raw[:at] + struct.pack("<I", len(new)) + new + raw[at + 4 + n:])
 
 
 @pytest.mark.parametrize("damage", ["truncated", "random", "flipped", "other-parameters", "other-model"])
@@ -197,6 +200,26 @@ def test_a_bad_file_is_ignored_counted_and_the_request_served_cold(embedded_mode
         assert eng.prompt_cache_gauges["rejected"] == 1 and eng.prompt_cache_gauges["hits"] == 0
     finally:
         eng.unload()
+
+
+def test_a_key_file_open_to_others_keeps_the_disk_tier_off(embedded_model: str, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The install's key readable by its group: the load goes on with conversations in host memory only, says why
+    in one line, and writes nothing beside the key."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / KEY_FILE).write_bytes(os.urandom(32))
+    (tmp_path / KEY_FILE).chmod(0o640)
+    with caplog.at_level("WARNING", logger="service.engine.llama"):
+        eng = _engine(embedded_model, tmp_path)
+    try:
+        _run(eng, A)
+        _run(eng, B)
+        assert eng.prompt_cache_gauges["entries"] == 1  # A, in memory
+    finally:
+        eng.unload()
+    assert [p.name for p in tmp_path.iterdir()] == [KEY_FILE]
+    lines = [r.getMessage() for r in caplog.records if KEY_FILE in r.getMessage()]
+    assert len(lines) == 1 and "0640" in lines[0] and "memory only" in lines[0], lines
 
 
 def test_a_file_of_another_cache_type_is_another_binding(embedded_model: str, tmp_path: Path) -> None:
