@@ -220,6 +220,15 @@ class Settings(BaseSettings):
         "private and loopback addresses only where named here, no proxies, GGUF_IMAGE_MAX_BYTES and "
         "GGUF_REMOTE_TIMEOUT_S per image.",
     )
+    image_fetches: int = Field(
+        8, ge=1, le=256, description="Most image URLs fetched at once, all clients together, on threads of their own "
+        "(inline images are decoded apart, so slow image hosts never delay them); beyond it 429 with Retry-After, "
+        "never a wait.",
+    )
+    image_fetches_per_client: int = Field(
+        2, ge=1, le=256, description="Most image URLs one client has fetched at once (a client: its API key where "
+        "keys are set, else its address); beyond it 429 with Retry-After.",
+    )
     prompt_cache_mib: int = Field(
         8192, ge=0, description="Ceiling of the host memory that keeps idle conversations' KV beyond the slots (as "
         "llama-server's --cache-ram, 8192 MiB by default): a later turn is restored instead of evaluated. Each load's "

@@ -11,6 +11,7 @@ runner), or here when the request ends before it was queued.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ from ..residency import Lease, ModelManager
 from ..residency.fifo import chunks
 from .admission import prompt_tokens
 from .errors import code_of
-from .images import ImageLimits, decode_message_images
+from .images import ImageFetches, ImageLimits, decode_images, image_parts, takes_no_images
 from .metrics import Metrics
 from .openai_wire import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, GenerationRequest
 from .security import presented_key
@@ -166,21 +167,44 @@ async def chat_prompt_tokens(request: Request, manager: ModelManager, chat: "Cha
     try:
         engine = lease.engine
         _, _, tools = chat_setup(chat, engine, manager.settings, params)
-        messages = await chat_messages(chat, manager.settings)
+        messages = await chat_messages(request, chat, engine, manager.settings)
         return len(await prompt_tokens(request.app.state.admission, lease.name, engine, param=param,
                                        messages=messages, tools=tools))
     finally:
         lease.release()
 
 
-async def chat_messages(chat: "ChatRequest", settings: Any) -> list[dict[str, Any]]:
-    """A chat's messages as the engine takes them: its images decoded (``service.api.images``, off the event
-    loop: Pillow and a fetch block)."""
+async def chat_messages(request: Request, chat: "ChatRequest", engine: Any, settings: Any) -> list[dict[str, Any]]:
+    """A chat's messages as the engine takes them: its images decoded (``service.api.images``: off the event loop,
+    fetches on threads of their own within their limits). An image to a model without a vision projector is
+    refused first, before any image is fetched or decoded."""
     messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-    if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
-                                                      for p in m["content"]) for m in messages):
-        messages = await asyncio.to_thread(decode_message_images, messages, ImageLimits.of(settings))
-    return messages
+    parts = image_parts(messages)
+    if not parts:
+        return messages
+    if not engine.limits.images:
+        raise takes_no_images(parts[0])
+    return await decode_images(messages, parts, ImageLimits.of(settings), image_fetches(request, settings),
+                               image_client(request))
+
+
+def image_fetches(request: Request, settings: Any) -> ImageFetches:
+    """The app's image fetches (``GGUF_IMAGE_FETCHES``, ``GGUF_IMAGE_FETCHES_PER_CLIENT``), made at the first."""
+    fetches = getattr(request.app.state, "image_fetches", None)
+    if fetches is None:
+        fetches = request.app.state.image_fetches = ImageFetches(settings.image_fetches,
+                                                                 settings.image_fetches_per_client)
+    return fetches
+
+
+def image_client(request: Request) -> str:
+    """Who a request's image fetches count against: its API key's digest where keys are set (the key itself is
+    kept nowhere), else the address it came from."""
+    if getattr(request.app.state, "api_keys", ()):
+        raw = presented_key(request.scope["headers"])
+        if raw:
+            return "key:" + hashlib.sha256(raw).hexdigest()
+    return "address:" + (request.client.host if request.client else "")
 
 
 def cache_scope(request: Request, settings: Any, salt: str | None) -> str:
@@ -234,7 +258,7 @@ async def admit(request: Request, lease: Lease, settings: Any, metrics: Metrics,
     choices = Choices(json_kind=json_constraint(params), biased=bool(params.logit_bias))
     source = Source()
     if prompt_ids is None:  # else the route tokenized its prompt: the body gives only parameters
-        source = await prompt_source(body, kind, engine, settings, params)
+        source = await prompt_source(request, body, kind, engine, settings, params)
         params = source.params or params
         choices = source.choices or choices
     tools, prompt, messages, prompt_param = source.tools, source.prompt, source.messages, source.param
@@ -297,8 +321,8 @@ class Source:
     choices: Choices | None = None
 
 
-async def prompt_source(body: GenerationRequest, kind: Literal["completion", "chat"], engine: Any, settings: Any,
-                        params: GenerationParams) -> Source:
+async def prompt_source(request: Request, body: GenerationRequest, kind: Literal["completion", "chat"], engine: Any,
+                        settings: Any, params: GenerationParams) -> Source:
     """The prompt of a completion or chat request as generation evaluates it, and by the same code the render
     routes answer with (``service.api.render``): their token ids are the ones a generation would evaluate."""
     if kind == "completion":
@@ -307,7 +331,7 @@ async def prompt_source(body: GenerationRequest, kind: Literal["completion", "ch
     assert isinstance(body, ChatRequest)
     body.check_messages()
     params, choices, tools = chat_setup(body, engine, settings, params)
-    messages = await chat_messages(body, settings)
+    messages = await chat_messages(request, body, engine, settings)
     images = tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
                    for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
     if images:  # carried to the engine with the prompt's tokens (it prepares any it dropped meanwhile)

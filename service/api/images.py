@@ -8,18 +8,26 @@ decoded, the bytes before Pillow sees them, the header's width x height before a
 refusal is the client's (400, or 413 for bytes), naming the request field in ``param``; nothing a client or a
 remote server sent is quoted back.
 
-All of it blocks (Pillow's decoding, the fetch): the API adapters call it from a worker thread.
+A chat's images are found first (``image_parts``), refused whole where the model takes none or there are too many
+or a URL is not one this server fetches, all before any image is fetched or decoded; then each is decoded
+(``decode_images``). Decoding (Pillow's, bounded by the limits above) runs on asyncio's default threads; fetches run
+on threads of their own (``ImageFetches``), at most ``GGUF_IMAGE_FETCHES`` at once and
+``GGUF_IMAGE_FETCHES_PER_CLIENT`` for one client, beyond either a 429 with Retry-After: slow image hosts can never
+hold the threads that decode inline images or serve the rest of the server, and no request waits for a fetch slot.
 """
 
 from __future__ import annotations
 
+import asyncio
 import binascii
+import concurrent.futures
 import io
 import ipaddress
 import struct
+import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -27,7 +35,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from sizing.errors import InvalidURLError
 
 from ..engine.base import ImageInput
-from ..errors import BadRequest, PayloadTooLarge
+from ..errors import BadRequest, PayloadTooLarge, QueueFull
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -222,8 +230,18 @@ def image_from_url(url: str, limits: ImageLimits, param: str) -> ImageInput:
     ``max_bytes`` are read (``Content-Length`` checked first, the body counted as it arrives: ``PayloadTooLarge``)
     within ``timeout_s`` in all. Every failure of the fetch (a non-2xx status, a refused or failed connection, a
     timeout) is a ``BadRequest``: the client sent a URL this server cannot fetch, not a fault of the server's."""
-    if url[:5].lower() == "data:":
+    host = check_image_url(url, limits, param)
+    if host is None:
         return image_from_data_url(url, limits, param)
+    return decode_image(_fetch(url, host, limits, param), limits, param)
+
+
+def check_image_url(url: str, limits: ImageLimits, param: str) -> str | None:
+    """None for a data: URL (decoded, not fetched); for an http(s) URL the host it is fetched from, once it is a
+    URL the remote probe takes (``check_url``) of a host ``url_hosts`` lists; ``BadRequest`` otherwise. No
+    connection is opened: a chat's every URL is checked before any of its images is fetched."""
+    if url[:5].lower() == "data:":
+        return None
     scheme = url.partition(":")[0].lower() if ":" in url else ""
     if scheme not in ("http", "https"):
         raise BadRequest(f"{param}: not a data: or http(s) URL", param=param)
@@ -240,7 +258,7 @@ def image_from_url(url: str, limits: ImageLimits, param: str) -> ImageInput:
     if not host_listed(host, limits.url_hosts):
         raise BadRequest(f"{param}: images are not fetched from {host[:80]} (GGUF_IMAGE_URL_HOSTS names the hosts "
                          "they are)", param=param)
-    return decode_image(_fetch(url, host, limits, param), limits, param)
+    return host
 
 
 def _fetch(url: str, host: str, limits: ImageLimits, param: str) -> bytes:
@@ -298,27 +316,125 @@ def image_url_of(part: dict[str, object]) -> object:
     return value.get("url") if isinstance(value, dict) else value
 
 
-def decode_message_images(messages: list[dict[str, object]], limits: ImageLimits) -> list[dict[str, object]]:
-    """The chat's messages with each ``image_url`` part decoded into the engine's ``{"type": "image", "image":
-    ImageInput}`` (``service.text.prompts``), counted against ``max_images`` before each is decoded. The other
-    APIs' images arrive here as ``image_url`` parts (Anthropic's base64 blocks, Ollama's ``images``, the Responses
-    API's ``input_image`` are converted by their adapters). Blocking: from a worker thread."""
+@dataclass(frozen=True)
+class ImagePart:
+    """One image part of a chat (an ``image_url`` part: the other APIs' images are converted to them by their
+    adapters), found before any image is fetched or decoded."""
+
+    message: int
+    part: int
+    url: str
+
+    @property
+    def where(self) -> str:
+        return f"messages[{self.message}].content[{self.part}]"
+
+    @property
+    def param(self) -> str:
+        return f"{self.where}.image_url"
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[ImagePart]:
+    """The chat's ``image_url`` parts in order; ``BadRequest`` for one without a URL."""
+    found = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get("type") == "image_url":
+                url = image_url_of(p)
+                if not isinstance(url, str) or not url:
+                    param = f"messages[{i}].content[{j}].image_url"
+                    raise BadRequest(f"{param}: an image_url part needs {{\"url\": string}}", param=param)
+                found.append(ImagePart(i, j, url))
+    return found
+
+
+def takes_no_images(part: ImagePart) -> BadRequest:
+    """The refusal of an image to a model loaded without a vision projector (the words and ``param`` of the
+    prompt's own check, ``service.text.prompts``), raised before the image is fetched or decoded."""
+    return BadRequest(f"{part.where}: this model takes no images (it was loaded without a vision projector: mmproj)",
+                      param=part.where)
+
+
+class ImageFetches:
+    """The image URLs being fetched, on threads of their own: at most ``total`` at once and ``per_client`` for one
+    client (its API key, or its address: ``service.api.generation.image_client``); beyond either ``QueueFull``
+    (429 with Retry-After) at once, never a wait. A fetch ends within ``GGUF_REMOTE_TIMEOUT_S`` (``_fetch``), so a
+    slot is free again within that. A slot is held until the fetch's thread is done, even where the request has
+    gone: the threads are never more than ``total``, so a fetch never queues behind another."""
+
+    retry_after_s = 2
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total = total
+        self.per_client = per_client
+        self.busy = 0
+        self.by_client: dict[str, int] = {}
+        self._lock = threading.Lock()  # released from the fetch's thread, when it ends
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=total, thread_name_prefix="image-fetch")
+
+    def _take(self, client: str) -> None:
+        with self._lock:
+            mine = self.by_client.get(client, 0)
+            if mine >= self.per_client:
+                raise QueueFull(f"this client has {mine} images being fetched, the most one client may "
+                                "(GGUF_IMAGE_FETCHES_PER_CLIENT); retry shortly", retry_after_s=self.retry_after_s)
+            if self.busy >= self.total:
+                raise QueueFull(f"{self.busy} images are being fetched, the most this server fetches at once "
+                                "(GGUF_IMAGE_FETCHES); retry shortly", retry_after_s=self.retry_after_s)
+            self.busy += 1
+            self.by_client[client] = mine + 1
+
+    def _release(self, client: str) -> None:
+        with self._lock:
+            self.busy -= 1
+            left = self.by_client[client] - 1
+            if left:
+                self.by_client[client] = left
+            else:
+                del self.by_client[client]
+
+    async def fetch(self, url: str, host: str, limits: ImageLimits, param: str, client: str) -> bytes:
+        """The body of ``url`` (``_fetch``: within ``limits``, a ``BadRequest`` for every failure), fetched on
+        these threads; ``QueueFull`` at once where ``client`` or the server is at its limit."""
+        self._take(client)
+        try:
+            future = self._pool.submit(_fetch, url, host, limits, param)
+        except BaseException:
+            self._release(client)
+            raise
+        future.add_done_callback(lambda _: self._release(client))
+        return await asyncio.wrap_future(future)
+
+
+async def decode_images(messages: list[dict[str, Any]], parts: list[ImagePart], limits: ImageLimits,
+                        fetches: ImageFetches, client: str) -> list[dict[str, Any]]:
+    """The chat's messages with each image part (``parts``, as ``image_parts`` found them) decoded into the
+    engine's ``{"type": "image", "image": ImageInput}`` (``service.text.prompts``).
+
+    Every part is counted against ``max_images`` and every URL checked (``check_image_url``) before the first
+    image is fetched or decoded: a request refused for its fifth image fetches none. Then, in order, a data: URL is
+    decoded on asyncio's default threads, an http(s) URL fetched on ``fetches``' (``QueueFull`` beyond its
+    limits) and then decoded there too."""
     budget = limits.budget()
+    for p in parts:
+        budget.take(p.param)
+    hosts = [check_image_url(p.url, limits, p.param) for p in parts]
+    images: dict[tuple[int, int], ImageInput] = {}
+    for p, host in zip(parts, hosts):
+        if host is None:
+            image = await asyncio.to_thread(image_from_data_url, p.url, limits, p.param)
+        else:
+            data = await fetches.fetch(p.url, host, limits, p.param, client)
+            image = await asyncio.to_thread(decode_image, data, limits, p.param)
+        images[(p.message, p.part)] = image
     out = []
     for i, m in enumerate(messages):
         content = m.get("content")
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
-            parts: list[object] = []
-            for j, p in enumerate(content):
-                if isinstance(p, dict) and p.get("type") == "image_url":
-                    param = f"messages[{i}].content[{j}].image_url"
-                    url = image_url_of(p)
-                    if not isinstance(url, str) or not url:
-                        raise BadRequest(f"{param}: an image_url part needs {{\"url\": string}}", param=param)
-                    budget.take(param)
-                    parts.append({"type": "image", "image": image_from_url(url, limits, param)})
-                else:
-                    parts.append(p)
-            m = {**m, "content": parts}
+        if isinstance(content, list) and any((i, j) in images for j in range(len(content))):
+            m = {**m, "content": [{"type": "image", "image": images[(i, j)]} if (i, j) in images else part
+                                  for j, part in enumerate(content)]}
         out.append(m)
     return out

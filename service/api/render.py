@@ -43,7 +43,7 @@ async def _render(request: Request, manager: Any, body: GenerationRequest,
     lease = await resolve_model(manager, body)
     try:
         engine = lease.engine
-        source = await prompt_source(body, kind, engine, manager.settings, params)
+        source = await prompt_source(request, body, kind, engine, manager.settings, params)
         params = source.params or params
         tokens = await prompt_tokens(request.app.state.admission, lease.name, engine, param=source.param,
                                      prompt=source.prompt, messages=source.messages, tools=source.tools)

@@ -164,8 +164,9 @@ BAD_INPUTS: list[tuple[str, str, str, int, str | None]] = [
     ("an embedding with other dimensions", "/v1/embeddings", '{"input": "a", "dimensions": 3}', 400, "dimensions"),
     ("best_of", "/v1/completions", '{"prompt": "a", "best_of": 3}', 400, "best_of"),
     ("suffix", "/v1/completions", '{"prompt": "a", "suffix": "end"}', 400, "suffix"),
-    ("undecodable image", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url", '
-     '"image_url": {"url": "data:image/png;base64,AA=="}}]}]}', 400, "messages[0].content[0].image_url"),
+    ("an image to a model without a projector (refused before it is decoded)", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": '
+     '"data:image/png;base64,AA=="}}]}]}', 400, "messages[0].content[0]"),
     ("audio part", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "input_audio", '
      '"input_audio": {"data": "AA==", "format": "wav"}}]}]}', 400, "messages[0].content[0].type"),
     ("tool message without its call", "/v1/chat/completions", '{"messages": [{"role": "tool", "content": "x"}]}',

@@ -164,16 +164,22 @@ def test_bad_images_are_4xx_naming_the_field_and_the_service_answers_on(served: 
     assert _Counting.hits == 0  # the disallowed host was never asked
 
 
-def test_an_image_to_a_model_without_a_projector_is_a_400(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_an_image_to_a_model_without_a_projector_is_a_400(tmp_path_factory: pytest.TempPathFactory,
+                                                          image_server: str) -> None:
     models = tmp_path_factory.mktemp("no-vision")
     settings = Settings(host="127.0.0.1", port=free_port(), models_dir=str(models), context_length=1024, parallel=1,
-                        confirm=False)
+                        confirm=False, image_url_hosts="127.0.0.1")
     with in_process_service(settings) as (url, _):
         m = {x["name"]: x for x in httpx.get(url + "/api/models", timeout=60).json()["models"]}[EMBEDDED_NAME]
         assert m["plan"]["projector"] is None and "projector" not in m
         r = _chat(url, [{"type": "image_url", "image_url": {"url": _data_url(_png())}}, {"type": "text", "text": "x"}])
         assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages[0].content[0]"
+        # A URL of a host it may fetch from is refused the same, before any request to the host (issue 54).
+        hits = _Counting.hits
+        r = _chat(url, [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": image_server}}])
+        assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages[0].content[1]" and _Counting.hits == hits
 
 
 def test_images_through_ollamas_api_and_the_responses_api(served: tuple[str, Any]) -> None:
