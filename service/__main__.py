@@ -3,7 +3,8 @@ this machine's devices to a model planned over several machines (``service.rpc.w
 
 Refuses to start (exit 2, one clear line) with settings it must not serve with: a non-loopback
 address without API keys, an unreadable key file, a malformed CORS origin, a malformed ``GGUF_RPC_WORKERS`` (or
-workers without runner processes).
+workers without runner processes), KV events beyond loopback without CURVE or ``GGUF_KV_EVENTS_ALLOW_PUBLIC``, a
+CURVE key file readable by others.
 
 SIGTERM (or SIGINT) drains: the listening socket closes, requests that arrive on open connections
 get 503, requests in flight run to their end for up to ``GGUF_DRAIN_TIMEOUT_S``; past it, queued
@@ -22,6 +23,7 @@ import uvicorn
 
 from .api.app import create_app
 from .api.security import DRAIN_GRACE_S, ConfigurationError, DrainState, check_startup, load_api_keys
+from .residency.kv_events import check_settings as check_kv_events
 from .rpc.client import parse_workers
 from .settings import Settings
 
@@ -55,6 +57,7 @@ def main() -> int:
     try:
         settings = Settings()
         parse_workers(settings.rpc_workers, runner_process=settings.runner_process)
+        check_kv_events(settings)
     except ValueError as exc:
         sys.stderr.write(f"gguf-server: invalid settings: {exc}\n")
         return 2

@@ -249,8 +249,34 @@ class Settings(BaseSettings):
     kv_events_endpoint: str | None = Field(
         None,
         description="Publish KV events in vLLM's format (ZeroMQ PUB, msgpack KVEventBatch) on this endpoint, e.g. "
-        "tcp://*:5557: the prompt blocks each model holds in its slots (GPU), in host memory (CPU) and on disk "
-        "(STORAGE), for llm-d's precise prefix routing (docs/deployment.md). Unset: none.",
+        "tcp://127.0.0.1:5557: the prompt blocks each model holds in its slots (GPU), in host memory (CPU) and on "
+        "disk (STORAGE), for llm-d's precise prefix routing (docs/deployment.md). The events carry the token ids of "
+        "every key's prompts, so anything but loopback (tcp://127.0.0.1, tcp://[::1], tcp://localhost) or ipc:// "
+        "stops the start unless CURVE (GGUF_KV_EVENTS_CURVE_*) or GGUF_KV_EVENTS_ALLOW_PUBLIC is set. Unset: none.",
+    )
+    kv_events_allow_public: bool = Field(
+        False,
+        description="Let GGUF_KV_EVENTS_ENDPOINT listen beyond loopback (tcp://*:5557, a pod's address) without "
+        "CURVE: anyone who reaches the port reads the token ids of every key's prompts the models hold, so only on "
+        "a network that only the router reaches (deploy/k8s: a NetworkPolicy). llm-d's subscriber cannot do CURVE.",
+    )
+    kv_events_token_ids: bool = Field(
+        True,
+        description="Send each stored block's token ids in KV events (vLLM's BlockStored.token_ids). Off: empty "
+        "token_ids, the same block hashes, for subscribers that do not rebuild prompts; llm-d's and Dynamo's "
+        "routers key their index by the token ids and index nothing without them.",
+    )
+    kv_events_curve_secret_key_file: str | None = Field(
+        None,
+        description="Authenticate and encrypt the KV events (ZeroMQ CURVE): a file, readable by its owner only "
+        "(mode 600 or 400), holding this server's CURVE secret key in Z85 (40 characters), alone or as the "
+        "secret-key line of a ZeroMQ certificate (zmq.auth.create_certificates). Needs "
+        "GGUF_KV_EVENTS_CURVE_CLIENT_KEYS; subscribers need the server's public key (logged at start).",
+    )
+    kv_events_curve_client_keys: str | None = Field(
+        None,
+        description="The CURVE public keys (Z85, comma-separated) of the subscribers allowed to receive the KV "
+        "events; any other is refused at the handshake. With GGUF_KV_EVENTS_CURVE_SECRET_KEY_FILE.",
     )
     kv_events_block_size: int = Field(
         16, ge=1, le=4096, description="Tokens per block in KV events (llm-d's blockSize must be the same).",

@@ -66,12 +66,10 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
         publisher = None
         events_task = None
         if settings.kv_events_endpoint:
-            from ..residency.kv_events import DEFAULT_TOPIC, KvEventPublisher
+            from ..residency.kv_events import KvEventPublisher
 
-            publisher = KvEventPublisher(settings.kv_events_endpoint, block_size=settings.kv_events_block_size,
-                                         topic=settings.kv_events_topic or DEFAULT_TOPIC)
+            publisher = KvEventPublisher.from_settings(settings)  # private unless told; logs where and how
             events_task = asyncio.create_task(publisher.run(manager))
-            log.info("KV events on %s (blocks of %d tokens)", publisher.endpoint, settings.kv_events_block_size)
         task = None
         at_start = list(dict.fromkeys([*([settings.default_model] if settings.default_model else []),
                                        *registry.pinned()]))

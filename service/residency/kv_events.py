@@ -23,20 +23,32 @@ dies (its slots and host memory went with it; the disk's blocks come back with t
 and when it is unloaded. One topic per model
 (``GGUF_KV_EVENTS_TOPIC``, by default ``kv@<host>@<model>``, llm-d's convention). Not built: vLLM's replay socket
 (a subscriber that missed batches cannot ask for them again; the next change still brings its state).
+
+Private by default (issue 54): the token ids are the prompts of every API key, and a ZeroMQ PUB socket answers
+whoever connects. So the endpoint must be loopback or local (``check_endpoint``) unless the socket is CURVE's
+(``Curve``: the server's secret key and the subscribers' public keys allowed, enforced by pyzmq's ZAP
+authenticator, ZeroMQ's RFC 27) or the operator says ``GGUF_KV_EVENTS_ALLOW_PUBLIC``, which llm-d needs: its
+subscriber (llm-d-router ``pkg/kvevents/zmq_subscriber.go``) is go-zeromq/zmq4, which has no CURVE. With
+``GGUF_KV_EVENTS_TOKEN_IDS`` off a ``BlockStored`` carries no token ids, the same hashes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import logging
+import os
+import re
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..engine.base import CachedPrompt
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +58,133 @@ DEFAULT_TOPIC = "kv@{host}@{model}"
 """A model's topic unless ``GGUF_KV_EVENTS_TOPIC`` says otherwise (llm-d's convention)."""
 POLL_S = 0.2
 """How often the publisher reads each loaded model's gauges (one round trip to its runner)."""
+ZAP_DOMAIN = "gguf-kv-events"
+"""The ZAP domain of the PUB socket: the authenticator checks CURVE keys for it."""
+LOCAL_TRANSPORTS = ("ipc", "inproc")
+"""ZeroMQ transports no other machine reaches: a Unix socket (its file's mode decides who on this machine may
+connect), and this process."""
+
+
+class KvEventsRefused(ValueError):
+    """Settings the KV events must not start with: one line naming the setting (the service exits 2 on it)."""
+
+
+def check_endpoint(endpoint: str, *, allow_public: bool, curve: bool) -> None:
+    """Refuse an endpoint other machines reach, unless its subscribers must authenticate (CURVE) or the operator said
+    so. Local: ``ipc://``, ``inproc://``, and ``tcp://`` on a loopback address or ``localhost``; everything else,
+    ``tcp://*``, an interface name, a host name, another transport, counts as public (a name may resolve anywhere)."""
+    transport, sep, address = endpoint.partition("://")
+    if not sep or not address:
+        raise KvEventsRefused(f"GGUF_KV_EVENTS_ENDPOINT {endpoint!r}: expected TRANSPORT://ADDRESS, e.g. "
+                              "tcp://127.0.0.1:5557")
+    if endpoint_is_local(endpoint) or curve or allow_public:
+        return
+    raise KvEventsRefused(
+        f"GGUF_KV_EVENTS_ENDPOINT {endpoint} listens beyond loopback, unauthenticated, and the KV events carry the "
+        "token ids of every API key's prompts: bind tcp://127.0.0.1:PORT, or set GGUF_KV_EVENTS_CURVE_SECRET_KEY_FILE "
+        "and GGUF_KV_EVENTS_CURVE_CLIENT_KEYS for subscribers that can do CURVE, or set "
+        "GGUF_KV_EVENTS_ALLOW_PUBLIC=true on a network that only the router reaches (docs/deployment.md)")
+
+
+def endpoint_is_local(endpoint: str) -> bool:
+    transport, _, address = endpoint.partition("://")
+    if transport.lower() in LOCAL_TRANSPORTS:
+        return True
+    if transport.lower() != "tcp":
+        return False
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def z85_key(text: str) -> bytes | None:
+    """A CURVE key in Z85 (40 characters for 32 bytes, ZeroMQ's RFC 32), as bytes; None if it is not one."""
+    from zmq.utils import z85
+
+    raw = text.strip().encode("ascii", "replace")
+    if len(raw) != 40:
+        return None
+    try:
+        z85.decode(raw)
+    except (KeyError, ValueError, struct.error):
+        return None
+    return raw
+
+
+_CERT_SECRET = re.compile(r'^\s*secret-key\s*=\s*"([^"]*)"\s*$')
+
+
+@dataclass(frozen=True)
+class Curve:
+    """The PUB socket as a CURVE server (ZeroMQ's RFC 26): its secret key and the subscribers' public keys allowed,
+    Z85. A subscriber needs the server's public key and a key of the list: without them its handshake fails and it
+    receives nothing."""
+
+    secret_key: bytes
+    client_keys: frozenset[bytes]
+
+    @property
+    def public_key(self) -> bytes:
+        import zmq
+
+        return zmq.curve_public(self.secret_key)
+
+
+def read_secret_key(path: str) -> bytes:
+    """The secret key in ``path``: the file must be its owner's alone (as ssh wants a private key), and hold the Z85
+    key alone or as the ``secret-key`` line of a ZeroMQ certificate. The errors never quote the file."""
+    name = "GGUF_KV_EVENTS_CURVE_SECRET_KEY_FILE"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            mode = stat.S_IMODE(os.fstat(fh.fileno()).st_mode)
+            lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvEventsRefused(f"{name} {path!r} cannot be read: {type(exc).__name__}") from None
+    if mode & 0o077:
+        raise KvEventsRefused(f"{name} {path!r} is readable or writable by others (mode {mode:o}): chmod 600 it "
+                              "(Kubernetes: the Secret volume's defaultMode 0400)")
+    cert = [m.group(1) for m in map(_CERT_SECRET.match, lines) if m]
+    bare = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    candidates = cert or (bare if len(bare) == 1 else [])
+    key = z85_key(candidates[0]) if len(candidates) == 1 else None
+    if key is None:
+        raise KvEventsRefused(f"{name} {path!r} holds no CURVE secret key: expected its 40 Z85 characters alone, or a "
+                              "ZeroMQ certificate's secret-key line")
+    return key
+
+
+def curve_of(settings: Settings) -> Curve | None:
+    """The CURVE settings, read and checked; None when neither is set."""
+    path, listed = settings.kv_events_curve_secret_key_file, settings.kv_events_curve_client_keys
+    if not path and not listed:
+        return None
+    if not path or not listed:
+        raise KvEventsRefused("GGUF_KV_EVENTS_CURVE_SECRET_KEY_FILE and GGUF_KV_EVENTS_CURVE_CLIENT_KEYS go together: "
+                              "the server's secret key and the subscribers' public keys allowed")
+    clients = []
+    for i, item in enumerate(k for k in listed.split(",") if k.strip()):
+        key = z85_key(item)
+        if key is None:
+            raise KvEventsRefused(f"GGUF_KV_EVENTS_CURVE_CLIENT_KEYS: key {i + 1} is not a CURVE public key "
+                                  "(40 Z85 characters)")
+        clients.append(key)
+    if not clients:
+        raise KvEventsRefused("GGUF_KV_EVENTS_CURVE_CLIENT_KEYS holds no key")
+    return Curve(read_secret_key(path), frozenset(clients))
+
+
+def check_settings(settings: Settings) -> Curve | None:
+    """The start-up check (``service.__main__``): the KV-event settings the publisher would refuse, refused before
+    anything loads or binds. Returns the CURVE keys read."""
+    if not settings.kv_events_endpoint:
+        return None
+    curve = curve_of(settings)
+    check_endpoint(settings.kv_events_endpoint, allow_public=settings.kv_events_allow_public, curve=curve is not None)
+    return curve
 
 
 @dataclass(frozen=True)
@@ -87,8 +226,10 @@ def held_blocks(prompts: Iterable[CachedPrompt], block_size: int) -> dict[str, d
     return out
 
 
-def stored_events(new: dict[int, Block], block_size: int, medium: str) -> list[dict[str, Any]]:
-    """``BlockStored`` events for ``new`` blocks: runs along each chain, a parent before its children."""
+def stored_events(new: dict[int, Block], block_size: int, medium: str, *,
+                  token_ids: bool = True) -> list[dict[str, Any]]:
+    """``BlockStored`` events for ``new`` blocks: runs along each chain, a parent before its children; without
+    ``token_ids`` their ``token_ids`` are empty (vLLM's type is a list: an empty one decodes)."""
     children: dict[int | None, list[Block]] = {}
     for b in new.values():
         children.setdefault(b.parent, []).append(b)
@@ -104,13 +245,14 @@ def stored_events(new: dict[int, Block], block_size: int, medium: str) -> list[d
                 break
             run.append(nxt[0])
         events.append({"type": "BlockStored", "block_hashes": [b.hash for b in run],
-                       "parent_block_hash": run[0].parent, "token_ids": [t for b in run for t in b.tokens],
+                       "parent_block_hash": run[0].parent,
+                       "token_ids": [t for b in run for t in b.tokens] if token_ids else [],
                        "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})
     return events
 
 
 def diff_events(before: dict[str, dict[int, Block]], after: dict[str, dict[int, Block]],
-                block_size: int) -> list[dict[str, Any]]:
+                block_size: int, *, token_ids: bool = True) -> list[dict[str, Any]]:
     """What turns the published state ``before`` into ``after``: removals first, then stores."""
     events: list[dict[str, Any]] = []
     for medium in sorted(set(before) | set(after)):
@@ -120,7 +262,7 @@ def diff_events(before: dict[str, dict[int, Block]], after: dict[str, dict[int, 
     for medium in sorted(after):
         new = {h: b for h, b in after[medium].items() if h not in before.get(medium, {})}
         if new:
-            events.extend(stored_events(new, block_size, medium))
+            events.extend(stored_events(new, block_size, medium, token_ids=token_ids))
     return events
 
 
@@ -131,18 +273,56 @@ class _Model:
     published: dict[str, dict[int, Block]] = field(default_factory=dict)
 
 
-class KvEventPublisher:
-    """One PUB socket for the server; a topic and a published state per loaded model."""
+class _AllowList:
+    """pyzmq's CURVE credentials provider (``Authenticator.configure_curve_callback``): a subscriber's key is allowed
+    if listed. A refused key is logged once (a refused subscriber reconnects every 100 ms, ZMQ_RECONNECT_IVL)."""
 
-    def __init__(self, endpoint: str, *, block_size: int, topic: str) -> None:
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+        self.refused: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        if key not in self.refused and len(self.refused) < 64:
+            self.refused.add(key)
+            log.warning("KV events: refused a subscriber whose CURVE public key %s is not in "
+                        "GGUF_KV_EVENTS_CURVE_CLIENT_KEYS", key.decode("ascii", "replace"))
+        return False
+
+
+class KvEventPublisher:
+    """One PUB socket for the server; a topic and a published state per loaded model. Private unless told
+    (``check_endpoint``): a loopback or local endpoint, a CURVE server, or ``allow_public``."""
+
+    def __init__(self, endpoint: str, *, block_size: int, topic: str, token_ids: bool = True,
+                 allow_public: bool = False, curve: Curve | None = None) -> None:
         import msgspec
         import zmq
 
-        self.block_size, self.topic = block_size, topic
+        check_endpoint(endpoint, allow_public=allow_public, curve=curve is not None)
+        self.block_size, self.topic, self.token_ids, self.curve = block_size, topic, token_ids, curve
         self._ctx = zmq.Context()
+        self._auth: Any = None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
+        try:
+            if curve is not None:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                # The ZAP handler before the bind: libzmq lets a CURVE client in without asking when no handler is
+                # bound (ZMQ_ZAP_ENFORCE_DOMAIN is off by default), knowing the server's public key would do.
+                self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
+                self._auth.start()
+                self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowList(curve.client_keys))
+                self._pub.curve_secretkey = curve.secret_key
+                self._pub.curve_publickey = curve.public_key
+                self._pub.curve_server = True
+                self._pub.zap_domain = ZAP_DOMAIN.encode()
+            self._pub.bind(endpoint)
+        except BaseException:
+            self.close()
+            raise
         last = self._pub.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = last.decode() if isinstance(last, bytes) else str(last)
         """Where it listens (a ``tcp://*:0`` endpoint gets its port here)."""
@@ -150,6 +330,26 @@ class KvEventPublisher:
         self._seq = 0
         self._models: dict[str, _Model] = {}
         self._started = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "KvEventPublisher":
+        """The publisher ``GGUF_KV_EVENTS_*`` describe, checked as at start (``check_settings``), its mode logged."""
+        assert settings.kv_events_endpoint
+        curve = check_settings(settings)
+        pub = cls(settings.kv_events_endpoint, block_size=settings.kv_events_block_size,
+                  topic=settings.kv_events_topic or DEFAULT_TOPIC, token_ids=settings.kv_events_token_ids,
+                  allow_public=settings.kv_events_allow_public, curve=curve)
+        ids = "token ids and hashes" if pub.token_ids else "hashes only, no token ids"
+        if curve is not None:
+            log.info("KV events on %s (blocks of %d tokens, %s), CURVE: server public key %s, %d subscriber key(s)",
+                     pub.endpoint, pub.block_size, ids, curve.public_key.decode("ascii"), len(curve.client_keys))
+        elif endpoint_is_local(settings.kv_events_endpoint):
+            log.info("KV events on %s (blocks of %d tokens, %s), local only", pub.endpoint, pub.block_size, ids)
+        else:
+            log.warning("KV events on %s (blocks of %d tokens, %s) with no authentication or encryption "
+                        "(GGUF_KV_EVENTS_ALLOW_PUBLIC): whoever reaches the port reads them", pub.endpoint,
+                        pub.block_size, ids)
+        return pub
 
     def topic_of(self, model: str) -> bytes:
         return self.topic.format(host=socket.gethostname(), model=model).encode("utf-8")
@@ -174,7 +374,7 @@ class KvEventPublisher:
         if m is None or m.incarnation != incarnation:  # reloaded or restarted: what it held is gone
             m = self._models[model] = _Model(incarnation)
         held = held_blocks(prompts, self.block_size)
-        events.extend(diff_events(before, held, self.block_size))
+        events.extend(diff_events(before, held, self.block_size, token_ids=self.token_ids))
         m.published = held
         self.send(model, events)
 
@@ -200,6 +400,9 @@ class KvEventPublisher:
 
     def close(self) -> None:
         self._pub.close(0)
+        if self._auth is not None:
+            self._auth.stop()  # its ZAP socket would keep the context from terminating
+            self._auth = None
         self._ctx.term()
 
     async def run(self, manager: Any) -> None:
@@ -236,4 +439,6 @@ class KvEventPublisher:
                 m.gauges = key
 
 
-__all__ = ["DEFAULT_TOPIC", "KvEventPublisher", "block_hash", "blocks_of", "diff_events", "held_blocks"]
+__all__ = ["DEFAULT_TOPIC", "Curve", "KvEventPublisher", "KvEventsRefused", "block_hash", "blocks_of",
+           "check_endpoint", "check_settings", "curve_of", "diff_events", "endpoint_is_local", "held_blocks",
+           "read_secret_key", "z85_key"]

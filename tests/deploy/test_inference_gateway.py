@@ -542,6 +542,13 @@ def test_the_picker_dials_the_port_the_server_binds(monkeypatch: pytest.MonkeyPa
     m = re.fullmatch(r"tcp://(\*|0\.0\.0\.0|\[::\]):(\d+)", endpoint)
     assert m, f"{endpoint}: the pod's every interface (the picker dials the pod IP)"
     assert int(m.group(2)) == port
+    # Beyond loopback the server starts only when told (issue 54): the picker's subscriber has no CURVE, so the
+    # pods say GGUF_KV_EVENTS_ALLOW_PUBLIC, and the NetworkPolicy admits the picker alone to the port.
+    settings = _server_settings(monkeypatch, "10.1.2.3")
+    assert settings.kv_events_allow_public and server_kv_events.check_settings(settings) is None
+    monkeypatch.delenv("GGUF_KV_EVENTS_ALLOW_PUBLIC")
+    with pytest.raises(server_kv_events.KvEventsRefused, match="GGUF_KV_EVENTS_ALLOW_PUBLIC"):
+        server_kv_events.check_settings(Settings())
     # One target port, so rank 0: the picker dials socketPort itself.
     assert len(_one("InferencePool")["spec"]["targetPorts"]) == 1
     # The server binds it for real (the publisher reports where it listens).
