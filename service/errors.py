@@ -5,6 +5,7 @@
     │   ├── ContextLengthExceeded   the prompt (and max_tokens) do not fit the context
     │   └── PreviousResponseNotFound  previous_response_id names no stored response of this key
     ├── Unauthorized             no API key, or a wrong one
+    ├── Forbidden                the key may not do this (an admin's action asked with an ordinary key)
     ├── ModelNotFound            no model of that name
     ├── NotFound                 no stored object of that id (for this key)
     ├── SplitNotHonoured         the split asked for cannot be honoured
@@ -59,6 +60,11 @@ class PreviousResponseNotFound(BadRequest):
 
 class Unauthorized(ServiceError):
     """No API key, or a wrong one."""
+
+
+class Forbidden(ServiceError):
+    """The request's key is valid but may not do this: an admin's action (load, unload, pull, delete, shortening a
+    model's keep_alive) asked with an ordinary key."""
 
 
 class ModelNotFound(ServiceError):

@@ -47,3 +47,15 @@ def parse_keep_alive(value: object, *, param: str = "keep_alive") -> float:
 def keep_alive_json(seconds: float) -> float:
     """A keep_alive in an answer: seconds, -1 for forever."""
     return -1 if math.isinf(seconds) else round(seconds, 3)
+
+
+def granted_keep_alive(requested_s: float | None, configured_s: float, *, may_shorten: bool) -> float | None:
+    """The keep_alive a request gets (None: its model's configured one, ``configured_s``).
+
+    A client may keep its model loaded longer than configured; only an admin (or every client, with
+    ``GGUF_KEEP_ALIVE_POLICY=ollama``: ``may_shorten``) may shorten it or unload the model after the request (0).
+    A shorter request is served and its keep_alive dropped, not refused: Ollama's clients send one by default
+    (``5m``), and one tenant must not be able to unload a model every other tenant uses."""
+    if requested_s is None or may_shorten or requested_s >= configured_s:
+        return requested_s
+    return None

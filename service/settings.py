@@ -147,6 +147,14 @@ class Settings(BaseSettings):
         description="Restarts of a model's runner process within 5 minutes before the model is marked failed "
         "(its requests then get 503 with the reason).",
     )
+    runner_stall_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="A runner process whose work makes no progress this long (one llama_decode, or a ggml-rpc "
+        "worker's round trip, that does not return; a stopped or wedged process) is killed and restarted as a dead "
+        "one: its requests get 503 runner_died. Raised per model to four ubatches at its plan's predicted prompt "
+        "speed when that is longer (/api/models shows runner.stall_bound_s). Detection takes at most the bound plus "
+        "1 s. 0: no watchdog.",
+    )
     queue_size: int = Field(16, ge=0, description="Requests that may wait for the model; beyond it 429.")
     parallel: int = Field(
         4, ge=1, le=64,
@@ -318,7 +326,23 @@ class Settings(BaseSettings):
         "but /health, /ready and the page. Unset with no key file: no authentication, allowed on a loopback host only.",
     )
     api_key_file: str | None = Field(
-        None, description="File of API keys, one per line (blank lines and # comments ignored); adds to api_keys."
+        None, description="File of API keys, one per line (blank lines and # comments ignored); adds to api_keys. A "
+        "line `KEY admin` makes KEY an admin key (see admin_keys); `KEY` alone, or `KEY user`, an ordinary one.",
+    )
+    admin_keys: SecretStr | None = Field(
+        None,
+        description="Admin keys, comma-separated (also valid wherever an ordinary key is). With keys set, only an "
+        "admin key may load, unload, pull or delete models, read /api/kv-cache, see host paths in /api/models and "
+        "dry runs, or shorten and end a model's keep_alive; ordinary keys may only infer and read. With no key set "
+        "at all, every client is the local user and may do everything.",
+    )
+    keep_alive_policy: Literal["lengthen", "ollama"] = Field(
+        "lengthen",
+        description="What a request's keep_alive may do: `lengthen` (a client's keep_alive can keep its model "
+        "loaded longer, never shorter; 0 or a shorter duration is ignored, and an Ollama unload request (an empty "
+        "prompt with keep_alive 0) is refused, unless the key is an admin key or no key is set) or `ollama` "
+        "(Ollama's semantics for every client: any keep_alive, 0 unloads). A request without keep_alive puts its "
+        "model back on the configured one.",
     )
     metrics_public: bool = Field(
         False,

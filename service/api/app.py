@@ -36,7 +36,7 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
     Raises ``security.ConfigurationError`` for settings it must not serve with (an unreadable key file, a models
     file with a mistake).
     """
-    keys = security.load_api_keys(settings)
+    keys = security.load_keys(settings)
     cors = security.cors_options(settings)
     try:
         registry = Registry(settings)
@@ -86,14 +86,14 @@ def create_app(settings: Settings, engine: Engine | None = None, engine_factory:
 
     app = FastAPI(title="GGUF server", version="0.1.0", lifespan=lifespan)
     app.state.metrics = metrics.Metrics()
-    app.state.api_keys = keys  # generation scopes cached prompts per key (service.api.generation.cache_scope)
+    app.state.api_keys = keys.all  # generation scopes cached prompts per key (service.api.generation.cache_scope)
     app.state.drain = security.DrainState()
     app.state.responses = ResponseStore(settings.responses_store_mib << 20)  # /v1/responses' stored responses
     _install(app, settings, keys, cors)
     return app
 
 
-def _install(app: FastAPI, settings: Settings, keys: tuple[bytes, ...], cors: dict[str, object] | None) -> None:
+def _install(app: FastAPI, settings: Settings, keys: security.Keys, cors: dict[str, object] | None) -> None:
     """The error table, every API family's routes, the page, and the gates in front of them."""
     errors.install(app)
     for module in (ops, render, openai, responses, anthropic, ollama, management, metrics, tokenize, rerank, infill):

@@ -20,9 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sizing.errors import ConfigError, ProbeError, SizingError
 
-from ..errors import (BadRequest, Busy, ContextLengthExceeded, EngineFailure, InsufficientMemory, ModelNotFound, NotFound,
+from ..errors import (BadRequest, Busy, ContextLengthExceeded, EngineFailure, Forbidden, InsufficientMemory, ModelNotFound,
+                      NotFound,
                       NotReady, PayloadTooLarge, PreviousResponseNotFound, QueueFull, RunnerDied, ServiceError,
                       SplitNotHonoured, Unauthorized, Upstream)
+from .paths import redact, redact_text
 from .validation import esc
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ TABLE: dict[type[Exception], Http | dict[Family, Http]] = {
     BadRequest: Http(400, "invalid_request_error", "invalid_request"),
     ContextLengthExceeded: Http(400, "invalid_request_error", "context_length_exceeded"),
     Unauthorized: Http(401, "authentication_error", "invalid_api_key"),
+    Forbidden: Http(403, "permission_error", "permission_denied"),
     ModelNotFound: Http(404, "invalid_request_error", "model_not_found"),
     NotFound: Http(404, "invalid_request_error", "not_found"),
     PreviousResponseNotFound: Http(400, "invalid_request_error", "previous_response_not_found"),
@@ -117,7 +120,9 @@ def anthropic_envelope(status: int, message: str) -> dict[str, Any]:
 def error_body(path: str, status: int, message: str, type_: str, code: str | None, param: str | None = None,
                **extra: Any) -> dict[str, Any]:
     """The error envelope a route's clients read: Anthropic's on /v1/messages, Ollama's on its routes, OpenAI's
-    everywhere else."""
+    everywhere else. No host path reaches a client (``service.api.paths``: a file by its name only)."""
+    message = redact_text(message)
+    extra = redact(extra)
     if path.startswith(ANTHROPIC_PREFIX):
         return anthropic_envelope(status, message)
     if path in OLLAMA_PATHS:

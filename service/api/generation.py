@@ -28,7 +28,7 @@ from ..engine.base import Cancel, Chunk, GenerationParams, scope_of
 from ..errors import ContextLengthExceeded, ServiceError
 from ..grammar.schema import grammar_source
 from ..grammar.worker import compiler as grammar_compiler
-from ..keepalive import parse_keep_alive
+from ..keepalive import granted_keep_alive, parse_keep_alive
 from ..residency import Lease, ModelManager
 from ..residency.fifo import chunks
 from .admission import prompt_tokens
@@ -36,17 +36,25 @@ from .errors import code_of
 from .images import ImageFetches, ImageLimits, decode_images, image_parts, takes_no_images
 from .metrics import Metrics
 from .openai_wire import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, GenerationRequest
-from .security import presented_key
+from .security import is_admin, presented_key
 
 
-async def resolve_model(manager: ModelManager, body: Any) -> Lease:
+async def resolve_model(manager: ModelManager, body: Any, request: Request) -> Lease:
     """The loaded model that answers this request: the one its ``model`` names (or an alias's model; none: the
     default), loaded first when ``GGUF_LOAD_ON_DEMAND`` is on. Unknown: 404; known but not loaded: 503. The lease
-    keeps the model from being evicted until the generation ends, and carries the request's keep_alive."""
+    keeps the model from being evicted until the generation ends, and carries the request's keep_alive as the
+    policy grants it (``keepalive.granted_keep_alive``: an ordinary key may only lengthen it)."""
     keep_alive = parse_keep_alive(body.keep_alive) if getattr(body, "keep_alive", None) is not None else None
     lease = await manager.acquire(body.model)
-    lease.keep_alive_s = keep_alive
+    lease.keep_alive_s = granted_keep_alive(keep_alive, lease.state.keep_alive_s,
+                                            may_shorten=may_shorten_keep_alive(request, manager.settings))
     return lease
+
+
+def may_shorten_keep_alive(request: Request, settings: Any) -> bool:
+    """Whether this request's keep_alive may shorten its model's stay or unload it: an admin's, or anyone's under
+    ``GGUF_KEEP_ALIVE_POLICY=ollama``."""
+    return settings.keep_alive_policy == "ollama" or is_admin(request)
 
 
 def check_context(n_ctx: int, n_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
@@ -163,7 +171,7 @@ async def chat_prompt_tokens(request: Request, manager: ModelManager, chat: "Cha
     input_tokens."""
     chat.check_messages()
     params = chat.params(manager.settings.max_tokens_default)
-    lease = await resolve_model(manager, chat)
+    lease = await resolve_model(manager, chat, request)
     try:
         engine = lease.engine
         _, _, tools = chat_setup(chat, engine, manager.settings, params)
@@ -233,7 +241,7 @@ async def start(request: Request, manager: ModelManager, metrics: Metrics, body:
                                      else settings.max_tokens_default)
     params = body.params(default)
     params = replace(params, cache_scope=cache_scope(request, settings, body.cache_salt))
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         return await admit(request, lease, settings, metrics, body, kind, params, t0, n_ctx=n_ctx,
                            cap_only=default_max_tokens is not None)

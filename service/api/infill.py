@@ -105,7 +105,7 @@ async def infill(request: Request, body: InfillRequest, manager: ManagerDep, met
     if params.n != 1:
         raise BadRequest("n: /infill answers one completion", param="n")
     params = replace(params, cache_scope=cache_scope(request, settings, body.cache_salt))
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         missing = lease.engine.fim_tokens().missing()
         if missing:

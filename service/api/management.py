@@ -25,6 +25,8 @@ from ..options import LoadOptions, ModelOptions
 from ..planning.planner import prompt_cache_json
 from ..residency import ModelManager
 from .deps import DownloadsDep, ManagerDep, MetricsDep
+from .paths import redact
+from .security import is_admin
 from .validation import KeepAlive
 
 router = APIRouter(prefix="/api")
@@ -156,7 +158,8 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
         for item in body.models:
             _check_body(item, manager, body.gpus)
         items = [(item.model, item.load_options(body.gpus)) for item in body.models]
-        return (await manager.plan_set(items, opts, beside_residents=body.beside_residents)).to_json()
+        answer = (await manager.plan_set(items, opts, beside_residents=body.beside_residents)).to_json()
+        return answer if is_admin(request) else redact(answer)
     location = body.location()
     if location is not None:
         slots = _probe_slots(request, manager.settings.remote_probes)
@@ -167,7 +170,7 @@ async def dry_run(request: Request, body: DryRunBody, manager: ManagerDep) -> di
     out = plan_json(placed.plan)
     out["prompt_cache"] = prompt_cache_json(manager.settings, placed.plan)
     out["residency"] = placed.to_json()
-    return out
+    return out if is_admin(request) else redact(out)
 
 
 @router.post("/models/load")
@@ -198,8 +201,9 @@ async def unload(manager: ManagerDep, body: UnloadBody | None = None) -> dict[st
 
 
 @router.get("/models")
-async def models(manager: ManagerDep, metrics: MetricsDep, downloads: DownloadsDep) -> dict[str, Any]:
-    """Every model with its state; each loaded one with its devices, plan, predicted and allocated memory."""
+async def models(request: Request, manager: ManagerDep, metrics: MetricsDep, downloads: DownloadsDep) -> dict[str, Any]:
+    """Every model with its state; each loaded one with its devices, plan, predicted and allocated memory. Host
+    paths (the model's file, the prompt cache's folder) for admins only."""
     out = []
     for entry in manager.registry.list():
         st = manager.models.get(entry.name)
@@ -216,7 +220,8 @@ async def models(manager: ManagerDep, metrics: MetricsDep, downloads: DownloadsD
             out.append({"name": entry.name, "state": "unloaded", "origin": entry.origin,
                         "aliases": manager.registry.aliases_of(entry.name), "pinned": entry.config.pinned})
     devices = await asyncio.to_thread(manager.devices_json)
-    return {"models": out, "devices": devices, "downloads": [d.to_json() for d in downloads.downloads.values()]}
+    answer = {"models": out, "devices": devices, "downloads": [d.to_json() for d in downloads.downloads.values()]}
+    return answer if is_admin(request) else redact(answer)
 
 
 @router.get("/kv-cache")

@@ -47,13 +47,13 @@ from ..catalog.models import ModelEntry
 from ..chat.choices import Answer, Event
 from ..chat.format import detect
 from ..engine.base import Chunk
-from ..errors import BadRequest, EngineFailure, ModelNotFound, ServiceError
+from ..errors import BadRequest, EngineFailure, Forbidden, ModelNotFound, ServiceError
 from ..keepalive import parse_keep_alive
 from ..options import merged
 from ..residency import ModelManager
 from .deps import DownloadsDep, ManagerDep, MetricsDep
 from .errors import code_of, param_of, service_error_body
-from .generation import Started, collect, resolve_model, start
+from .generation import Started, collect, may_shorten_keep_alive, resolve_model, start
 from .management import PullBody as HfPull
 from .openai import EmbeddingRequest, embed
 from .openai_wire import ChatRequest, CompletionRequest
@@ -330,12 +330,16 @@ def _load_s(manager: ModelManager, name: str, since: float) -> float:
     return st.load_s if st is not None and st.since >= since else 0.0
 
 
-async def _preload(manager: ModelManager, name: str, keep_alive: Any) -> str:
-    """An empty request: load the model (``load``), or with keep_alive 0 unload it (``unload``), as Ollama does."""
+async def _preload(request: Request, manager: ModelManager, name: str, keep_alive: Any) -> str:
+    """An empty request: load the model (``load``), or with keep_alive 0 unload it (``unload``), as Ollama does.
+    The unload is an admin's (or anyone's under ``GGUF_KEEP_ALIVE_POLICY=ollama``): 403 for an ordinary key."""
     if keep_alive is not None and parse_keep_alive(keep_alive) == 0:
+        if not may_shorten_keep_alive(request, manager.settings):
+            raise Forbidden("unloading a model (keep_alive 0) needs an admin key (GGUF_ADMIN_KEYS); this key may "
+                            "only lengthen a model's keep_alive")
         await manager.unload(name)
         return "unload"
-    lease = await resolve_model(manager, _Named(name, keep_alive))
+    lease = await resolve_model(manager, _Named(name, keep_alive), request)
     lease.release()
     return "load"
 
@@ -435,7 +439,7 @@ def _loaded_reply(kind: Literal["chat", "generate"], name: str, reason: str) -> 
 async def chat(request: Request, body: ChatBody, manager: ManagerDep, metrics: MetricsDep) -> Any:
     if not body.messages:
         name = model_name(body.model, manager)
-        return _loaded_reply("chat", name, await _preload(manager, name, body.keep_alive))
+        return _loaded_reply("chat", name, await _preload(request, manager, name, body.keep_alive))
     req, n_ctx = to_chat(body, manager)
     return await _answer(request, manager, metrics, "chat", body, req, n_ctx)
 
@@ -444,7 +448,7 @@ async def chat(request: Request, body: ChatBody, manager: ManagerDep, metrics: M
 async def generate(request: Request, body: GenerateBody, manager: ManagerDep, metrics: MetricsDep) -> Any:
     if not body.prompt:
         name = model_name(body.model, manager)
-        return _loaded_reply("generate", name, await _preload(manager, name, body.keep_alive))
+        return _loaded_reply("generate", name, await _preload(request, manager, name, body.keep_alive))
     req, n_ctx = to_generate(body, manager)
     return await _answer(request, manager, metrics, "generate", body, req, n_ctx)
 
@@ -630,7 +634,7 @@ async def _embeddings(request: Request, manager: ModelManager, metrics: Any, bod
     req = EmbeddingRequest.model_validate({"input": inputs, "model": model_name(body.model, manager),
                                            "dimensions": body.dimensions})
     checked = req.inputs(max_tokens)
-    lease = await resolve_model(manager, _Named(req.model, body.keep_alive))
+    lease = await resolve_model(manager, _Named(req.model, body.keep_alive), request)
     try:
         result = await embed(request, lease, metrics, req, checked, max_tokens)
     finally:

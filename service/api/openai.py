@@ -253,7 +253,7 @@ async def embeddings(request: Request, body: EmbeddingRequest, manager: ManagerD
     """Pooled, L2-normalised embeddings from the embedding context (``LlamaEngine.embed``), through the same queue."""
     max_tokens = manager.settings.embedding_max_request_tokens
     inputs = body.inputs(max_tokens)
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         return await embed(request, lease, metrics, body, inputs, max_tokens)
     finally:

@@ -21,16 +21,25 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(manager: ManagerDep) -> Any:
-    """200 once a model is loaded (``model``: the default one if loaded, else the first; ``models``: every loaded
+    """200 once a model is loaded and its runner serves (``model``: the default one if loaded, else the first; ``models``: every loaded
     one), or at once with ``GGUF_LOAD_ON_DEMAND`` (a request loads what it names); otherwise 503 while loading, after
     a failed load, or with none. A model that a reload is replacing still counts (``reloading``: new requests for it
-    wait for the reload and are answered by the new model, while the old one finishes its generations)."""
+    wait for the reload and are answered by the new model, while the old one finishes its generations). A model whose
+    runner process is restarting (it died, or the watchdog ended it) is listed with ``restarting``; when every loaded
+    model is, 503 (state ``restarting``)."""
     loaded = manager.loaded()
     reloading = [n for n in manager.reloading() if not any(s.name == n for s in loaded)]
     if not loaded and not reloading and manager.settings.load_on_demand:
         return {"status": "ready", "model": None, "n_ctx": 0, "models": [], "load_on_demand": True}
+    restarting = [s.name for s in loaded if _runner_state(s.engine) not in (None, "loaded")]
+    if loaded and len(restarting) == len(loaded) and not reloading:
+        # Every loaded model's runner is down (died, or ended by the watchdog) and restarting: nothing answers now.
+        return JSONResponse(envelope(f"restarting the runner of {', '.join(restarting)[:200]}", "unavailable_error",
+                                     "model_not_ready", state="restarting"), status_code=503,
+                            headers={"Retry-After": "5"})
     if loaded or reloading:
-        models: list[dict[str, Any]] = [{"name": s.name, "n_ctx": s.engine.n_ctx if s.engine else 0} for s in loaded]
+        models: list[dict[str, Any]] = [{"name": s.name, "n_ctx": s.engine.n_ctx if s.engine else 0,
+                                         **({"restarting": True} if s.name in restarting else {})} for s in loaded]
         for name in reloading:
             st = manager.models.get(name)
             models.append({"name": name, "n_ctx": st.engine.n_ctx if st is not None and st.engine else 0,
@@ -44,3 +53,9 @@ async def ready(manager: ManagerDep) -> Any:
     state, error = manager.not_ready_state()
     message = {"loading": "Loading model", "failed": f"model load failed: {error or ''}"}.get(state, state)
     return JSONResponse(envelope(message, "unavailable_error", "model_not_ready", state=state), status_code=503)
+
+
+def _runner_state(engine: Any) -> str | None:
+    """The state of a model's runner process (``ProcessEngine.state``), None for an engine in this process."""
+    runner_json = getattr(engine, "runner_json", None)
+    return runner_json().get("state") if runner_json is not None else None

@@ -40,7 +40,7 @@ async def _render(request: Request, manager: Any, body: GenerationRequest,
                   kind: Literal["completion", "chat"]) -> dict[str, Any]:
     default = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else manager.settings.max_tokens_default
     params = body.params(default)
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         engine = lease.engine
         source = await prompt_source(request, body, kind, engine, manager.settings, params)

@@ -81,7 +81,7 @@ async def rerank(request: Request, body: RerankRequest, manager: ManagerDep, met
     """The documents ranked by relevance to the query, highest first (llama-server's /v1/rerank)."""
     documents = body.checked()
     max_tokens = manager.settings.embedding_max_request_tokens
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         scores, n_tokens = await _score(request, lease, metrics, body.query, documents, max_tokens)
         if scores is None:

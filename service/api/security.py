@@ -8,6 +8,12 @@ Keys: from ``GGUF_API_KEYS`` (comma-separated) and ``GGUF_API_KEY_FILE`` (one pe
 in constant time against every key (``hmac.compare_digest``, no early exit), never logged. Every
 path needs a key except the explicit public list (liveness, readiness, the page and its two
 assets): a route added later is protected without anyone remembering to protect it.
+
+Roles: a key is an admin's (``GGUF_ADMIN_KEYS``, or ``KEY admin`` in the key file) or an ordinary one. The routes
+that change what every tenant gets (load, unload, pull, delete) or read across tenants (``/api/kv-cache``) are
+``ADMIN_PATHS``: an ordinary key gets 403 ``permission_denied`` there. The role travels to the routes in the
+request's scope (``is_admin``): what a route lets an ordinary key do (a keep_alive that may only lengthen, answers
+without host paths) is decided there. With no key configured every client is the local user, an admin.
 """
 
 from __future__ import annotations
@@ -19,12 +25,12 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import BadRequest, NotReady, PayloadTooLarge, ServiceError, Unauthorized
+from ..errors import BadRequest, Forbidden, NotReady, PayloadTooLarge, ServiceError, Unauthorized
 from ..settings import Settings
 from . import errors as api_errors
 from .validation import MAX_JSON_DEPTH, body_surrogate, esc, json_too_deep
@@ -33,16 +39,42 @@ log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/", "/static/page.js", "/static/page.css"})
 """Paths answered without a key. Everything else, including routes added later and unknown paths, needs one."""
+ADMIN_PATHS = frozenset({"/api/models/load", "/api/models/unload", "/api/models/pull", "/api/pull", "/api/delete",
+                         "/api/kv-cache"})
+"""Paths only an admin key may use (any method): they change which models every tenant is served, fetch or delete
+files, or read what every tenant's prompts hold. tests/reliability/test_roles.py lists every route's role, so a
+management route added later must be placed on one side or the other."""
+ROLE_KEY = "gguf_admin"
+"""Where the role of the request's key is kept in its ASGI scope's ``state`` (``request.state.gguf_admin``)."""
 
 class ConfigurationError(Exception):
     """The service must not start with these settings (a clear message, a non-zero exit)."""
 
 
-def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
-    """The configured keys (environment and file), as bytes; the file must be readable if it is named."""
-    keys: list[str] = []
+@dataclass(frozen=True)
+class Keys:
+    """The configured keys: every valid key, and the admins' among them (also in ``all``)."""
+
+    all: tuple[bytes, ...] = ()
+    admin: tuple[bytes, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.all)
+
+
+def _split(value: str) -> list[str]:
+    return [k.strip() for k in value.split(",")]
+
+
+def load_keys(settings: Settings) -> Keys:
+    """The configured keys (environment and file) with their roles; the file must be readable if it is named. A file
+    line is ``KEY``, ``KEY user`` or ``KEY admin``."""
+    users: list[str] = []
+    admins: list[str] = []
     if settings.api_keys is not None:
-        keys += [k.strip() for k in settings.api_keys.get_secret_value().split(",")]
+        users += _split(settings.api_keys.get_secret_value())
+    if settings.admin_keys is not None:
+        admins += _split(settings.admin_keys.get_secret_value())
     if settings.api_key_file:
         try:
             with open(settings.api_key_file, encoding="utf-8") as fh:
@@ -51,11 +83,37 @@ def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
             raise ConfigurationError(
                 f"GGUF_API_KEY_FILE {settings.api_key_file!r} cannot be read: {type(exc).__name__}"
             ) from None  # the exception text could quote the file's content
-        keys += [ln.strip() for ln in lines if not ln.strip().startswith("#")]
-    out = tuple(dict.fromkeys(k.encode("utf-8") for k in keys if k))
-    if settings.api_key_file and not out:
+        for n, line in enumerate(lines, 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):
+                continue
+            if len(words) > 2 or (len(words) == 2 and words[1] not in ("admin", "user")):
+                # The line itself is never quoted: it holds a key.
+                raise ConfigurationError(f"GGUF_API_KEY_FILE {settings.api_key_file!r} line {n}: expected KEY, "
+                                         "KEY user or KEY admin")
+            (admins if words[1:] == ["admin"] else users).append(words[0])
+    admin = tuple(dict.fromkeys(k.encode("utf-8") for k in admins if k))
+    out = Keys(tuple(dict.fromkeys([*(k.encode("utf-8") for k in users if k), *admin])), admin)
+    if settings.api_key_file and not out.all:
         raise ConfigurationError(f"GGUF_API_KEY_FILE {settings.api_key_file!r} holds no key")
     return out
+
+
+def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
+    """Every configured key, whatever its role."""
+    return load_keys(settings).all
+
+
+def is_admin(request: Any) -> bool:
+    """Whether the request's key is an admin's (always, with no key configured). ``request``: a Starlette
+    ``Request`` (its ``state``); the middleware set the role before any route ran."""
+    return bool(getattr(request.state, ROLE_KEY, True))
+
+
+def require_admin(request: Any, what: str) -> None:
+    """403 unless the request's key is an admin's: ``what`` names the action in the answer."""
+    if not is_admin(request):
+        raise Forbidden(f"{what} needs an admin key (GGUF_ADMIN_KEYS); this key may only infer")
 
 
 def is_loopback(host: str) -> bool:
@@ -117,19 +175,38 @@ async def send_error(send: Send, exc: ServiceError, path: str, headers: list[tup
 
 
 class ApiKeyMiddleware:
-    """401 ``invalid_api_key`` (with ``WWW-Authenticate: Bearer``) for any non-public path without a valid key."""
+    """401 ``invalid_api_key`` (with ``WWW-Authenticate: Bearer``) for any non-public path without a valid key; 403
+    ``permission_denied`` for an ordinary key on ``ADMIN_PATHS``. The key's role goes into the scope's state."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[bytes, ...], public: frozenset[str] = PUBLIC_PATHS) -> None:
+    def __init__(self, app: ASGIApp, keys: Keys | tuple[bytes, ...], public: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
-        self.keys = keys
+        self.keys = keys if isinstance(keys, Keys) else Keys(keys)
         self.public = public  # PUBLIC_PATHS, plus /metrics with GGUF_METRICS_PUBLIC (scrapers that send no key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in self.public:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        if not self.keys:
+            state[ROLE_KEY] = True  # no keys: the local single user
             await self.app(scope, receive, send)
             return
         key = presented_key(scope.get("headers", []))
-        if key is not None and key_matches(key, self.keys):
+        valid = key is not None and key_matches(key, self.keys.all)
+        # Both compared in full whatever the first found: the time does not tell which kind a key is.
+        admin = key is not None and key_matches(key, self.keys.admin) and valid
+        state[ROLE_KEY] = admin
+        if scope["path"] in self.public:
+            await self.app(scope, receive, send)
+            return
+        if valid:
+            if scope["path"] in ADMIN_PATHS and not admin:
+                log.warning("403 %s %s from %s (an ordinary key on an admin route)", scope.get("method"),
+                            esc(scope["path"]), (scope.get("client") or ("?", 0))[0])
+                await send_error(send, Forbidden(f"{scope['path']} needs an admin key (GGUF_ADMIN_KEYS); this key "
+                                                 "may only infer"), scope["path"])
+                return
             await self.app(scope, receive, send)
             return
         client = scope.get("client") or ("?", 0)
@@ -308,5 +385,6 @@ def cors_options(settings: Settings) -> dict[str, object] | None:
 
 __all__ = [
     "ApiKeyMiddleware", "BodyLimitMiddleware", "CORSMiddleware", "ConfigurationError", "DrainMiddleware", "DrainState",
-    "PUBLIC_PATHS", "check_startup", "cors_options", "esc", "is_loopback", "key_matches", "load_api_keys",
+    "ADMIN_PATHS", "Keys", "PUBLIC_PATHS", "check_startup", "cors_options", "esc", "is_admin", "is_loopback",
+    "key_matches", "load_api_keys", "load_keys", "require_admin",
 ]

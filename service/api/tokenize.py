@@ -58,7 +58,7 @@ def _piece(raw: bytes) -> str | list[int]:
 @router.post("/tokenize")
 async def tokenize(request: Request, body: TokenizeRequest, manager: ManagerDep) -> dict[str, Any]:
     """The model's tokens for ``content`` (llama-server's /tokenize)."""
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         engine = lease.engine
         tokens: list[int] = await request.app.state.admission.run(
@@ -76,7 +76,7 @@ async def tokenize(request: Request, body: TokenizeRequest, manager: ManagerDep)
 async def detokenize(request: Request, body: DetokenizeRequest, manager: ManagerDep) -> dict[str, str]:
     """The text of ``tokens``, control tokens spelt (llama-server's /detokenize); 400 naming ``tokens`` for an id
     outside the vocabulary."""
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         engine = lease.engine
         pieces: list[bytes] = await request.app.state.admission.run(lease.name, 0,
@@ -92,7 +92,7 @@ async def apply_template(request: Request, body: ChatRequest, manager: ManagerDe
     /v1/chat/completions (its messages and tools), nothing generated."""
     body.check_messages()
     params = body.params(manager.settings.max_tokens_default)
-    lease = await resolve_model(manager, body)
+    lease = await resolve_model(manager, body, request)
     try:
         engine = lease.engine
         _, _, tools = chat_setup(body, engine, manager.settings, params)

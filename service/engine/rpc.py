@@ -87,6 +87,16 @@ class RpcLibrary:
             return [self.device_name(d) for d in self._added[endpoint]]
 
 
+    def ping(self, endpoint: str) -> None:
+        """One round trip to a registered worker over the connection its buffers use (``RPC_CMD_GET_DEVICE_MEMORY``
+        through ggml-rpc's per-endpoint dispatcher, which serializes it with the model's own commands): a loaded
+        model's keepalive against the worker's idle bound, and a probe that never returns when the worker stalls."""
+        with self._lock:
+            devs = self._added.get(endpoint)
+        if devs:
+            self.device_memory(devs[0])
+
+
 @functools.lru_cache(maxsize=1)
 def rpc_library() -> RpcLibrary | None:
     """The RPC backend of the libggml llama-cpp-python loads; None when it was built without GGML_RPC."""

@@ -30,7 +30,8 @@ def default_engine(settings: Settings) -> Engine:
     if settings.runner_process:
         from ..runner.process import ProcessEngine
 
-        return ProcessEngine(kwargs, log_level=settings.log_level, max_restarts=settings.runner_max_restarts)
+        return ProcessEngine(kwargs, log_level=settings.log_level, max_restarts=settings.runner_max_restarts,
+                             stall_s=settings.runner_stall_s)
     from ..engine.llama import LlamaEngine
 
     return LlamaEngine(**kwargs)

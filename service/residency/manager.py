@@ -468,6 +468,21 @@ class ModelManager:
         """The model a request's ``model`` names (``service.residency.routing.route``); 404 for an unknown name."""
         return route(self.settings, self.registry, self.models, self.reloads, self.last_failed, requested)
 
+    def start_models(self) -> list[str]:
+        """The models loaded at start: the default, then the pinned ones."""
+        default = [self.registry.canonical(self.settings.default_model)] if self.settings.default_model else []
+        return list(dict.fromkeys([*default, *self.registry.pinned()]))
+
+    def loads_on_demand(self, name: str) -> bool:
+        """Whether a request for ``name`` loads it when it is not loaded: every model with ``GGUF_LOAD_ON_DEMAND``;
+        without it, a model loaded at start (``start_models``) that did not fail. Unloaded by a client's keep_alive
+        (``GGUF_KEEP_ALIVE_POLICY=ollama``), its keep_alive's end or an admin, it comes back with the next request
+        instead of leaving every tenant with 503."""
+        if self.settings.load_on_demand:
+            return True
+        st = self.models.get(name)
+        return name in self.start_models() and (st is None or st.state != "failed")
+
     def reloading(self) -> list[str]:
         """The models a reload is replacing now (they serve again when it ends)."""
         return sorted(self.reloads)
@@ -480,7 +495,7 @@ class ModelManager:
         st = self.models.get(name)
         if st is not None and st.serving and self.scheduler.admits(st):
             return Lease(st, self.timers.released)
-        if not self.settings.load_on_demand and name not in self.reloads and not (st is not None and st.serving):
+        if not self.loads_on_demand(name) and name not in self.reloads and not (st is not None and st.serving):
             if st is not None and st.state in ("loading", "unloading"):
                 raise NotReady(f"model '{name}' is {st.state}; retry shortly", param="model", retry_after_s=2,
                                state=st.state)

@@ -19,21 +19,22 @@ def not_ready_state(models: dict[str, ModelState], last_failed: ModelState | Non
 
 def route(settings: Settings, registry: Registry, models: dict[str, ModelState], reloads: set[str],
           last_failed: ModelState | None, requested: str | None) -> str:
-    """The model a request's ``model`` names: an alias's model, a name; None goes to the default model when
-    it is loaded (or loads on demand), else to the only loaded model. A model that is reloading counts as
-    loaded (its requests wait for the reload). Raises 404 for an unknown name."""
+    """The model a request's ``model`` names: an alias's model, a name; None goes to the default model
+    (``GGUF_DEFAULT_MODEL``, as docs/configuration.md says: loaded again if it was unloaded, unless it failed), and
+    with no default to the only loaded model. A model that is reloading counts as loaded (its requests wait for the
+    reload). Raises 404 for an unknown name."""
     if requested is None:
         loaded = [s.name for s in models.values() if s.serving or s.name in reloads]
         default = registry.canonical(settings.default_model) if settings.default_model else None
-        if default is not None and default in loaded:
-            return default
-        if len(loaded) == 1:
+        if default is not None:
+            st = models.get(default)
+            if default in loaded or st is None or st.state != "failed":
+                return default
+        elif len(loaded) == 1:
             return loaded[0]
-        if loaded:
+        elif loaded:
             raise BadRequest(f"model is required: {len(loaded)} models are loaded "
                              f"({', '.join(loaded)[:300]})", param="model")
-        if default is not None and settings.load_on_demand:
-            return default
         state, error = not_ready_state(models, last_failed)
         raise NotReady("the model is not loaded yet" if state in ("loading", "no model") else
                        f"the model is {state}", state=state)

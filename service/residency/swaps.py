@@ -93,6 +93,10 @@ class SwapHost(Protocol):
 
     def resident(self, name: str) -> ModelState | None: ...
 
+    def loads_on_demand(self, name: str) -> bool:
+        """Whether a request for ``name`` may load it (``GGUF_LOAD_ON_DEMAND``, or a model loaded at start)."""
+        ...
+
     async def load_for(self, q: WaitQueue) -> ModelState:
         """Load ``q``'s model with the default options, under the load lock; ``Blocked`` while busy models hold its
         memory."""
@@ -288,7 +292,7 @@ class SwapScheduler:
                 continue  # an explicit load, reload or unload runs: its end kicks
             if st is not None and st.serving:
                 continue  # it yields to a swap (or a swap unloads it): admitted when that ends, or loaded after
-            if not self.settings.load_on_demand:
+            if not self.host.loads_on_demand(q.name):
                 self.fail(q, NotReady(f"model '{q.name}' is not loaded; load it with POST /api/models/load",
                                        param="model"))
                 return True

@@ -25,11 +25,12 @@ class KeepAliveTimers:
         self._tasks: set[asyncio.Future[Any]] = set()
 
     def released(self, st: ModelState, keep_alive_s: float | None) -> None:
-        """A lease on ``st`` ended (``keep_alive_s``: the request's own, None: the model's)."""
+        """A lease on ``st`` ended (``keep_alive_s``: the request's own, None: the model's). The last request
+        decides: one without keep_alive puts the model back on its configured one (an earlier request's value does
+        not outlive it)."""
         st.leases -= 1
         st.last_used = time.monotonic()
-        if keep_alive_s is not None:
-            st.next_keep_alive_s = keep_alive_s
+        st.next_keep_alive_s = keep_alive_s
         if st.leases == 0:
             self.idle(st, None)
             self._kick()

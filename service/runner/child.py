@@ -11,6 +11,7 @@ style of vLLM's engine-core client and Ollama's runner (the house style's proces
                       ("cancel", id)                               the client left (``Cancel.set`` upstream)
                       ("end", id, index)                           one choice ended (a stop string, ``Cancel.end``)
                       ("stats", id)                                the gauges a metrics scrape reads
+                      ("ping", id)                                 the watchdog: how long work has been stuck
                       ("exit",)                                    unload and end
     child -> parent   ("ok", id, value) | ("err", id, error)       a call's result
                       ("chunk", id, Chunk) ... ("end", id)          a generation (an "err" before its "end" ends it)
@@ -51,6 +52,10 @@ CANCELLABLE = frozenset({"embed", "rerank"})
 """Calls that take a ``Cancel`` as their last argument (it is made here, set by a "cancel" message)."""
 MAX_THREADS = 64
 """Calls and generations in flight at once (the API process bounds them: slots plus its queue)."""
+RPC_KEEPALIVE_S = 10.0
+"""How often a model placed on ggml-rpc workers sends each of them one round trip while loaded (``RpcLibrary.ping``):
+well inside a worker's idle bound (``python -m service worker --idle-timeout-s``), and how a worker that stopped
+answering while the model is idle is seen (the ping does not return: ``stuck_s`` grows)."""
 
 
 def portable(exc: BaseException) -> ServiceError:
@@ -77,6 +82,8 @@ class Child:
         self._cancels: dict[int, Cancel] = {}
         self._cancels_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="runner")
+        self._rpc_since: float | None = None
+        """While a keepalive round trip to a worker is in flight: when it began (``_keep_workers``)."""
         self._step: list[tuple[Any, ...]] = []
         """The chunks the engine's scheduler delivered since its last flush, of every generation."""
         self._step_lock = threading.Lock()
@@ -149,6 +156,8 @@ class Child:
                         cancel.end(msg[2])
             elif kind == "stats":
                 self.send(("ok", msg[1], self.engine.gauges()))
+            elif kind == "ping":
+                self.send(("ok", msg[1], self.stuck_s()))
             elif kind == "call":
                 _, cid, method, args = msg
                 cancel = self._cancel_for(cid) if method in CANCELLABLE else None
@@ -176,8 +185,40 @@ class Child:
             self._done(cid)
 
     def _load(self, path: str, plan: Any) -> Any:
-        """The load's report (its ``limits``: what the API process reads without asking again)."""
-        return self.engine.load(path, plan)
+        """The load's report (its ``limits``: what the API process reads without asking again). A plan over ggml-rpc
+        workers starts their keepalive (``_keep_workers``)."""
+        report = self.engine.load(path, plan)
+        from ..engine.params import rpc_endpoints
+
+        endpoints = rpc_endpoints(plan.gpus)
+        if endpoints:
+            threading.Thread(target=self._keep_workers, args=(endpoints,), name="runner-rpc-keepalive",
+                             daemon=True).start()
+        return report
+
+    def stuck_s(self) -> float:
+        """How long work this runner holds has made no progress: the scheduler's current step (a ``llama_decode``
+        that does not return), or a keepalive round trip to a worker that does not come back."""
+        since = self._rpc_since
+        rpc = 0.0 if since is None else time.monotonic() - since
+        busy = getattr(self.engine, "busy_for_s", None)
+        return max(rpc, float(busy()) if busy is not None else 0.0)
+
+    def _keep_workers(self, endpoints: tuple[str, ...]) -> None:
+        """One round trip to each worker every ``RPC_KEEPALIVE_S`` for the runner's life (a runner loads once)."""
+        from ..engine.rpc import rpc_library
+
+        lib = rpc_library()
+        if lib is None:
+            return
+        while True:
+            time.sleep(RPC_KEEPALIVE_S)
+            for ep in endpoints:
+                self._rpc_since = time.monotonic()
+                try:
+                    lib.ping(ep)
+                finally:
+                    self._rpc_since = None
 
     def _generate(self, cid: int, method: str, args: tuple[Any, ...], cancel: Cancel) -> None:
         def deliver(item: Any) -> None:  # from the engine's scheduler thread; written at its flush

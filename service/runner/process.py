@@ -17,9 +17,17 @@ When the runner dies (a signal, an abort, an OOM kill):
 - after ``max_restarts`` deaths within ``restart_window_s`` it stops trying: the model is ``failed`` with the
   reason (``watch``'s listener tells the manager, ``/api/models`` shows it) and requests get a clear 503.
 
-A death during the first load is the load's failure (``EngineFailure`` with the end of the runner's log), not a
-restart. ``unload`` asks the runner to exit and waits until the OS has reaped it (killing it after
-``EXIT_TIMEOUT_S``).
+A runner that stops making progress is ended as a dead one (issue 54): a watchdog thread asks it every
+``WATCH_S`` how long the work it holds has been stuck (``Child.stuck_s``: the scheduler's current ``llama_decode``,
+or a keepalive round trip to a ggml-rpc worker), and kills it (SIGKILL) when that passes the bound, or when it does
+not answer within the bound at all (the process is stopped, or wedged): its requests get ``runner_died`` and it
+restarts. The bound (``stall_bound_s``) is ``GGUF_RUNNER_STALL_S``, raised for a slow plan to four times the
+predicted time of one ubatch, so a long but moving prompt is never taken for a hang; the detection takes at most
+the bound plus ``WATCH_S``.
+
+A death during a load (the first one too: the OOM killer, a kill) gets the same policy: the load answers
+``RunnerDied`` and the runner is started again in the background, until ``max_restarts`` deaths fail the model.
+``unload`` asks the runner to exit and waits until the OS has reaped it (killing it after ``EXIT_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from sizing.plan import Plan
@@ -55,10 +64,33 @@ BACKOFF_S = (0.5, 2.0, 8.0)
 """Seconds before each restart after a death, by how many deaths the window holds (the last repeats)."""
 WORKER_WAIT_S = 60.0
 """How long a restart waits for the plan's workers to answer again (each wait that ends without them is a death)."""
+WATCH_S = 1.0
+"""How often the watchdog asks a loaded runner how long its work has been stuck."""
+UBATCHES_PER_BOUND = 4.0
+"""The stall bound is at least this many ubatches at the plan's predicted prompt speed."""
+
+
+def stall_bound_s(floor_s: float, plan: Plan | None) -> float:
+    """How long a runner's work may make no progress before the watchdog ends it: ``floor_s``
+    (``GGUF_RUNNER_STALL_S``), or four of the plan's ubatches at its predicted prompt speed when that is longer (one
+    ``llama_decode`` evaluates a ubatch; a 70B model partly on a CPU takes tens of seconds for one)."""
+    if plan is None:
+        return floor_s
+    speed = plan.predicted_prompt_tokens_per_s
+    n_ubatch = plan.cfg.n_ubatch
+    if not speed or speed <= 0 or n_ubatch <= 0:
+        return floor_s
+    return max(floor_s, UBATCHES_PER_BOUND * n_ubatch / speed)
 _END = object()
 
 Listener = Callable[[str, str], None]
 """``(event, detail)`` from a supervisor thread: ``died``, ``restarted`` or ``failed``."""
+
+
+def killed_from_outside(returncode: int | None) -> bool:
+    """Whether a runner's end came from outside it (SIGKILL: the OOM killer, an operator, the watchdog; SIGTERM,
+    SIGINT, SIGHUP), not from llama.cpp itself (SIGABRT, SIGSEGV, an exit code), which the same load would repeat."""
+    return returncode is not None and -returncode in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def exit_reason(returncode: int | None) -> str:
@@ -106,10 +138,12 @@ class _Channel:
         self._next = 0
         self.dead: ServiceError | None = None
         """Set once the runner is gone: what callers get from now on."""
+        self.stalled: str | None = None
+        """Why the watchdog killed it (no progress within the bound), once it did."""
         self.stopping = False
         self.noticed = threading.Event()
         """Set once its end was handled (``ProcessEngine._ended``)."""
-        self._send(("init", engine_kwargs, log_level, name))
+        self.try_send(("init", engine_kwargs, log_level, name))  # a runner dead already: the reader sees its end
         self._reader = threading.Thread(target=self._read, name=f"runner-{name[:32]}-reader", daemon=True)
         self._reader.start()
 
@@ -235,6 +269,28 @@ class _Channel:
             if p.stream:
                 p.q.put(_END)
 
+    def stuck_s(self, timeout_s: float) -> float | None:
+        """How long the runner's work has made no progress (its own answer), or None when it did not answer within
+        ``timeout_s`` (stopped, wedged, or gone)."""
+        try:
+            cid, p = self.open(stream=False)
+        except ServiceError:
+            return None
+        try:
+            self._send(("ping", cid))
+            item = p.q.get(timeout=timeout_s)
+        except (OSError, queue.Empty):
+            return None
+        finally:
+            self.forget(cid)
+        return float(item) if isinstance(item, (int, float)) else None
+
+    def kill_stalled(self, why: str) -> None:
+        """End a runner that stopped making progress (SIGKILL: a stopped process too): its reader sees the end and
+        the death path runs, with ``why`` as the reason."""
+        self.stalled = why
+        self.child.kill()
+
     def exited(self) -> bool:
         """Whether the runner has ended (a zombie not reaped yet counts: ``Popen.poll`` cannot tell while another
         thread is in ``wait``)."""
@@ -265,8 +321,14 @@ class ProcessEngine:
     """The ``Engine`` protocol over a runner process (see the module docstring)."""
 
     def __init__(self, engine_kwargs: dict[str, Any], *, name: str = "model", log_level: str = "info",
-                 max_restarts: int = 3, restart_window_s: float = 300.0, restart_wait_s: float = 60.0) -> None:
+                 max_restarts: int = 3, restart_window_s: float = 300.0, restart_wait_s: float = 60.0,
+                 stall_s: float = 30.0) -> None:
+        """``stall_s``: the watchdog's bound (``stall_bound_s``'s floor; 0 turns the watchdog off)."""
         self._kwargs = dict(engine_kwargs)
+        self.stall_s = stall_s
+        self._watching = False
+        self.stalls = 0
+        """Runners the watchdog ended."""
         self.name = name
         self._log_level = log_level
         self.max_restarts = max_restarts
@@ -313,7 +375,44 @@ class ProcessEngine:
 
     def runner_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "state": self._state, "restarts": self.restarts, "last_exit": self.last_exit,
-                "failure": self.failure}
+                "failure": self.failure, "stall_bound_s": round(self.stall_bound(), 1) if self.stall_s > 0 else None,
+                "stalls": self.stalls}
+
+    def stall_bound(self) -> float:
+        """The watchdog's bound for the loaded plan (``stall_bound_s``)."""
+        return stall_bound_s(self.stall_s, self._plan)
+
+    # -- the watchdog
+
+    def _watch(self) -> None:
+        """Started at the first load, for the engine's life: each ``WATCH_S``, the loaded runner's stuck time; a
+        runner past the bound (or silent that long) is killed and restarted as a dead one."""
+        while True:
+            time.sleep(WATCH_S)
+            with self._lock:
+                ch = self._ch if self._state == "loaded" else None
+            if ch is None or ch.dead is not None or ch.stopping:
+                continue
+            bound = self.stall_bound()
+            stuck = ch.stuck_s(bound)
+            if ch is not self._ch or ch.stopping or ch.dead is not None:
+                continue  # unloaded or replaced while it was asked
+            if stuck is None:
+                why = f"its runner process did not answer for {bound:.0f} s (stopped or wedged)"
+            elif stuck > bound:
+                why = f"its work made no progress for {stuck:.0f} s (bound {bound:.0f} s)"
+            else:
+                continue
+            log.error("model %s: %s; killing runner %d to restart it", self.name, why, ch.pid)
+            self.stalls += 1
+            ch.kill_stalled(why)
+
+    def _start_watch(self) -> None:
+        with self._lock:
+            if self._watching or self.stall_s <= 0:
+                return
+            self._watching = True
+        threading.Thread(target=self._watch, name=f"runner-{self.name[:32]}-watchdog", daemon=True).start()
 
     # -- lifecycle
 
@@ -324,24 +423,44 @@ class ProcessEngine:
         try:
             report: LoadReport = ch.call("load", (path, plan))
         except RunnerDied:
-            ch.reap()
+            rc = ch.reap()
             tail = ch.last_lines()
-            raise EngineFailure(f"model '{self.name}': the runner process died loading {path} "
-                                f"({exit_reason(ch.child.returncode)})" + (f": {tail}" if tail else "")) from None
+            why = f"({exit_reason(rc)})" + (f": {tail}" if tail else "")
+            if killed_from_outside(rc):
+                raise RunnerDied(f"model '{self.name}': its runner process was killed loading "
+                                 f"{Path(path).name} {why}", retry_after_s=5) from None
+            raise EngineFailure(f"model '{self.name}': the runner process died loading {Path(path).name} "
+                                f"{why}") from None
         except BaseException:
             ch.stop()
             raise
         return report
 
     def load(self, path: str, plan: Plan) -> LoadReport:
-        """Start a runner and load ``path`` with ``plan`` in it (a loaded one is replaced)."""
+        """Start a runner and load ``path`` with ``plan`` in it (a loaded one is replaced). A runner killed from
+        outside during the load (the OOM killer, an operator: ``killed_from_outside``) gets the restart policy: a
+        new one loads after the backoff, until ``max_restarts`` deaths, then ``RunnerDied`` (503 ``runner_died``).
+        One that llama.cpp ended itself (an abort, a crash: the same file and plan would end it again) is the load's
+        ``EngineFailure`` with the end of its log."""
         self.unload()
         with self._lock:
             self._state, self.failure = "loading", None
             self._ready.clear()
+        deaths = 0
         try:
-            ch = self._spawn()
-            report = self._load_on(ch, path, plan)
+            while True:
+                ch = self._spawn()
+                try:
+                    report = self._load_on(ch, path, plan)
+                    break
+                except RunnerDied as exc:
+                    deaths += 1
+                    if deaths > self.max_restarts:
+                        raise RunnerDied(f"{exc.message}; {deaths} runners were killed loading it, the last one "
+                                         "given up on", retry_after_s=exc.retry_after_s) from None
+                    log.error("%s; starting another runner (%d of %d)", exc.message, deaths, self.max_restarts)
+                    self._notify("died", exc.message)
+                    time.sleep(BACKOFF_S[min(deaths, len(BACKOFF_S)) - 1])
         except BaseException:
             with self._lock:
                 self._state = "unloaded"
@@ -352,7 +471,9 @@ class ProcessEngine:
             self._state = "loaded"
             self._deaths.clear()
             self._ready.set()
+            self.restarts += deaths
         log.info("model %s runs in runner process %d", self.name, ch.pid)
+        self._start_watch()
         return report
 
     def unload(self) -> None:
@@ -372,7 +493,7 @@ class ProcessEngine:
             ch.end(NotReady(f"model '{self.name}' was unloaded", retry_after_s=1))
             return
         rc = ch.reap()
-        reason = exit_reason(rc)
+        reason = f"stalled: {ch.stalled}; killed" if ch.stalled is not None else exit_reason(rc)
         with self._lock:
             current = ch is self._ch and self._state == "loaded"
             if current:

@@ -120,7 +120,11 @@ def parse_declared(items: Sequence[object]) -> list[Device]:
             raise DeviceError(f"GPU {i}: expected an object with name, free_mib, total_mib")
         name = item.get("name", f"GPU {i}")
         free = item.get("free_mib")
-        total = item.get("total_mib", free)
+        if free is None:
+            raise DeviceError(f"GPU {i}: free_mib is required (MiB free on the card)")
+        total = item.get("total_mib")
+        if total is None:  # absent or null: a card whose total is not known is taken as wholly free
+            total = free
         for label, v in (("free_mib", free), ("total_mib", total)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise DeviceError(f"GPU {i}: {label} must be a non-negative number, got {v!r}")

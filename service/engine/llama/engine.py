@@ -146,6 +146,12 @@ class LlamaEngine:
                             prompt_tokens_evaluated=current.step.evaluated,
                             prompt_cache=current.slots.pcache.gauges())
 
+    def busy_for_s(self) -> float:
+        """How long the scheduler thread has been in one step, embedding decode or call (0: waiting for work, or
+        nothing loaded): what the runner's watchdog reads (``Scheduler.busy_for_s``)."""
+        current = self._load
+        return current.scheduler.busy_for_s() if current is not None else 0.0
+
     def cached_prompts(self) -> tuple[CachedPrompt, ...]:
         """Each slot's cached tokens (``GPU``: llama.cpp's KV cache) and the prompt cache's entries in host memory
         (``CPU``) and on disk (``DISK``; an entry in both is in both). Read without stopping generation: a slot

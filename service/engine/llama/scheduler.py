@@ -24,6 +24,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import EngineFailure, NotReady
@@ -64,6 +65,9 @@ class Scheduler:
         self._on = True
         self.running = 0
         """Sequences in the last step."""
+        self._working_since: float | None = None
+        """When the thread's current iteration began (None while it waits for work, or has ended): how long one
+        step, one embedding decode or one call on the thread has run (``busy_for_s``)."""
         self._emb_watch: "queue.SimpleQueue[Any] | None" = None
         """While an abortable embedding decode runs: the inbox (anything in it aborts the decode)."""
         self._emb_abort_cb = abort_callback(lambda: self._emb_watch is not None and not self._emb_watch.empty())
@@ -103,6 +107,13 @@ class Scheduler:
             raise c.error
         return c.result
 
+    def busy_for_s(self) -> float:
+        """How long the thread has been in its current iteration (0 while it waits for work): a ``llama_decode``
+        that never returns (a deadlock in llama.cpp, a ggml-rpc worker that stopped answering) shows here as a
+        figure that only grows, which the runner's watchdog reads (``service.runner.process``)."""
+        since = self._working_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def stop(self) -> None:
         """End the thread (generations still queued or running fail with ``NotReady``) and wait for it."""
         global _engines_loaded
@@ -135,6 +146,7 @@ class Scheduler:
         """What arrived (blocking only when ``idle``, after a write behind); None: the thread parks."""
         items = []
         if idle and not self._slots.write_behind():
+            self._working_since = None
             try:
                 # A slot left unwritten while the disk was busy is tried again soon.
                 items.append(inbox.get(timeout=WRITE_BEHIND_RETRY_S if self._slots.unwritten
@@ -143,6 +155,8 @@ class Scheduler:
                 if not self._slots.unwritten and self._park(inbox):
                     return None
                 return []
+            finally:
+                self._working_since = time.monotonic()
         while True:
             try:
                 items.append(inbox.get_nowait())
@@ -155,8 +169,10 @@ class Scheduler:
         deferred: collections.deque[Call] = collections.deque()  # embedding decodes, behind the generations
         try:
             while True:
+                self._working_since = time.monotonic()
                 items = self._take(inbox, idle=not active and not waiting and not deferred)
                 if items is None:
+                    self._working_since = None
                     return
                 if self._dispatch(items, waiting, deferred):
                     break
@@ -187,6 +203,7 @@ class Scheduler:
             log.exception("llama scheduler failed")
             self._fail_all(EngineFailure(f"the batch scheduler failed: {type(exc).__name__}: {exc}"), waiting,
                            deferred)
+        self._working_since = None
         self._fail_all(NotReady("the model was unloaded"), waiting, deferred)
         while True:
             try:
