@@ -433,6 +433,13 @@ class Settings(BaseSettings):
         "mean", description="Pooling of /v1/embeddings for models whose GGUF declares none ({arch}.pooling_type); "
         "a declared one (mean, cls, last) is used as declared.",
     )
+    embedding_max_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Most engine time one embeddings request may take (/v1/embeddings, /api/embed), so that "
+        "a swap waiting for its model's memory waits a bounded time: a request predicted to take longer (its tokens "
+        "at the model's measured embedding speed, or its plan's predicted prompt speed before any) is refused with "
+        "400 and the figures, before any is evaluated; one that runs past it is ended with 400 naming the inputs done.",
+    )
     embedding_max_request_tokens: int = Field(
         300_000, ge=1,
         description="Most tokens of one /v1/embeddings request, all its inputs together (OpenAI's limit, 300,000); "

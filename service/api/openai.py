@@ -288,8 +288,19 @@ async def embed(request: Request, lease: Lease, metrics: Metrics, body: Embeddin
                 raise _too_many_tokens(total, max_tokens, more=len(tokens) < len(inputs))
         return tokens
 
+    loop = asyncio.get_running_loop()
+    limit_s = request.app.state.settings.embedding_max_s
+
+    def expire() -> None:  # on the loop: the request ran past its engine time
+        if "result" not in box:
+            box["expired"] = True
+            cancel.set()
+
     def work(tokens: list[list[int]]) -> Iterator[Chunk]:
+        box["started"] = time.monotonic()
+        loop.call_soon_threadsafe(lambda: box.__setitem__("timer", loop.call_later(limit_s, expire)))
         box["result"] = engine.embed(tokens, cancel)
+        box["took_s"] = time.monotonic() - box["started"]
         return iter(())
 
     watcher = asyncio.ensure_future(watch_disconnect(request, cancel))
@@ -310,16 +321,34 @@ async def embed(request: Request, lease: Lease, metrics: Metrics, body: Embeddin
         tokens = await admission.run(name, chars, tokenize) if chars else tokenize()
         if cancel.cancelled:
             return JSONResponse({}, status_code=499)  # the client left while its inputs were tokenized
+        check_embedding_time(lease, sum(len(t) for t in tokens), limit_s)
         job = lease.runner.submit(lambda: work(tokens), cancel, on_done=lease.release)
         lease.queued = True
-        async for _ in chunks(job):
-            pass
+        expired = BadRequest(f"input: the request ran past {limit_s:g} s of engine time (GGUF_EMBEDDING_MAX_S) "
+                             "and was ended; send fewer inputs per request", param="input", limit_s=limit_s)
+        try:
+            async for _ in chunks(job):
+                pass
+        except ServiceError:
+            if box.get("expired"):
+                raise expired from None
+            raise
+        if box.get("expired") and box.get("result") is None:
+            raise expired
     except ServiceError as exc:
         metrics.error(code_of(exc, request.url.path))
         raise
     finally:
         watcher.cancel()
+        timer = box.get("timer")
+        if timer is not None:
+            timer.cancel()
     result = box.get("result")
+    if result is not None and box.get("took_s"):
+        measured = result.prompt_tokens / max(box["took_s"], 1e-3)
+        st = lease.state
+        st.embedding_tokens_per_s = measured if st.embedding_tokens_per_s is None \
+            else 0.5 * (st.embedding_tokens_per_s + measured)
     if result is None:
         return JSONResponse({}, status_code=499)  # the client left before its turn
     import numpy as np
@@ -331,6 +360,26 @@ async def embed(request: Request, lease: Lease, metrics: Metrics, body: Embeddin
         data.append({"object": "embedding", "index": i, "embedding": emb})
     return {"object": "list", "data": data, "model": name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+
+def check_embedding_time(lease: Lease, n_tokens: int, limit_s: float) -> None:
+    """400 before anything is evaluated when ``n_tokens`` would take longer than ``limit_s`` (GGUF_EMBEDDING_MAX_S)
+    at the model's measured embedding speed, or before any measurement at its plan's predicted prompt speed (llama.cpp
+    evaluates an embedding batch as a prompt). A swap that waits for this model's memory then waits for at most
+    that long on its embeddings; the runtime bound (``embed``'s timer) holds where the prediction was wrong."""
+    st = lease.state
+    rate = st.embedding_tokens_per_s
+    source = "measured on this model"
+    if rate is None and st.plan is not None and st.plan.predicted_prompt_tokens_per_s:
+        rate, source = st.plan.predicted_prompt_tokens_per_s, "its plan's predicted prompt speed"
+    if not rate or rate <= 0:
+        return
+    predicted_s = n_tokens / rate
+    if predicted_s > limit_s:
+        raise BadRequest(f"input: {n_tokens} tokens would take about {predicted_s:.0f} s of engine time at "
+                         f"{rate:.0f} tokens/s ({source}); one request may take {limit_s:g} s (GGUF_EMBEDDING_MAX_S): "
+                         f"send at most about {int(rate * limit_s)} tokens per request", param="input",
+                         predicted_s=round(predicted_s, 1), limit_s=limit_s)
 
 
 def _model_card(manager: ModelManager, name: str) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class ModelState:
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     loaded_at: float = 0.0
     """Monotonic time it began serving (its slice before it yields to a swap counts from there)."""
+    embedding_tokens_per_s: float | None = None
+    """Tokens per second its embedding requests were evaluated at (the engine's time, yields to generations
+    included; a moving average): what bounds the next one's time before it runs (``service.api.openai.embed``)."""
     load_s: float = 0.0
     """Seconds its load took, as the manager timed it (planning, llama.cpp's confirmation, the unloads it needed and
     the load with its runner's start; not a reload's wait for running generations): what a swap to it costs."""

@@ -46,6 +46,8 @@ class FakeEngine:
         self.token_delay_s = token_delay_s
         self.load_delay_s = load_delay_s
         self.device = device
+        self.embed_delay_s = 0.0
+        """Seconds each embedding input takes (a slow embedding context, for the time bound's tests)."""
         self.oom_after_tokens: int | None = None
         """Armed fault: the next generation fails with out-of-memory after this many tokens."""
         self.fail_load: Exception | None = None
@@ -127,6 +129,10 @@ class FakeEngine:
         for i, toks in enumerate(inputs):
             if not toks or len(toks) > 512:
                 raise BadRequest(f"input[{i}] has {len(toks)} tokens (1 .. 512)", param="input")
+            if self.embed_delay_s:  # each input takes this long, and a cancel ends the request between them
+                time.sleep(self.embed_delay_s)
+                if cancel.cancelled:
+                    raise NotReady("the client went away")
             rng = random.Random(sum(toks))
             v = [rng.uniform(-1, 1) for _ in range(FAKE_N_EMBD)]
             norm = sum(x * x for x in v) ** 0.5
