@@ -244,7 +244,9 @@ class Settings(BaseSettings):
     )
     prompt_cache_dir: str | None = Field(
         None, description="Also keep cached prompts on disk in this folder, so that a restarted server or a model "
-        "loaded again answers the next turn of a known conversation without evaluating it (docs/batching.md).",
+        "loaded again answers the next turn of a known conversation without evaluating it (docs/batching.md). Each "
+        "file is sealed with an HMAC under the key prompt-cache.key made there (mode 0600; a key others can read "
+        "keeps the disk tier off): a file edited, moved or written elsewhere is never restored.",
     )
     prompt_cache_disk_mib: int = Field(
         16384, ge=0, description="Ceiling of the disk the cached prompts of one model and configuration take under "
