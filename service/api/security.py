@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterable
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..hosts import is_loopback
 from ..errors import BadRequest, Forbidden, NotReady, PayloadTooLarge, ServiceError, Unauthorized
 from ..settings import Settings
 from . import errors as api_errors
@@ -37,10 +37,11 @@ from .validation import MAX_JSON_DEPTH, body_surrogate, esc, json_too_deep
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/", "/static/page.js", "/static/page.css"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/", "/static/page.js", "/static/page.css", "/static/common.js",
+                          "/static/models.js", "/static/chat.js"})
 """Paths answered without a key. Everything else, including routes added later and unknown paths, needs one."""
-ADMIN_PATHS = frozenset({"/api/models/load", "/api/models/unload", "/api/models/pull", "/api/pull", "/api/delete",
-                         "/api/kv-cache"})
+ADMIN_PATHS = frozenset({"/api/models/load", "/api/models/unload", "/api/models/pull", "/api/models/pull/cancel",
+                         "/api/pull", "/api/delete", "/api/kv-cache"})
 """Paths only an admin key may use (any method): they change which models every tenant is served, fetch or delete
 files, or read what every tenant's prompts hold. tests/reliability/test_roles.py lists every route's role, so a
 management route added later must be placed on one side or the other."""
@@ -114,15 +115,6 @@ def require_admin(request: Any, what: str) -> None:
     """403 unless the request's key is an admin's: ``what`` names the action in the answer."""
     if not is_admin(request):
         raise Forbidden(f"{what} needs an admin key (GGUF_ADMIN_KEYS); this key may only infer")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 def check_startup(settings: Settings, keys: tuple[bytes, ...]) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import logging
 import os
 import re
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..engine.base import CachedPrompt
+from ..hosts import is_loopback
 from ..settings import Settings
 
 log = logging.getLogger(__name__)
@@ -92,13 +92,7 @@ def endpoint_is_local(endpoint: str) -> bool:
         return True
     if transport.lower() != "tcp":
         return False
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(address.rpartition(":")[0])
 
 
 def z85_key(text: str) -> bytes | None:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import fcntl
-import ipaddress
 import json
 import logging
 import os
@@ -42,7 +42,8 @@ from typing import Any
 
 from sizing.probe import host_memory, measure_host_bandwidth
 
-from ..engine.rpc import parse_endpoint, RpcLibrary, rpc_library
+from ..engine.rpc import LINK_TIMEOUT_S, hold_link, parse_endpoint, RpcLibrary, rpc_library
+from ..hosts import is_loopback
 
 log = logging.getLogger("service.rpc.worker")
 
@@ -63,15 +64,6 @@ STATUS_READ_TIMEOUT_S = 10.0
 """How long a ``/status`` connection may take to send its request and read the answer."""
 STATUS_MAX_HEAD_BYTES = 16 * 1024
 """The longest request head ``/status`` reads (the request line and headers)."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _rss_bytes() -> int:
@@ -201,12 +193,16 @@ class ConnectionGuard:
     the client (``rpc_server::~rpc_server`` frees the client's buffers), closes the socket and accepts the
     next. It never closes the descriptor, which ggml-rpc owns. Nothing is added to a served command's path."""
 
-    def __init__(self, port: int, *, hello_timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(self, port: int, *, hello_timeout_s: float, idle_timeout_s: float,
+                 link_timeout_s: float = 0.0) -> None:
+        """``link_timeout_s``: ``hold_link`` on each accepted connection (0: not), so that a client whose host
+        vanished (no FIN, no RST) is dropped by the kernel within it and its buffers freed, even while idle."""
         if socket.getdefaulttimeout() is not None:
             # A socket object made with a default timeout sets O_NONBLOCK on the descriptor's open file, which
             # ggml-rpc's duplicate shares: its blocking recv would fail and drop every client.
             raise RuntimeError("the guard needs socket.getdefaulttimeout() to be None")
         self.port, self.hello_timeout_s, self.idle_timeout_s = port, hello_timeout_s, idle_timeout_s
+        self.link_timeout_s = link_timeout_s
         self._served: dict[int, _Served] = {}
         self._others: set[int] = set()
         self._cuts: collections.deque[Cut] = collections.deque(maxlen=10)
@@ -233,9 +229,13 @@ class ConnectionGuard:
             try:
                 if sock.getsockname()[1] != self.port:
                     return None
-                return _address(sock.getpeername())
+                peer = _address(sock.getpeername())
             except OSError:  # the listening socket has no peer
                 return None
+            if self.link_timeout_s > 0:
+                with contextlib.suppress(OSError):
+                    hold_link(sock, self.link_timeout_s)
+            return peer
 
     def check(self) -> None:
         """One look at this process's sockets: the served connection's idle time, cut past its bound."""
@@ -293,6 +293,7 @@ class ConnectionGuard:
                 served = {"peer": s.peer, "connected_s": round(now - s.seen_at, 1), "idle_s": round(s.idle_s, 1),
                           "hello": s.answered}
             return {"hello_timeout_s": self.hello_timeout_s, "idle_timeout_s": self.idle_timeout_s,
+                    "link_timeout_s": self.link_timeout_s,
                     "served": served, "cut_connections": self._cut_count,
                     "recent_cuts": [dataclasses.asdict(c) for c in self._cuts]}
 
@@ -418,6 +419,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--idle-timeout-s", type=float, default=IDLE_TIMEOUT_S, help="cut the served RPC connection "
                     "when its client sends nothing for this long while the server waits for it (default "
                     f"{IDLE_TIMEOUT_S:g}; 0: never); a loaded model's runner sends a command well within it")
+    ap.add_argument("--link-timeout-s", type=float, default=LINK_TIMEOUT_S, help="drop the served RPC connection "
+                    "when its client's host stops acknowledging anything (TCP keepalive and user timeout: a host "
+                    f"that vanished sends no FIN) for this long, freeing its buffers (default {LINK_TIMEOUT_S:g}; 0: "
+                    "never)")
     ap.add_argument("--status-timeout-s", type=float, default=STATUS_READ_TIMEOUT_S, help="how long a /status "
                     f"connection may take to send its request (default {STATUS_READ_TIMEOUT_S:g})")
     args = ap.parse_args(argv)
@@ -432,8 +437,8 @@ def main(argv: list[str]) -> int:
                          "anyone who reaches the port can run graphs on this machine's devices and read their memory. "
                          "Put the workers on a private network and pass --allow-public to say so.\n")
         return 2
-    if min(args.hello_timeout_s, args.idle_timeout_s) < 0 or args.status_timeout_s <= 0:
-        sys.stderr.write("gguf-worker: --hello-timeout-s and --idle-timeout-s take 0 or more seconds, "
+    if min(args.hello_timeout_s, args.idle_timeout_s, args.link_timeout_s) < 0 or args.status_timeout_s <= 0:
+        sys.stderr.write("gguf-worker: --hello-timeout-s, --idle-timeout-s and --link-timeout-s take 0 or more seconds, "
                          "--status-timeout-s more than 0\n")
         return 2
     if args.cache_dir is not None:
@@ -444,7 +449,8 @@ def main(argv: list[str]) -> int:
                          "GGML_RPC=ON)\n")
         return 2
     budget = int(args.memory_mib * 1024 * 1024) if args.memory_mib is not None else None
-    guard = ConnectionGuard(port, hello_timeout_s=args.hello_timeout_s, idle_timeout_s=args.idle_timeout_s)
+    guard = ConnectionGuard(port, hello_timeout_s=args.hello_timeout_s, idle_timeout_s=args.idle_timeout_s,
+                            link_timeout_s=args.link_timeout_s)
     worker = Worker(lib, args.listen, budget_bytes=budget, threads=args.threads, cache_dir=args.cache_dir,
                     guard=guard)
     status_sock = socket.create_server((host, args.status_port or port + 1),
@@ -453,11 +459,12 @@ def main(argv: list[str]) -> int:
     # As PID 1 in a container SIGTERM has no default action: stop at once (ggml-rpc holds nothing to save).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     worker.thread.start()
-    if args.hello_timeout_s or args.idle_timeout_s:
+    if args.hello_timeout_s or args.idle_timeout_s or args.link_timeout_s:
         guard.thread.start()
     log.info("ggml-rpc on %s, /status on %s:%d, devices: %s; a connection is cut without its HELLO in %g s, idle "
-             "for %g s (0: never)", args.listen, host, status_sock.getsockname()[1],
-             ", ".join(lib.device_name(d) for d in worker.devices), args.hello_timeout_s, args.idle_timeout_s)
+             "for %g s, its host silent for %g s (0: never)", args.listen, host, status_sock.getsockname()[1],
+             ", ".join(lib.device_name(d) for d in worker.devices), args.hello_timeout_s, args.idle_timeout_s,
+             args.link_timeout_s)
     try:
         asyncio.run(status.serve(status_sock))
     except KeyboardInterrupt:
