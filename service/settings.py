@@ -102,7 +102,15 @@ class Settings(BaseSettings):
     gpu_allowance_mib: int = Field(
         477, ge=0, description="Per-GPU memory llama.cpp does not track (CUDA context): 477 MiB = the source's 500 MB."
     )
-    gpus_file: str | None = Field(None, description="Declared GPU inventory (JSON list of {name, free_mib, total_mib}) instead of NVML.")
+    gpus_file: str | None = Field(None, description="Declared GPU inventory (JSON list of {name, free_mib, total_mib}, "
+                                  "each optionally with backend: Vulkan, ROCm, ...; default CUDA) instead of the cards "
+                                  "llama.cpp's ggml lists (NVML's for NVIDIA).")
+    unreported_free_margin_pct: float = Field(
+        10.0, ge=0, le=90,
+        description="Where a card's backend cannot report its free memory (Vulkan without VK_EXT_memory_budget: ggml "
+        "gives the total as free), the share of its total a plan leaves for what other processes and the driver hold "
+        "there; what this server's models hold is subtracted too. The plan says so (free_memory: unreported).",
+    )
     gpus_json: str | None = Field(None, description="Declared GPU inventory as JSON text.")
     tensor_split: str | None = Field(None, description="Layer split proportions, comma-separated (GGUF_TENSOR_SPLIT).")
     host_memory_mib: float | None = Field(

@@ -11,10 +11,12 @@ def mib(n: int | float) -> float:
     return round(n / MIB, 2)
 
 
-def gpu_label(index: int) -> str:
-    """The name of card ``index`` in the plan, the answers and llama.cpp's logs (its CUDA backend's device name):
-    the one place it is spelled."""
-    return f"CUDA{index}"
+def gpu_label(index: int, prefix: str = "CUDA") -> str:
+    """The name of card ``index`` of a backend in the plan, the answers and llama.cpp's logs, as ggml names the
+    backend's devices and llama.cpp their buffers (``CUDA0``, ``ROCm0``, ``Vulkan0``, ``SYCL0``, ``MTL0``;
+    ``ggml_backend_dev_name``): the one place it is spelled. CUDA's where a card's backend is not known (NVML, a
+    declared inventory)."""
+    return f"{prefix}{index}"
 
 
 __all__ = ["MIB", "gpu_label", "mib"]

@@ -21,6 +21,21 @@ GGML_BACKEND_DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 """ggml-backend.h's ``enum ggml_backend_dev_type``."""
 
 
+class DevCaps(ctypes.Structure):
+    """ggml-backend.h's ``struct ggml_backend_dev_caps`` (the vendored ggml's: five flags)."""
+
+    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool), ("buffer_from_host_ptr", ctypes.c_bool),
+                ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
+
+
+class DevProps(ctypes.Structure):
+    """ggml-backend.h's ``struct ggml_backend_dev_props``: what ``ggml_backend_dev_get_props`` fills in."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
+                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
+                ("caps", DevCaps)]
+
+
 def cuda_order(env: "os._Environ[str] | dict[str, str]") -> None:
     """Make CUDA number the cards as NVML does (PCI bus order), unless the operator chose an order."""
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -38,7 +53,8 @@ def child_env() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def libggml() -> ctypes.CDLL | None:
     """The libggml next to llama-cpp-python's libllama (None: not found), with the signatures the engine calls:
-    ``ggml_backend_dev_count/get/by_type/name/type/buffer_type``."""
+    ``ggml_backend_dev_count/get/by_type/name/description/type/memory/get_props/backend_reg/buffer_type/
+    host_buffer_type``, ``ggml_backend_reg_name``, ``ggml_backend_buft_name/get_alignment/get_max_size``."""
     import llama_cpp
 
     libdir = pathlib.Path(llama_cpp.__file__).parent / "lib"
@@ -61,6 +77,25 @@ def libggml() -> ctypes.CDLL | None:
     lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
     lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.restype = None
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_get_props.restype = None
+    lib.ggml_backend_dev_get_props.argtypes = [ctypes.c_void_p, ctypes.POINTER(DevProps)]
+    lib.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_host_buffer_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_host_buffer_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_buft_name.restype = ctypes.c_char_p
+    lib.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_buft_get_alignment.restype = ctypes.c_size_t
+    lib.ggml_backend_buft_get_alignment.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_buft_get_max_size.restype = ctypes.c_size_t
+    lib.ggml_backend_buft_get_max_size.argtypes = [ctypes.c_void_p]
     return lib
 
 

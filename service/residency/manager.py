@@ -46,13 +46,14 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence, Union
 
 from sizing.plan import Device, Holding, Plan, plan_table
-from sizing.probe import host_memory, inventory
+from sizing.probe import host_memory
 from sizing.units import MIB
 
 from ..catalog.downloads import Downloads
 from ..catalog.models import ModelEntry, Registry
 from ..engine.base import Engine
 from ..engine.calibrate import Calibrator
+from ..engine.devices import LocalDevices
 from ..errors import Busy, NotReady, ServiceError
 from ..keepalive import parse_keep_alive
 from ..options import LoadOptions, merged
@@ -95,6 +96,9 @@ class ModelManager:
         """Every model that has a state (loaded, loading, failed, unloaded after being loaded)."""
         self.last_failed: ModelState | None = None
         self._devices = devices or self._live_devices
+        self.local_devices = LocalDevices(declared_path=settings.gpus_file, declared_json=settings.gpus_json,
+                                          margin_pct=settings.unreported_free_margin_pct)
+        """This machine's cards: declared, or ggml's list as llama.cpp will use them (``service.engine.devices``)."""
         self.rpc_workers = parse_workers(settings.rpc_workers, runner_process=settings.runner_process)
         """The ggml-rpc workers a model may be placed on (``GGUF_RPC_WORKERS``)."""
         self.load_lock = asyncio.Lock()
@@ -126,7 +130,7 @@ class ModelManager:
         self.default_keep_alive_s = parse_keep_alive(settings.keep_alive, param="GGUF_KEEP_ALIVE")
 
     def _live_devices(self) -> tuple[list[Device], Device]:
-        gpus = inventory(declared_path=self.settings.gpus_file, declared_json=self.settings.gpus_json)
+        gpus = self.local_devices.cards()
         if self.rpc_workers:
             # The workers' devices come first, as llama.cpp lists them (service.rpc.client). A worker that serves
             # a client now (a model of this server's, or another's) is left out: a dry run or load over it would

@@ -172,7 +172,8 @@ def devices_json(manager: Residency) -> list[dict[str, Any]]:
         shares = [{"model": h.name, "held_mib": mib(n), "pinned": h.pinned, "busy": h.busy}
                   for h in holdings if (n := held_bytes(h.estimate).get(dev.label, 0))]
         out.append({"device": dev.label, "name": dev.name, "total_mib": mib(dev.total_bytes),
-                    "free_mib": mib(dev.free_bytes), "live": manager.planner.live or dev.kind == "host",
+                    "free_mib": mib(dev.free_bytes), "free_memory": dev.free_memory,
+                    "live": (manager.planner.live and dev.free_memory != "unreported") or dev.kind == "host",
                     "models": shares})
     return out
 

@@ -376,7 +376,11 @@
     const usedByOthers = Math.max(0, total - free);
     const residents = residentsOn(dev.label, plan);
     const residentMiB = Math.min(usedByOthers, sum(residents.map((r) => r.mib)));
-    if (usedByOthers - residentMiB > 0) segs.push({ kind: "used", mib: usedByOthers - residentMiB, label: "in use" });
+    // A card that cannot report its free memory (free_memory "unreported"): what is not free is the plan's margin.
+    const unread = dev.free_memory === "unreported";
+    if (usedByOthers - residentMiB > 0) {
+      segs.push({ kind: "used", mib: usedByOthers - residentMiB, label: unread ? "margin" : "in use" });
+    }
     let left = residentMiB;
     for (const r of residents) {
       const mib = Math.min(r.mib, left);
@@ -414,7 +418,10 @@
     fig.appendChild(h3);
 
     const words = [title + ": memory " + fmtMiB(info.total) + " MiB"];
-    if (info.usedByOthers > 0) words.push(fmtMiB(info.usedByOthers) + " MiB in use by others");
+    if (info.usedByOthers > 0) {
+      words.push(fmtMiB(info.usedByOthers) + (dev.free_memory === "unreported"
+        ? " MiB kept back (free memory not reported)" : " MiB in use by others"));
+    }
     const svgEl = sv("svg", { viewBox: "0 0 " + W + " " + H, role: "img" });
     let x = 0;
     for (const s of info.segs) {
@@ -462,6 +469,9 @@
         + fmtMiB(info.freeAfter) + " MiB left.";
     }
     fig.appendChild(p);
+    if (dev.free_note) {  // the plan could not read this card's free memory: what it planned on instead
+      fig.appendChild(el("p", { class: "bar-note free-note", "data-field": "free_note" }, dev.free_note));
+    }
     return fig;
   }
 

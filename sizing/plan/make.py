@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 from ..memory.context import ContextConfig, pad
 from ..memory.draft import DraftModel
 from ..memory.mtp import MTP_ARCHITECTURES, mtp_supported
-from .device import Device
+from .device import Device, free_memory_note
 from ..units import MIB
 from ..errors import ConfigError
 from .fit import largest_fitting
@@ -346,6 +346,8 @@ def _make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanR
         reasons.append("split over " + ", ".join(f"{gpus[i].label}" for i in chosen.placement.gpus))
     elif chosen.verdict == "cpu":
         reasons.append("no GPU: the whole model runs on the CPU from host memory")
+    # A card whose free memory could not be read: the plan says what it planned on instead.
+    unread = tuple(note for i in chosen.placement.gpus if i < len(gpus) and (note := free_memory_note(gpus[i])))
     return Plan(
         model=spec,
         gpus=tuple(gpus),
@@ -361,7 +363,7 @@ def _make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanR
         cache_type_reason=type_reason,
         refusal=chosen.refusal,
         candidates=chosen.candidates,
-        warnings=chosen.warnings,
+        warnings=(*chosen.warnings, *unread),
         predicted_decode_tokens_per_s=chosen.decode_tokens_per_s,
         predicted_prompt_tokens_per_s=chosen.prompt_tokens_per_s,
         calibration=calibration,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..model import arch as archs
 from ..memory.compute import compute_mirrored
-from .device import Device
+from .device import Device, free_memory_note
 from ..units import mib
 from ..memory.estimate import MemoryEstimate
 from ..memory.placement import Placement
@@ -57,10 +57,19 @@ def spec_json(spec: ModelSpec) -> dict[str, object]:
 
 
 def device_json(dev: Device) -> dict[str, object]:
+    """A device as the answers show it; a card's backend and whether its free memory was read
+    (``free_memory``: ``reported``, ``unreported`` with the margin and ``free_note`` saying what was planned on,
+    ``shared`` for an integrated GPU)."""
     out: dict[str, object] = {"index": dev.index, "name": dev.name, "kind": dev.kind, "label": dev.label,
                               "free_mib": mib(dev.free_bytes), "total_mib": mib(dev.total_bytes)}
     if dev.endpoint is not None:  # a worker's device: the host it is on, and what it is there
         out.update(host=dev.endpoint, remote_kind=dev.remote_kind)
+    if dev.kind == "gpu":
+        out.update(backend=dev.backend.prefix, gpu_type=dev.gpu_type, free_memory=dev.free_memory)
+        if dev.device_id:
+            out["device_id"] = dev.device_id
+        if dev.free_memory != "reported":
+            out.update(free_margin_mib=mib(dev.free_margin_bytes), free_note=free_memory_note(dev))
     return out
 
 
@@ -73,6 +82,7 @@ def estimate_json(est: MemoryEstimate, plan: Plan) -> dict[str, object]:
         if dev is not None:
             entry["name"] = dev.name
             entry["free_mib"] = mib(dev.free_bytes)
+            entry["free_memory"] = dev.free_memory
             entry["free_after_mib"] = mib(dev.free_bytes - d.total_bytes)
             entry["missing_mib"] = mib(max(d.total_bytes - dev.free_bytes, 0))
         devices.append(entry)
@@ -221,7 +231,9 @@ def plan_table(plan: Plan) -> str:
     lines = [
         f"model {spec.name} ({spec.architecture}, {spec.quantization}, {mib(spec.file_size_bytes)} MiB, "
         f"n_ctx_train {spec.n_ctx_train}, {spec.n_layer} layers)",
-        "devices: " + (", ".join(f"{g.label} {g.name} {mib(g.free_bytes)}/{mib(g.total_bytes)} MiB free" for g in plan.gpus)
+        "devices: " + (", ".join(f"{g.label} {g.name} {mib(g.free_bytes)}/{mib(g.total_bytes)} MiB free"
+                                 + {"reported": "", "unreported": " (not reported: the total less a margin)",
+                                    "shared": " (the host's memory)"}[g.free_memory] for g in plan.gpus)
                        or f"none (CPU; host {mib(plan.host.free_bytes)} MiB available)"),
         f"{'cache type':<10} {'n_ctx':>8} {'largest':>8} {'KV MiB':>10} {'total MiB':>10} {'decode t/s':>10}  "
         f"{'figures':<9} verdict, placement",

@@ -20,6 +20,9 @@ What is free beside the residents (``available``), for a plan that counts its ow
   resident to evict gives back what it holds;
 - a **declared** card (``GGUF_GPUS_*``: a fixed figure, the card's free memory with none of this server's
   models on it): the residents kept hold their bytes, subtracted;
+- a live card whose backend **cannot report free memory** (Vulkan without ``VK_EXT_memory_budget``: ggml gives
+  its total as free, ``Device.free_memory``): a fixed figure too, the total less a margin, with the residents kept
+  subtracted as on a declared card;
 - **host memory**: ``MemAvailable`` counts the residents' mmapped weights as available (they are page
   cache) and not always their buffers (llama.cpp's compute buffers are not touched before a first decode),
   so it cannot say what they hold: the residents kept have their whole predicted host share subtracted and
@@ -61,8 +64,10 @@ def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimat
               freed: Sequence[MemoryEstimate] = (), *, live: bool) -> tuple[list[Device], Device]:
     """The devices as a new plan sees them beside the residents ``kept``, once those in ``freed`` are unloaded.
 
-    ``live``: the cards' figures are NVML's (they already exclude every resident); otherwise they are a
-    declared inventory (they exclude none). See the module's docstring for the arithmetic.
+    ``live``: the cards' figures are NVML's or ggml's (they already exclude every resident); otherwise they are a
+    declared inventory (they exclude none). A card whose backend cannot report free memory
+    (``Device.free_memory`` ``unreported``: its figure is its total less a margin, whatever is allocated there) is
+    counted as a declared one, live or not. See the module's docstring for the arithmetic.
     """
     out: list[Device] = []
     for g in gpus:
@@ -71,7 +76,7 @@ def available(gpus: Sequence[Device], host: Device, kept: Sequence[MemoryEstimat
             # A worker serves one client: a resident on it leaves nothing to another model.
             out.append(replace(g, free_bytes=0))
             continue
-        if live or g.kind == "rpc":  # a worker's /status is live: it already counts what the residents hold
+        if (live and g.free_memory != "unreported") or g.kind == "rpc":  # a worker's /status is live too
             free = g.free_bytes + sum(held_bytes(est).get(label, 0) for est in freed)
         else:
             free = g.free_bytes - sum(held_bytes(est).get(label, 0) for est in kept)

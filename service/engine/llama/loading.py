@@ -171,7 +171,8 @@ def load(path: str, plan: Plan, *, n_threads: int | None, batch_invariant: bool,
         n_ctx_seq=int(llama_cpp.llama_n_ctx_seq(ctx.ctx)), n_batch=n_batch, n_slots=n_slots,
         n_swa=int(llama_cpp.llama_model_n_swa(model.model)), n_embd=int(model.n_embd()),
         unified=bool(cparams.kv_unified) or n_slots == 1,
-        device=",".join(gpu_label(i) for i in p.gpus) if p.gpus and p.n_gpu_layers else "CPU",
+        device=",".join(plan.gpus[i].label if i < len(plan.gpus) else gpu_label(i) for i in p.gpus)
+        if p.gpus and p.n_gpu_layers else "CPU",
         batch=llama_cpp.llama_batch_init(n_batch, 0, 1),
         drafts=speculative and not (llama_cpp.llama_model_is_recurrent(model.model)
                                     or llama_cpp.llama_model_is_hybrid(model.model)),
