@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from ..catalog.models import ModelsFileError, Registry
+from ..catalog.models import ModelsFileError, Registry, is_hf_reference
 from ..chat.sandbox import check_template
 from ..engine.base import Engine
 from ..errors import NotReady
@@ -129,9 +129,12 @@ async def _shut_down(app: FastAPI, manager: ModelManager, task: "asyncio.Task[No
 
 
 async def _load_at_start(manager: ModelManager, names: list[str]) -> None:
-    """The default model, then the pinned ones, one after the other; a failure is logged and the next loads."""
+    """The default model, then the pinned ones, one after the other; a failure is logged and the next loads. A default
+    model named by a Hugging Face reference (``hf.co/OWNER/REPO:QUANT``) is pulled first (its progress in the log)."""
     for name in names:
         try:
+            if is_hf_reference(name):
+                name = await manager.downloads.fetch_reference(name)
             await manager.load(name)
         except asyncio.CancelledError:
             raise

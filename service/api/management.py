@@ -1,4 +1,5 @@
-"""Management API: dry-run (one model, or a set), load, unload, model states, Hugging Face pulls.
+"""Management API: dry-run (one model, or a set), load, unload, model states, Hugging Face pulls (streamed
+progress, cancel).
 
 Every field is checked before anything is planned or fetched: numbers are finite (no ``1e999``,
 ``Infinity`` or ``NaN``), KV cache types are llama.cpp's, a ``gpu`` index or a ``tensor_split``
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
-from typing import Any
+import time
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from sizing.plan import plan_json
 
+from ..catalog.downloads import (FILENAME_PATTERN, REPO_ID_PATTERN, REVISION_PATTERN, Download, Downloads,
+                                 parse_hf_reference)
 from ..errors import BadRequest, QueueFull
 from ..keepalive import parse_keep_alive
 from ..options import LoadOptions, ModelOptions
@@ -221,6 +227,8 @@ async def models(request: Request, manager: ManagerDep, metrics: MetricsDep, dow
                         "aliases": manager.registry.aliases_of(entry.name), "pinned": entry.config.pinned})
     devices = await asyncio.to_thread(manager.devices_json)
     answer = {"models": out, "devices": devices, "downloads": [d.to_json() for d in downloads.downloads.values()]}
+    if manager.rpc_workers:  # each worker: up (serving a model or not) or missing, since when, why
+        answer["workers"] = manager.worker_watch.json()
     return answer if is_admin(request) else redact(answer)
 
 
@@ -244,17 +252,90 @@ async def kv_cache(manager: ManagerDep) -> dict[str, Any]:
 
 
 class PullBody(BaseModel):
+    """A file of a Hugging Face repo (``service.api.ollama`` checks its names with it too)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    repo_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
-    filename: str = Field(max_length=300, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\.gguf$")
-    revision: str | None = Field(None, max_length=200, pattern=r"^[A-Za-z0-9._/-]+$")
+    repo_id: str = Field(pattern=REPO_ID_PATTERN, max_length=200)
+    filename: str = Field(max_length=300, pattern=FILENAME_PATTERN)
+    revision: str | None = Field(None, max_length=200, pattern=REVISION_PATTERN)
+
+
+class PullStartBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, min_length=1, max_length=600, description="hf.co/OWNER/REPO:QUANT (the repo's one "
+                              "model file named with QUANT, and its vision projector) or hf.co/OWNER/REPO/FILE.gguf, "
+                              "@REVISION optional: instead of repo_id and filename.")
+    repo_id: str | None = Field(None, pattern=REPO_ID_PATTERN, max_length=200)
+    filename: str | None = Field(None, max_length=300, pattern=FILENAME_PATTERN)
+    revision: str | None = Field(None, max_length=200, pattern=REVISION_PATTERN)
+    stream: bool = Field(False, description="Answer with the pull's progress as server-sent events until it ends "
+                         "(each event a download as GET /api/models lists it: bytes, rate, time left, state).")
+
+
+class PullCancelBody(PullBody):
+    """The download to cancel: its repo, file and revision, as its events name them."""
+
+
+PULL_EVENT_EVERY_S = 1.0
+"""A pull's stream sends an event when its bytes or state change (looked at every 0.25 s), and at least this often:
+the rate and the time left move, and a proxy sees the stream is alive."""
+
+
+async def pull_events(downloads: Downloads, first: Download, more: list[str]) -> AsyncIterator[bytes]:
+    """Server-sent events of a pull: ``data: {download}`` as it runs, the file's last one in its final state
+    (``done``, ``failed`` or ``cancelled``), then the next file's (a projector pulled with its model); the stream
+    ends after the last file, or after the first that did not end ``done``. The download goes on if the client
+    leaves (``POST /api/models/pull/cancel`` stops it)."""
+    files = len(more) + 1
+    for i in range(files):
+        dl = first if i == 0 else downloads.pull(first.repo_id, more[i - 1], first.revision)
+        seen: tuple[str, int] | None = None
+        sent_at = 0.0
+        while True:
+            now = time.monotonic()
+            if (dl.state, dl.bytes_done) != seen or now - sent_at >= PULL_EVENT_EVERY_S:
+                seen, sent_at = (dl.state, dl.bytes_done), now
+                event = {**dl.to_json(), "file_index": i, "files": files}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+            if dl.state != "downloading":
+                break
+            await asyncio.sleep(0.25)
+        if dl.state != "done":
+            return
 
 
 @router.post("/models/pull", status_code=202)
-async def pull(body: PullBody, downloads: DownloadsDep) -> dict[str, Any]:
-    """Download a GGUF from Hugging Face into the models directory; follow it in GET /api/models."""
-    return downloads.pull(body.repo_id, body.filename, body.revision).to_json()
+async def pull(body: PullStartBody, downloads: DownloadsDep) -> Any:
+    """Download a GGUF from Hugging Face into the models directory: named by ``repo_id`` and ``filename``, or by
+    ``model`` (``hf.co/OWNER/REPO:QUANT``: the file found by listing the repo, its vision projector pulled after it).
+    202 with the download (follow it in GET /api/models); with ``stream``, its progress as server-sent events."""
+    projector = None
+    if body.model is not None:
+        if body.repo_id is not None or body.filename is not None:
+            raise BadRequest("give model, or repo_id with filename, not both", param="model")
+        ref = parse_hf_reference(body.model)
+        repo_id, revision = ref.repo_id, ref.revision
+        filename, projector = await asyncio.to_thread(downloads.resolve_reference, ref)
+    elif body.repo_id is not None and body.filename is not None:
+        repo_id, filename, revision = body.repo_id, body.filename, body.revision
+    else:
+        raise BadRequest("give model (hf.co/OWNER/REPO:QUANT), or repo_id with filename", param="model")
+    first = downloads.pull(repo_id, filename, revision)
+    more = [projector] if projector else []
+    if body.stream:
+        return StreamingResponse(pull_events(downloads, first, more), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    for name in more:
+        downloads.pull(repo_id, name, revision)
+    return first.to_json()
+
+
+@router.post("/models/pull/cancel")
+async def pull_cancel(body: PullCancelBody, downloads: DownloadsDep) -> dict[str, Any]:
+    """Stop a running download and remove its partial file; 404 when none of that file runs."""
+    return downloads.cancel(body.repo_id, body.filename, body.revision).to_json()
 
 
 class HfFilesBody(BaseModel):

@@ -391,8 +391,16 @@ def _model_card(manager: ModelManager, name: str) -> dict[str, Any]:
 
 @router.get("/models")
 async def list_models(manager: ManagerDep) -> dict[str, Any]:
-    """Every model that can be served (its aliases beside it), loaded or not."""
-    return {"object": "list", "data": [_model_card(manager, e.name) for e in manager.registry.list()]}
+    """Every model that can be served (its aliases beside it), loaded or not: the default model first
+    (GGUF_DEFAULT_MODEL, where a request without a model goes), then the loaded ones, then the rest, each group in
+    the registry's order. Clients and UIs that take the first entry (many do) then name a model that answers."""
+    names = [e.name for e in manager.registry.list()]
+    default = manager.registry.canonical(manager.settings.default_model) if manager.settings.default_model else None
+
+    def rank(name: str) -> int:
+        return 0 if name == default else 1 if manager.resident(name) is not None else 2
+
+    return {"object": "list", "data": [_model_card(manager, n) for n in sorted(names, key=rank)]}
 
 
 @router.get("/models/{name}")

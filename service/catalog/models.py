@@ -28,6 +28,10 @@ Aliases come from the models file and from ``GGUF_MODEL_ALIASES``
 (``alias=model,...``): one table, checked at start (an alias may not be a
 model's name, nor name two models). The file is validated once at start; any
 mistake stops the service with a line naming the file, the model and the field.
+
+``GGUF_DEFAULT_MODEL`` may be a Hugging Face reference (``hf.co/OWNER/REPO:QUANT``): it is pulled at start
+(``service.catalog.downloads.Downloads.fetch_reference``), then an alias of the model it pulled (or, where it could
+not be pulled, of the embedded model); until then a request for it is told it is being pulled (503).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import BadRequest, ModelNotFound
+from ..errors import BadRequest, ModelNotFound, NotReady
 from ..keepalive import parse_keep_alive
 from ..options import ModelOptions
 from ..settings import EMBEDDED_MODEL_NAMES, GEMMA_MODEL_NAME, INSTRUCT_MODEL_NAME, Settings
@@ -56,6 +60,15 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 """A model file's name: what may become a path inside the models directory."""
 _ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 """A models-file name or an alias: looked up in a table, never made a path (``org/model:tag`` allowed)."""
+
+HF_REFERENCE_PREFIXES = ("hf.co/", "huggingface.co/", "https://hf.co/", "https://huggingface.co/")
+
+
+def is_hf_reference(name: str) -> bool:
+    """Whether a model name is a Hugging Face reference (``hf.co/OWNER/REPO:QUANT``) rather than a local model's
+    name: only ``GGUF_DEFAULT_MODEL`` is pulled by it."""
+    return name.startswith(HF_REFERENCE_PREFIXES)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -175,6 +188,8 @@ class Registry:
         """Options per model name, from the models file."""
         self._aliases: dict[str, str] = {}
         self._load(settings)
+        self._pending: set[str] = {settings.default_model} if is_hf_reference(settings.default_model) else set()
+        """Hugging Face references being pulled at start (``set_reference`` ends that)."""
 
     # -- the models file and aliases, validated once
 
@@ -261,6 +276,11 @@ class Registry:
         """Models the models file pins, in its order."""
         return [n for n, c in self._configs.items() if c.pinned]
 
+    def set_reference(self, reference: str, name: str) -> None:
+        """A Hugging Face reference (``GGUF_DEFAULT_MODEL=hf.co/...``) serves ``name`` from now on: an alias of it."""
+        self._aliases[reference] = name
+        self._pending.discard(reference)
+
     def canonical(self, name: str) -> str:
         """The model an alias names (a name itself otherwise)."""
         return self._aliases.get(name, name) if isinstance(name, str) else name
@@ -301,6 +321,9 @@ class Registry:
         block or escape) and starts with the GGUF magic.
         """
         if isinstance(name, str):
+            if name in self._pending:
+                raise NotReady(f"model '{name[:200]}' (GGUF_DEFAULT_MODEL) is being pulled from Hugging Face; "
+                               "retry shortly", param="model", retry_after_s=5, state="loading")
             name = self._aliases.get(name, name)
             if name in self._file_models:
                 return self._file_models[name]
