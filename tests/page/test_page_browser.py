@@ -1,7 +1,7 @@
 """The page in a real headless Chromium against the running service on the embedded model.
 
 Each test compares what the page shows with what ``POST /api/dry-run`` answers for the same body.
-Screenshots land in artifacts/page/ (gitignored).
+Screenshots land in the session's pytest tmp folder (tests/page/conftest.py); docs/page-plan.png with GGUF_PAGE_DOCS=1.
 """
 
 from __future__ import annotations
@@ -342,7 +342,8 @@ def test_keyboard_reaches_the_controls_with_a_visible_focus(browser: Any, served
     assert browser.find_element(By.ID, "cache-type").get_attribute("value") != before
 
 
-def test_where_a_line_crosses_the_free_memory_is_the_largest_context(browser: Any, served: Any, shots: Path) -> None:
+def test_where_a_line_crosses_the_free_memory_is_the_largest_context(browser: Any, served: Any, shots: Path,
+                                                                    docs_shot: Any) -> None:
     """A small card: each cache type's largest context differs, and the chart marks it on the card's free line."""
     from selenium.webdriver.common.by import By
 
@@ -373,6 +374,7 @@ def test_where_a_line_crosses_the_free_memory_is_the_largest_context(browser: An
         # The sampled line, read where the plan's largest context is, sits on the free line (within 3 px of 420).
         assert float(mark.get_attribute("cy")) == pytest.approx(y_free, abs=3.0), c
     screenshot(browser, shots / "05-crossing.png")
+    docs_shot(browser, "page-plan.png", max_height=1500, top_id="verdict-h")  # README's picture
 
 
 def test_with_api_keys_the_page_asks_for_one_and_then_plans(browser: Any, service_factory: Any) -> None:
