@@ -184,14 +184,16 @@ def _offline_env(home: Path, tmp_path: Path) -> dict[str, str]:
 
 
 def test_setup_runs_nothing_once_the_instruct_model_is_there(tmp_path: Path, instruct_model: str) -> None:
-    """make setup's step with the file in place, no index reachable: it exits 0 at once, printing nothing (pip
+    """make setup's step with the file in place, no index reachable: it exits 0 at once, saying so in one line (pip
     would have failed)."""
     home = _home_with_instruct_model(tmp_path, instruct_model)
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "tools/fetch-instruct-model"], cwd=ROOT, env=_offline_env(home, tmp_path),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "" and done.stderr == ""
+    assert done.stdout == "" and done.stderr == (f"fetch-instruct-model: the embedded model SmolLM2-135M-Instruct is in "
+                                                 f"{home / '.cache' / 'smollm2_135m_instruct_gguf' / INSTRUCT_FILE} "
+                                                 "already\n"), done.stderr
     assert time.monotonic() - t0 < 10
     assert [p.name for p in (home / ".cache" / "smollm2_135m_instruct_gguf").iterdir()] == [INSTRUCT_FILE]
 
