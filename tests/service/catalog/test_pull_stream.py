@@ -201,3 +201,17 @@ def test_the_service_pulls_its_default_reference_at_start_and_lists_it_first(
     assert data[0]["aliases"] == ["hf.co/acme/tiny/tiny-Q4_K_M.gguf"]
     r = svc.client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == "tiny-Q4_K_M", r.text
+
+
+def test_while_the_default_reference_is_pulled_a_request_is_told_so(fake_factory: Callable[..., Any], hub: Hub) -> None:
+    hub.rate_bytes_per_s = 16 * MIB  # 2 GiB: still pulling while the test asks
+    svc = fake_factory(default_model="hf.co/acme/big/big-Q8_0.gguf", wait_ready=False)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not svc.client.get("/api/models").json()["downloads"]:
+        time.sleep(0.05)
+    r = svc.client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2})
+    assert r.status_code == 503, r.text
+    assert "is being pulled from Hugging Face" in r.json()["error"]["message"] and r.headers["retry-after"] == "5"
+    assert svc.client.get("/ready").status_code == 503
+    [dl] = svc.client.get("/api/models").json()["downloads"]
+    assert dl["state"] == "downloading" and dl["name"] == "big-Q8_0"
