@@ -229,6 +229,23 @@ class _ServerState(Collector):
         yield speed
         yield _gauge("gguf_model_loaded", "Models loaded and serving (1 or 0 with one model).", len(loaded))
         yield from self._admission()
+        yield from self._workers()
+
+    def _workers(self) -> Iterator[Metric]:
+        """The ggml-rpc workers of GGUF_RPC_WORKERS: whether each answers, and since when one does not."""
+        watch = getattr(self._manager, "worker_watch", None)
+        if watch is None or not watch.endpoints:
+            return
+        up = GaugeMetricFamily("gguf_rpc_worker_up", "1 while the ggml-rpc worker answers its /status, 0 while it is "
+                               "missing (its host, link or process gone or stopped).", labels=["worker"])
+        since = GaugeMetricFamily("gguf_rpc_worker_missing_since_seconds", "Unix time from which a missing worker "
+                                  "has not answered (only while it is missing).", labels=["worker"])
+        for h in watch.health():
+            up.add_metric([h.endpoint], 1 if h.up else 0)
+            if not h.up:
+                since.add_metric([h.endpoint], h.since_unix_s)
+        yield up
+        yield since
 
     def _admission(self) -> Iterator[Metric]:
         """Requests waiting to be admitted to a model (not loaded, reloading, or yielding to a swap), per model."""

@@ -216,6 +216,16 @@ class Calibrator:
         for w in workers:
             w.close()
 
+    def release_rpc(self) -> None:
+        """Close the workers whose model is placed on ggml-rpc workers: while one waits for its next dry run it
+        keeps its connections to them, and a ggml-rpc worker serves one client at a time (the next plan's read of
+        the workers would find them busy, and a load over them wait). One measuring finishes first."""
+        with self._lock:
+            keys = [k for k in self._workers if k[1].rpc_workers]
+            workers = [self._workers.pop(k) for k in keys]
+        for w in workers:
+            w.close()
+
     def close(self) -> None:
         self._closed.set()
         self.release()

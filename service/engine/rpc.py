@@ -10,10 +10,13 @@ on it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,6 +24,76 @@ from ..errors import EngineFailure
 from .native import GGML_BACKEND_DEVICE_TYPES, libggml
 
 _DEV_P = ctypes.c_void_p
+
+
+LINK_TIMEOUT_S = 10.0
+"""How long a ggml-rpc connection may go without a sign of life from its peer's host before the kernel drops it
+(``hold_link``). ggml-rpc reads and writes with no timeout (ggml-rpc.cpp ``socket_t::recv_data``): a host that
+vanished (power, cable: no FIN, no RST) would keep a runner waiting for ever; once dropped, ggml-rpc's failed call
+aborts the process (``RPC_STATUS_ASSERT``), and the runner's death path answers its requests."""
+
+
+def hold_link(sock: socket.socket, timeout_s: float = LINK_TIMEOUT_S) -> None:
+    """Bound how long ``sock`` waits on a silent peer: TCP keepalive probes once it has been idle for a fifth of
+    ``timeout_s`` (a second apart), and ``TCP_USER_TIMEOUT``, which drops the connection when what it sent, a
+    probe included, stays unacknowledged for ``timeout_s`` (tcp(7); with keepalive on, the user timeout decides
+    when unanswered probes end it). A peer that is slow but whose host is up acknowledges both: only a host
+    that is gone, or a link that is down, trips it."""
+    idle_s = max(1, int(timeout_s / 5))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(timeout_s) - idle_s + 1))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(timeout_s * 1000)))
+
+
+def own_sockets() -> dict[int, int]:
+    """This process's sockets: inode -> file descriptor (``/proc/self/fd``'s links read ``socket:[inode]``)."""
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(name)
+    return out
+
+
+def borrow_socket(fd: int, inode: int) -> socket.socket | None:
+    """A socket object over a duplicate of ``fd``, which ggml-rpc owns (it closes ``fd`` itself; closing the
+    duplicate leaves it open; options set on it are the socket's); None when ``fd`` is no longer the socket
+    ``inode``. Needs ``socket.getdefaulttimeout()`` None: a socket object made with a default timeout sets
+    O_NONBLOCK on the open file ggml-rpc's descriptor shares, and its blocking calls would fail."""
+    if socket.getdefaulttimeout() is not None:
+        raise RuntimeError("borrowing ggml-rpc's sockets needs socket.getdefaulttimeout() to be None")
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != inode:
+            os.close(dup)
+            return None
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
+def connecting(sock: socket.socket) -> bool:
+    """Whether ``sock`` is a TCP connection still waiting for its handshake's answer (``tcpi_state`` SYN_SENT)."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_SYN_SENT
+    except OSError:
+        return False
+
+
+_TCP_SYN_SENT = 2
+"""``TCP_SYN_SENT`` of include/net/tcp_states.h."""
+
+LINK_SCAN_S = 0.5
+"""How often ``RpcLibrary.hold_links`` looks for new connections to workers (a read of ``/proc/self/fd``)."""
 
 
 class RpcLibrary:
@@ -43,6 +116,8 @@ class RpcLibrary:
                                         ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(_DEV_P))
         self._added: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self._links: threading.Thread | None = None
+        self._link_timeout_s = LINK_TIMEOUT_S
 
     def _proc(self, name: str, restype: Any, *argtypes: Any) -> Any:
         addr = self.lib.ggml_backend_reg_get_proc_address(self.reg, name.encode())
@@ -87,6 +162,72 @@ class RpcLibrary:
             return [self.device_name(d) for d in self._added[endpoint]]
 
 
+    def hold_links(self, timeout_s: float = LINK_TIMEOUT_S) -> None:
+        """Start, once per process, the thread that gives every connection to a registered worker ``hold_link``.
+
+        ggml-rpc connects without any option (``socket_t::connect`` sets only TCP_NODELAY) and keeps a
+        connection only while something holds its dispatcher (``get_dispatcher`` keeps a weak pointer: the
+        registration's own connection closes at once, a loaded model's buffers keep theirs), so there is no
+        one moment to set them: the thread looks at this process's sockets every ``LINK_SCAN_S`` and sets them
+        on each new connection to a worker, one already blocked in a read included (the options apply from
+        then on)."""
+        with self._lock:
+            self._link_timeout_s = timeout_s
+            if self._links is not None:
+                return
+            self._links = threading.Thread(target=self._hold_links, name="rpc-links", daemon=True)
+            self._links.start()
+
+    def _hold_links(self) -> None:
+        held: set[int] = set()
+        others: set[int] = set()
+        peers: dict[str, set[tuple[str, int]]] = {}
+        while True:
+            with self._lock:
+                endpoints, timeout_s = list(self._added), self._link_timeout_s
+            for ep in endpoints:
+                if ep not in peers:
+                    host, port = parse_endpoint(ep)
+                    try:
+                        peers[ep] = {(str(i[4][0]), port) for i in socket.getaddrinfo(host, port,
+                                                                                       type=socket.SOCK_STREAM)}
+                    except OSError:
+                        continue
+            wanted = set().union(*peers.values()) if peers else set()
+            sockets = own_sockets()
+            held &= set(sockets)
+            others &= set(sockets)
+            for inode, fd in sockets.items():
+                if inode in held or inode in others:
+                    continue
+                sock = borrow_socket(fd, inode)
+                if sock is None:
+                    continue
+                with sock:
+                    try:
+                        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                            others.add(inode)
+                            continue
+                        peer = sock.getpeername()
+                    except OSError:  # not connected: a listener, or a connection being made
+                        if connecting(sock):
+                            # Its peer is not known yet, but these processes connect to nothing but workers: bound
+                            # its handshake (the kernel retries a SYN for over two minutes; TCP_USER_TIMEOUT
+                            # bounds that too), and look again once it is connected.
+                            with contextlib.suppress(OSError):
+                                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                                max(1, int(timeout_s * 1000)))
+                        continue
+                    if (str(peer[0]), int(peer[1])) in wanted:
+                        try:
+                            hold_link(sock, timeout_s)
+                        except OSError:
+                            continue
+                        held.add(inode)
+                    else:
+                        others.add(inode)
+            time.sleep(LINK_SCAN_S)
+
     def ping(self, endpoint: str) -> None:
         """One round trip to a registered worker over the connection its buffers use (``RPC_CMD_GET_DEVICE_MEMORY``
         through ggml-rpc's per-endpoint dispatcher, which serializes it with the model's own commands): a loaded
@@ -119,10 +260,12 @@ def parse_endpoint(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def register_workers(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+def register_workers(endpoints: Sequence[str], timeout_s: float = 5.0,
+                     link_timeout_s: float = LINK_TIMEOUT_S) -> list[str]:
     """Register the workers' devices in this (child) process, in order; their llama.cpp names. ``EngineFailure``
     when ggml-rpc is not built in or a worker's port does not accept a connection (checked first: ggml-rpc
-    aborts the process on a failed one)."""
+    aborts the process on a failed one). Each worker's connection then gets ``hold_link``: a worker whose host
+    vanishes later ends this process within ``link_timeout_s`` instead of never (``RpcLibrary.hold_links``)."""
     lib = rpc_library()
     if lib is None:
         raise EngineFailure("this llama-cpp-python was built without ggml-rpc: the plan's workers cannot be used")
@@ -137,4 +280,5 @@ def register_workers(endpoints: Sequence[str], timeout_s: float = 5.0) -> list[s
             names.extend(lib.add_server(ep))
         except OSError as exc:
             raise EngineFailure(str(exc)) from exc
+    lib.hold_links(link_timeout_s)
     return names

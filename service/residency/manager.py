@@ -59,6 +59,7 @@ from ..keepalive import parse_keep_alive
 from ..options import LoadOptions, merged
 from ..planning.planner import Placed, Planner, SetPlan
 from ..rpc.client import parse_workers, worker_devices
+from ..rpc.health import WorkerWatch
 from ..settings import Settings
 from . import views
 from .engines import EngineFactory, start_engine
@@ -101,6 +102,9 @@ class ModelManager:
         """This machine's cards: declared, or ggml's list as llama.cpp will use them (``service.engine.devices``)."""
         self.rpc_workers = parse_workers(settings.rpc_workers, runner_process=settings.runner_process)
         """The ggml-rpc workers a model may be placed on (``GGUF_RPC_WORKERS``)."""
+        self.worker_watch = WorkerWatch(self.rpc_workers)
+        """Which workers answer, and since when one does not (``/ready``, ``/api/models``, the metrics)."""
+        self.worker_watch.start()
         self.load_lock = asyncio.Lock()
         self.reloads: set[str] = set()
         """Models a reload is replacing now: their new requests wait for it; /ready and routing still name them."""
@@ -134,7 +138,10 @@ class ModelManager:
         if self.rpc_workers:
             # The workers' devices come first, as llama.cpp lists them (service.rpc.client). A worker that serves
             # a client now (a model of this server's, or another's) is left out: a dry run or load over it would
-            # wait for that client to leave.
+            # wait for that client to leave. A dry run's child of ours waiting for its next dry run is such a
+            # client: it goes first.
+            if self.planner.calibrator is not None:
+                self.planner.calibrator.release_rpc()
             rpc, self.planner.absent_workers = worker_devices(self.rpc_workers)
             gpus = [*rpc, *gpus]
         host = host_memory()
@@ -465,6 +472,7 @@ class ModelManager:
         """Stop the calibration workers and the scheduler (at shutdown): requests still waiting get 503."""
         self.scheduler.close()
         self.planner.close()
+        self.worker_watch.stop()
 
     # -- routing, load on demand, keep_alive
 

@@ -65,13 +65,19 @@ def parse_workers(value: str | None, *, runner_process: bool = True) -> list[str
     return out
 
 
+STATUS_PROBE_S = 2.0
+"""How long a worker's ``/status`` may take to answer a check that the worker is there: a healthy one answers in
+milliseconds from a thread of its own, whatever its ggml-rpc computes; no answer within this is a host gone, a link
+down or a process stopped."""
+
+
 def status_url(endpoint: str) -> str:
     host, port = parse_endpoint(endpoint)
     host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{port + 1}/status"
 
 
-def read_status(endpoint: str, timeout_s: float = 2.0) -> dict[str, object]:
+def read_status(endpoint: str, timeout_s: float = STATUS_PROBE_S) -> dict[str, object]:
     """A worker's ``/status``; OSError (with the reason) when it does not answer it."""
     try:
         with urllib.request.urlopen(status_url(endpoint), timeout=timeout_s) as r:
@@ -144,4 +150,15 @@ def plan_workers_ready(plan: "Plan") -> str | None:
             if need.get(dev.label, 0) > dev.free_bytes:
                 return (f"{dev.label} reports {dev.free_bytes / MIB:.0f} MiB free, the plan puts "
                         f"{need[dev.label] / MIB:.0f} MiB there")
+    return None
+
+
+def silent_worker(endpoints: Sequence[str], timeout_s: float = STATUS_PROBE_S) -> str | None:
+    """The first of these workers whose ``/status`` does not answer within ``timeout_s``, named with why; None when
+    every one answers (busy or not: only whether its host and process are there)."""
+    for ep in endpoints:
+        try:
+            read_status(ep, timeout_s)
+        except OSError as exc:
+            return f"its worker {ep} does not answer: {exc}"
     return None
