@@ -23,7 +23,11 @@ or a keepalive round trip to a ggml-rpc worker), and kills it (SIGKILL) when tha
 not answer within the bound at all (the process is stopped, or wedged): its requests get ``runner_died`` and it
 restarts. The bound (``stall_bound_s``) is ``GGUF_RUNNER_STALL_S``, raised for a slow plan to four times the
 predicted time of one ubatch, so a long but moving prompt is never taken for a hang; the detection takes at most
-the bound plus ``WATCH_S``.
+the bound plus ``WATCH_S``. A plan over ggml-rpc workers whose work is stuck for ``RPC_SUSPECT_S`` has its workers
+asked whether they answer at all: a worker that does not (stopped, its host or link gone) ends the runner within
+``RPC_SUSPECT_S`` + ``STATUS_PROBE_S`` + ``WATCH_S`` (about 5 s). After such a death the restart waits, for as long
+as it takes, for the workers to answer with the plan's memory free (``waiting_for_workers``); meanwhile requests are
+told at once which worker the model waits for (503 ``model_not_ready``, state ``restarting``).
 
 A death during a load (the first one too: the OOM killer, a kill) gets the same policy: the load answers
 ``RunnerDied`` and the runner is started again in the background, until ``max_restarts`` deaths fail the model.
@@ -62,8 +66,13 @@ STATS_TIMEOUT_S = 2.0
 STDERR_TAIL_LINES = 40
 BACKOFF_S = (0.5, 2.0, 8.0)
 """Seconds before each restart after a death, by how many deaths the window holds (the last repeats)."""
-WORKER_WAIT_S = 60.0
-"""How long a restart waits for the plan's workers to answer again (each wait that ends without them is a death)."""
+WORKER_LOG_S = 60.0
+"""While a restart waits for the plan's workers to come back (for as long as it takes: a worker's absence is not a
+death of the runner), how often it logs that it still waits."""
+RPC_SUSPECT_S = 2.0
+"""Work stuck this long on a plan over ggml-rpc workers has the watchdog ask each worker's ``/status``
+(``service.rpc.client.silent_worker``): one that does not answer (its host gone, its link down, its process
+stopped) ends the runner at once, without waiting for the stall bound."""
 WATCH_S = 1.0
 """How often the watchdog asks a loaded runner how long its work has been stuck."""
 UBATCHES_PER_BOUND = 4.0
@@ -349,6 +358,9 @@ class ProcessEngine:
         self.failure: str | None = None
         self._listener: Listener | None = None
         self._stats = EngineGauges()
+        self._waiting: tuple[str, float] | None = None
+        """While a restart waits for the plan's workers: why (the first that is not back, and why), since when (Unix
+        time)."""
 
     def watch(self, name: str, listener: Listener) -> None:
         """Name the model (in errors and logs) and tell ``listener`` of deaths, restarts and the final failure."""
@@ -374,9 +386,13 @@ class ProcessEngine:
         return self._state
 
     def runner_json(self) -> dict[str, Any]:
+        waiting = self._waiting
         return {"pid": self.pid, "state": self._state, "restarts": self.restarts, "last_exit": self.last_exit,
                 "failure": self.failure, "stall_bound_s": round(self.stall_bound(), 1) if self.stall_s > 0 else None,
-                "stalls": self.stalls}
+                "stalls": self.stalls,
+                "waiting_for_workers": None if waiting is None else {
+                    "why": waiting[0], "since_unix_s": round(waiting[1], 3),
+                    "for_s": round(max(0.0, time.time() - waiting[1]), 1)}}
 
     def stall_bound(self) -> float:
         """The watchdog's bound for the loaded plan (``stall_bound_s``)."""
@@ -401,11 +417,22 @@ class ProcessEngine:
                 why = f"its runner process did not answer for {bound:.0f} s (stopped or wedged)"
             elif stuck > bound:
                 why = f"its work made no progress for {stuck:.0f} s (bound {bound:.0f} s)"
+            elif stuck > RPC_SUSPECT_S and (silent := self._silent_worker(self._plan)) is not None:
+                why = f"its work made no progress for {stuck:.0f} s and {silent}"
             else:
                 continue
             log.error("model %s: %s; killing runner %d to restart it", self.name, why, ch.pid)
             self.stalls += 1
             ch.kill_stalled(why)
+
+    @staticmethod
+    def _silent_worker(plan: Plan | None) -> str | None:
+        """A worker of ``plan`` that does not answer its ``/status`` now, with why (None: all answer, or none)."""
+        from ..engine.params import rpc_endpoints
+        from ..rpc.client import silent_worker
+
+        endpoints = rpc_endpoints(plan.gpus) if plan is not None else ()
+        return silent_worker(endpoints) if endpoints else None
 
     def _start_watch(self) -> None:
         with self._lock:
@@ -429,6 +456,10 @@ class ProcessEngine:
             if killed_from_outside(rc):
                 raise RunnerDied(f"model '{self.name}': its runner process was killed loading "
                                  f"{Path(path).name} {why}", retry_after_s=5) from None
+            silent = self._silent_worker(plan)
+            if silent is not None:  # ggml-rpc aborted on a worker that went away: not this file's or plan's doing
+                raise NotReady(f"model '{self.name}': its runner process died loading {Path(path).name} {why}: "
+                               f"{silent}; load it again once the worker answers", retry_after_s=5) from None
             raise EngineFailure(f"model '{self.name}': the runner process died loading {Path(path).name} "
                                 f"{why}") from None
         except BaseException:
@@ -528,11 +559,8 @@ class ProcessEngine:
                 if self._state != "restarting" or self._path is None or self._plan is None:
                     return  # unloaded meanwhile
                 path, plan = self._path, self._plan
-            waiting = self._wait_for_workers(plan)
-            if waiting is not None:
-                reason = f"its workers did not come back within {WORKER_WAIT_S:g} s: {waiting}"
-                log.error("restarting the runner of %s: %s", self.name, reason)
-                continue
+            if not self._wait_for_workers(plan):
+                return  # unloaded meanwhile
             try:
                 ch = self._spawn()
                 limits = self._load_on(ch, path, plan).limits
@@ -556,25 +584,33 @@ class ProcessEngine:
             self._notify("restarted", f"pid {ch.pid}")
             return
 
-    def _wait_for_workers(self, plan: Plan) -> str | None:
-        """Wait until the plan's workers answer with its memory free again (``WORKER_WAIT_S`` at most); None when
-        they do (or it uses none), else why not. A runner over a worker that died died with it (ggml-rpc aborts)."""
+    def _wait_for_workers(self, plan: Plan) -> bool:
+        """Wait until the plan's workers answer with its memory free again, for as long as it takes (a runner over
+        a worker that died or vanished died with it: ggml-rpc aborts, or the watchdog ended it); meanwhile
+        ``waiting_for_workers`` says which and since when. False when the model was unloaded meanwhile."""
         from ..engine.params import rpc_endpoints
         from ..rpc.client import plan_workers_ready
 
         if not rpc_endpoints(plan.gpus):
-            return None
-        deadline = time.monotonic() + WORKER_WAIT_S
-        while True:
-            why = plan_workers_ready(plan)
-            if why is None:
-                return None
+            return True
+        logged = 0.0
+        try:
+            while True:
+                why = plan_workers_ready(plan)
+                if why is None:
+                    return True
+                with self._lock:
+                    if self._state != "restarting":
+                        return False
+                    since = self._waiting[1] if self._waiting is not None else time.time()
+                    self._waiting = (why, since)
+                if time.monotonic() - logged >= WORKER_LOG_S:
+                    logged = time.monotonic()
+                    log.error("model %s waits for its workers to restart its runner: %s", self.name, why)
+                time.sleep(1.0)
+        finally:
             with self._lock:
-                if self._state != "restarting":
-                    return None  # unloaded meanwhile: the caller sees it
-            if time.monotonic() > deadline:
-                return why
-            time.sleep(1.0)
+                self._waiting = None
 
     def _give_up(self, why: str) -> None:
         with self._lock:
@@ -589,9 +625,14 @@ class ProcessEngine:
         death is served by the next runner, not failed with the requests that were in the dead one."""
         deadline = time.monotonic() + self.restart_wait_s
         while True:
-            if not self._ready.wait(max(0.0, deadline - time.monotonic())):
-                raise NotReady(f"model '{self.name}' is restarting its runner process; retry shortly",
-                               retry_after_s=5, state="restarting")
+            while not self._ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                waiting = self._waiting
+                if waiting is not None:  # not a moment's wait: say so now
+                    raise NotReady(f"model '{self.name}' waits for its workers to restart its runner process: "
+                                   f"{waiting[0]}", retry_after_s=5, state="restarting")
+                if time.monotonic() >= deadline:
+                    raise NotReady(f"model '{self.name}' is restarting its runner process; retry shortly",
+                                   retry_after_s=5, state="restarting")
             with self._lock:
                 state, ch = self._state, self._ch
             if state != "loaded" or ch is None or not ch.exited():
