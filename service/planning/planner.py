@@ -55,9 +55,9 @@ from ..engine.cpu import RepackChoice, host_repack
 from ..engine.dryrun import DryRunError, DryRunResult
 from ..engine.params import device_params, ModelParams, rpc_endpoints
 from ..engine.prompt_cache import plan_budget
-from ..errors import BadRequest
+from ..errors import BadRequest, NotReady
 from ..options import LoadOptions, merged
-from ..rpc.client import Absent
+from ..rpc.client import Absent, silent_worker
 from ..settings import Settings
 from .confirm import Confirmation, Confirmer
 
@@ -222,6 +222,20 @@ class SetPlan:
                 "models": [{"model": m.name, "verdict": m.plan.verdict, "n_ctx": m.plan.cfg.n_ctx,
                             "cache_type": m.plan.cfg.type_k, "plan": plan_json(m.plan)} for m in self.members],
                 "devices": devices}
+
+
+def _lost_worker(name: str, workers: Sequence[str], results: Sequence[DryRunResult]) -> None:
+    """A dry run over ggml-rpc workers that crashed or ran out of time while one of them does not answer lost that
+    worker (its host, link or process gone; ggml-rpc aborts the process): ``NotReady`` naming it, and nothing
+    cached. Cached, the failure would refuse the configuration for good, though the worker comes back."""
+    failed = next((r.failure for r in results if r.failure is not None and r.failure.kind in ("crashed", "timeout")),
+                  None)
+    if failed is None:
+        return
+    silent = silent_worker(workers)
+    if silent is not None:
+        raise NotReady(f"the dry run of {name} over its workers {failed.kind} ({failed.message}): {silent}; "
+                       "retry once it answers", retry_after_s=5)
 
 
 class Planner:
@@ -449,6 +463,8 @@ class Planner:
                 break
             for mp, items in todo.items():
                 results = self.calibrator.measure(path, mp, [c for _, _, c in items])
+                if mp.rpc_workers:
+                    _lost_worker(spec.name, mp.rpc_workers, results)
                 measured += len(results)
                 cal = self._absorb(spec, cal, items, results)
             self.calibrator.store(ident, cal)
