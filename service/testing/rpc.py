@@ -16,26 +16,28 @@ import json
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 PROMPT = "The capital of France is"
 
 
 @contextlib.contextmanager
-def worker_process(port: int, *args: str, threads: int = 1, cwd: str | None = None
-                   ) -> Iterator[subprocess.Popen[bytes]]:
-    """``python -m service worker`` on 127.0.0.1:``port`` (``args`` added), yielded once its ``/status`` answers
+def worker_process(port: int, *args: str, threads: int = 1, cwd: str | None = None, host: str = "127.0.0.1",
+                   prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m service worker`` on ``host``:``port`` (``args`` added; ``prefix`` before the command, such as
+    ``ip netns exec NS``, which execs it: the process is the worker's), yielded once its ``/status`` answers
     (SystemExit when it exits first or takes over 60 s); killed and reaped on the way out, whatever happened."""
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "service", "worker", "--listen", f"127.0.0.1:{port}",
-                             "--threads", str(threads), *args], cwd=cwd, stdout=subprocess.DEVNULL,
+    public = () if host == "127.0.0.1" else ("--allow-public",)
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "service", "worker", "--listen", f"{host}:{port}",
+                             "--threads", str(threads), *public, *args], cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port + 1}/status", timeout=2)
+                httpx.get(f"http://{host}:{port + 1}/status", timeout=2)
                 break
             except httpx.TransportError:
                 if proc.poll() is not None:
