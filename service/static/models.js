@@ -82,7 +82,31 @@
       (h.hits || 0) + " hits";
   }
 
+  // What has the keyboard's focus among the rows redrawn every poll (a model's button, a download's cancel), so that
+  // the button drawn in its place gets it back: a keyboard user's place survives the refresh.
+  function focusedKey() {
+    const f = document.activeElement;
+    if (!f || f.tagName !== "BUTTON") return null;
+    const row = f.closest("[data-model], [data-download]");
+    if (!row) return null;
+    return { model: row.dataset.model, download: row.dataset.download, action: f.dataset.action || "" };
+  }
+
+  function refocus(key) {
+    if (!key || (document.activeElement && document.activeElement !== document.body)) return;
+    const row = key.model !== undefined ? '[data-model="' + CSS.escape(key.model) + '"]'
+      : '[data-download="' + CSS.escape(key.download) + '"]';
+    const b = document.querySelector(row + " button" + (key.action ? '[data-action="' + key.action + '"]' : ""));
+    if (b) b.focus();
+  }
+
   function render() {
+    const key = focusedKey();
+    draw();
+    refocus(key);
+  }
+
+  function draw() {
     const tbody = $("loaded-table").tBodies[0];
     clear(tbody);
     const loaded = state.models.filter(isLoaded);
@@ -157,7 +181,8 @@
     for (const d of others) {
       const li = el("li", { "data-download": d.id });
       li.appendChild(el("span", {}, d.repo_id + "/" + d.filename + ": " + progressWords(d) + " "));
-      const b = el("button", { type: "button", "aria-label": "Cancel the download of " + d.filename }, "Cancel");
+      const b = el("button", { type: "button", "data-action": "cancel", "aria-label": "Cancel the download of " +
+        d.filename }, "Cancel");
       b.addEventListener("click", () => cancel(d));
       li.appendChild(b);
       ul.appendChild(li);

@@ -147,6 +147,10 @@ def test_the_models_view_shows_what_is_loaded_and_loads_and_unloads_with_an_admi
             break
         active.send_keys(Keys.TAB)
     assert browser.switch_to.active_element.get_attribute("aria-label") == target
+    # The listing is redrawn every 2 s: the focus stays on the model's button through two redraws.
+    drawn = int(body_state(browser)["modelsRenders"])
+    wait_for(browser, lambda: int(body_state(browser)["modelsRenders"]) >= drawn + 2, "two refreshes")
+    assert browser.switch_to.active_element.get_attribute("aria-label") == target
     browser.switch_to.active_element.send_keys(Keys.ENTER)
     wait_for(browser, lambda: settled(lambda: rows(browser)).get(INSTRUCT_NAME, {}).get("state") == "loaded",
              "the loaded instruct model", timeout_s=120)
