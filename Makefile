@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test fresh-test fresh-test-avx2 fresh-test-avx512 setup browser router bench soak clean
+.PHONY: run test vulkan run-vulkan test-vulkan fresh-test fresh-test-avx2 fresh-test-avx512 setup browser router bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,36 @@ setup: $(STAMP)
 
 run: setup
 	$(BIN)/python -m service
+
+# The Vulkan build (AMD, Intel and other GPUs through llama.cpp's Vulkan backend; lavapipe, Mesa's software device,
+# where there is none) in a virtual environment of its own, so that .venv and `make test` stay the CPU build:
+# tools/vulkan-deps installs Debian's Vulkan packages and, where the system's headers are too old for ggml-vulkan
+# (Debian 12), unpacks Debian 13's beside them; tools/llama-wheel builds the wheel once (10-20 minutes on 2 cores)
+# into a folder of pip's cache named by its flags.
+VULKAN_VENV := .venv-vulkan
+VULKAN_BIN := $(VULKAN_VENV)/bin
+VULKAN_STAMP := $(VULKAN_VENV)/.installed
+
+$(VULKAN_BIN)/python:
+	$(PYTHON) -m venv $(VULKAN_VENV)
+	$(VULKAN_BIN)/pip install --quiet --upgrade pip
+
+$(VULKAN_STAMP): pyproject.toml tools/llama-wheel tools/vulkan-deps | $(VULKAN_BIN)/python
+	include=$$(bash tools/vulkan-deps $(VULKAN_BIN)/python) && \
+	  CMAKE_ARGS="-DGGML_VULKAN=on -DVulkan_INCLUDE_DIR=$$include" bash tools/llama-wheel $(VULKAN_BIN)/python
+	$(VULKAN_BIN)/pip install --progress-bar off -e '.[test]'
+	touch $(VULKAN_STAMP)
+
+vulkan: $(VULKAN_STAMP)
+	$(VULKAN_BIN)/python tools/fetch-instruct-model
+
+run-vulkan: vulkan
+	$(VULKAN_BIN)/python -m service
+
+# The tests on a real Vulkan device (tests/vulkan, collected only by a Vulkan build); with no GPU, on lavapipe, which
+# ggml-vulkan skips unless named (the tests name it: GGML_VK_VISIBLE_DEVICES=0, or 0,0 for two devices).
+test-vulkan: vulkan
+	$(VULKAN_BIN)/python -m pytest -n 0 tests/vulkan
 
 # The page tests drive Debian's Chromium (installed with apt-get when missing; no browser download).
 browser: setup
@@ -66,4 +96,4 @@ soak: setup
 	$(BIN)/python bench/fuzz_probe.py --seconds 120
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VULKAN_VENV)
