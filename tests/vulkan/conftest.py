@@ -15,6 +15,7 @@ from typing import Iterator
 import pytest
 
 from service.engine.devices import gpu_backends, read_rows
+from tests.page.conftest import browser  # noqa: F401  (the page's headless Chromium, for the plan drawn on Vulkan0)
 
 collect_ignore_glob = [] if "vulkan" in gpu_backends() else ["test_*.py"]
 

@@ -7,11 +7,14 @@ so."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from service.engine.devices import LocalDevices, read_rows
 from sizing.probe import unreported_free
 from sizing.units import MIB
+from tests.page.test_page_browser import wait_render
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +55,12 @@ def test_a_device_named_twice_is_vulkan0_and_vulkan1(monkeypatch: pytest.MonkeyP
         assert cards[0].total_bytes == cards[1].total_bytes
 
 
-def test_the_embedded_gemma_loads_whole_on_vulkan0_and_answers(service_factory: object) -> None:
+def test_the_embedded_gemma_loads_whole_on_vulkan0_and_answers(service_factory: object, browser: Any) -> None:
     """The service plans gemma-3-270m on Vulkan0 (every layer: 18 blocks and the output), says where the card's
-    free memory was not read, loads it there (llama.cpp's allocations on Vulkan0) and answers a few tokens."""
+    free memory was not read (in the plan, the dry run's answer and under the card's bar on the page), loads it
+    there (llama.cpp's allocations on Vulkan0) and answers a few tokens."""
+    from selenium.webdriver.common.by import By
+
     svc = service_factory(GGUF_CONTEXT_LENGTH="2048", GGUF_MIN_CONTEXT="2048",  # type: ignore[operator]
                           GGUF_PARALLEL="1", GGUF_RUNNER_STALL_S="0", GGUF_EMBEDDINGS="off")
     with svc.running() as s:
@@ -75,6 +81,18 @@ def test_the_embedded_gemma_loads_whole_on_vulkan0_and_answers(service_factory: 
         dry = s.client.post("/api/dry-run", json={"model": model["name"]}).json()
         assert dry["devices"][0]["label"] == "Vulkan0"
         assert dry["devices"][0]["free_memory"] == dev["free_memory"]
+        browser.get(s.url + "/")
+        wait_render(browser, 0)
+        bar = browser.find_element(By.CSS_SELECTOR, '#bars figure.bar[data-device="Vulkan0"]')
+        notes = bar.find_elements(By.CSS_SELECTOR, 'p[data-field="free_note"]')
+        if dev["free_memory"] == "unreported":
+            assert [n.text for n in notes] == [dev["free_note"]]
+            margin = bar.find_element(By.CSS_SELECTOR, 'rect[data-kind="used"]')
+            assert float(margin.get_attribute("data-mib") or 0) == pytest.approx(dev["free_margin_mib"], abs=0.01)
+            assert "kept back (free memory not reported)" in (bar.find_element(By.TAG_NAME, "svg")
+                                                              .get_attribute("aria-label") or "")
+        else:
+            assert notes == []
         r = s.client.post("/v1/completions", json={"model": model["name"], "prompt": "The capital of France is",
                                                    "max_tokens": 3, "temperature": 0}, timeout=600)
         assert r.status_code == 200, r.text

@@ -38,8 +38,13 @@ def test_the_list_is_read_again_only_where_its_free_figures_are_ggmls_own(
     """A card that gives its total as free has nothing new to say: read once. One with a memory budget is read for
     each plan (here with ``reread_s`` 0)."""
     calls: list[int] = []
+
+    def read(timeout_s: float = D.READ_TIMEOUT_S) -> list[dict[str, Any]]:
+        calls.append(1)
+        return rows(free)
+
     monkeypatch.setattr(D, "gpu_backends", lambda libdir=None: ("vulkan",))
-    monkeypatch.setattr(D, "read_rows", lambda timeout_s=D.READ_TIMEOUT_S: calls.append(1) or rows(free))
+    monkeypatch.setattr(D, "read_rows", read)
     local = D.LocalDevices(reread_s=0.0)
     for _ in range(3):
         cards = local.cards()

@@ -11,9 +11,10 @@ from sizing.memory.estimate import DeviceMemory, MemoryEstimate
 from sizing.memory.kv import KvCells
 from sizing.model.spec import ModelSpec
 from sizing.plan import plan_json, plan_table
-from sizing.plan.device import MIB, Backend, Device
+from sizing.plan.device import Backend, Device
 from sizing.plan.make import PlanRequest, make_plan
 from sizing.plan.residency import available
+from sizing.units import MIB
 
 GIB = 1 << 30
 HOST = Device(0, "host memory", 48 * GIB, 64 * GIB, "host")
