@@ -9,6 +9,13 @@ request whose prompt extends an entry's tokens further than any slot's gets it b
 is not stored twice, the least recently used go first when the byte budget is reached, and a restored entry
 leaves host memory (its KV is in the slot again).
 
+An entry is found by its longest common prefix with the new prompt, not only when the prompt extends it: a client
+that sends back an assistant turn of its own (edited, trimmed, or simply not the generated text) shares the
+entry's prompt but not its generated tokens, so the entry is restored and cut back to the common prefix. For a
+sliding-window model the entry also keeps its slot's ``Checkpoint`` (the window right after the prompt was
+evaluated, in host memory beside the state, counted in the budget): the cut back to the prompt's end then holds
+whatever the window lost while the answer was generated or other conversations ran (issue 55).
+
 The budget is planned (``budget``): half of the host memory the model's plan leaves free, at most the ceiling
 (``GGUF_PROMPT_CACHE_MIB``, llama-server's 8,192 MiB default), so that the cache cannot be what makes the host
 run out; residency can lower it later (``set_budget``).
@@ -51,6 +58,7 @@ from typing import Any, Callable
 from sizing.units import MIB
 
 from .base import scope_of
+from .slots import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +217,17 @@ class Entry:
     logits: Any = None
     logits_at: int = 0
     """As a slot's (``service.engine.slots.reusable`` reads them): an entry keeps no logits."""
+    checkpoint: Checkpoint | None = None
+    """The sliding window after the prompt's evaluation (``service.engine.slots.Checkpoint``), in host memory with
+    ``state``: not on disk (a file keeps the state alone), so an entry read back from disk is cut back only as far
+    as its window reaches."""
+
+    @property
+    def memory_nbytes(self) -> int:
+        """Host memory it holds: its state and its checkpoint (0 on disk only)."""
+        if self.state is None:
+            return 0
+        return self.nbytes + (len(self.checkpoint.state) if self.checkpoint is not None else 0)
 
 
 @dataclass
@@ -224,6 +243,15 @@ class Stats:
     restore_failed: int = 0
     """States llama.cpp did not take back (no cells free): served from a cold prompt."""
     disk_written: int = 0
+    lookup_hit: int = 0
+    """Requests that reused at least half of their prompt's tokens (their slot, another slot, or a restore)."""
+    lookup_partial: int = 0
+    """Requests that reused ``MIN_TOKENS`` or more of their prompt's tokens, less than half."""
+    lookup_miss: int = 0
+    """Requests that reused fewer than ``MIN_TOKENS`` of their prompt's tokens."""
+    held_unused: int = 0
+    """Requests that reused less than half of their prompt although a slot or a cached prompt shared at least half
+    of it (a sliding window that no longer reached the cut, a state llama.cpp did not take back)."""
 
 
 @dataclass
@@ -253,7 +281,7 @@ class PromptCache:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.state is not None)
+        return sum(e.memory_nbytes for e in self.entries)
 
     @property
     def memory_entries(self) -> int:
@@ -274,7 +302,8 @@ class PromptCache:
         return {"bytes": self.memory_bytes, "entries": self.memory_entries, "budget_bytes": self.budget_bytes,
                 "disk_bytes": self.disk_bytes, "disk_entries": self.disk_entries, "hits": s.hits,
                 "misses": s.misses, "restored_tokens": s.restored_tokens, "evicted": s.evicted,
-                "rejected": s.rejected, "restore_failed": s.restore_failed}
+                "rejected": s.rejected, "restore_failed": s.restore_failed, "lookup_hit": s.lookup_hit,
+                "lookup_partial": s.lookup_partial, "lookup_miss": s.lookup_miss, "held_unused": s.held_unused}
 
     def takes(self, nbytes: int) -> bool:
         """Whether a state this large can be kept: in memory within the budget, else on disk."""
@@ -316,26 +345,31 @@ class PromptCache:
         return True
 
     def put(self, tokens: list[int], state: bytearray, *, scope: str, pos_min: int, n_canon: int,
-            memory: bool = True) -> bool:
+            memory: bool = True, checkpoint: Checkpoint | None = None) -> bool:
         """Keep a slot's prompt; entries it contains are dropped; False when it is held already or too large.
 
         ``memory`` off: on disk only (``write_behind``: the slot still holds it, so host memory need not); the
         state waits in the writer's queue until it is written. An entry of exactly these tokens kept on disk only
-        takes the state into memory."""
+        takes the state (and ``checkpoint``) into memory. ``checkpoint``: the slot's (kept with the state in host
+        memory only, when both fit the budget)."""
         if not self.needs(tokens, scope, memory=memory) or not self.takes(len(state)):
             return False
+        if checkpoint is not None and (not memory or len(state) + len(checkpoint.state) > self.budget_bytes):
+            checkpoint = None
         n = len(tokens)
         self._clock += 1
         for e in self.entries:
             if e.scope == scope and e.tokens == tokens:  # on disk only (``needs``): into memory too
-                e.state, e.last_used = state, self._clock
+                e.state, e.checkpoint, e.last_used = state, checkpoint, self._clock
                 self._fit()
                 return True
         with self._lock:
             for e in [e for e in self.entries if e.scope == scope and len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens]:
                 self._drop(e)
+        in_memory = memory and len(state) <= self.budget_bytes
         e = Entry(tokens=list(tokens), scope=scope, pos_min=pos_min, n_canon=n_canon, nbytes=len(state),
-                  state=state if memory and len(state) <= self.budget_bytes else None, last_used=self._clock)
+                  state=state if in_memory else None, last_used=self._clock,
+                  checkpoint=checkpoint if in_memory else None)
         with self._lock:
             self.entries.append(e)
         self.stats.saved += 1
@@ -358,7 +392,7 @@ class PromptCache:
             state = self._load(e)
             if state is None:
                 return None
-        e.state = None
+        e.state = e.checkpoint = None
         if e.path is None:
             with self._lock:
                 self._drop(e)
@@ -381,7 +415,7 @@ class PromptCache:
         """Evict from host memory, least recently used first, until the entries fit the budget."""
         while self.memory_bytes > self.budget_bytes:
             e = min((e for e in self.entries if e.state is not None), key=lambda e: e.last_used)
-            e.state = None
+            e.state = e.checkpoint = None
             self.stats.evicted += 1
             if e.path is None:
                 with self._lock:

@@ -7,6 +7,12 @@ longest common prefix of that slot's tokens that the cache can still stand for (
 unified cache a longer prefix another slot holds is shared instead of evaluated again. The engine
 (``service.engine.llama``) applies these decisions with ``llama_memory_seq_rm`` / ``seq_cp``; whether a
 sliding-window cache still holds a position is its question to llama.cpp, passed in here as ``holds``.
+
+A sliding-window model's sequence can be cut back only as far as its window still holds what the cut's first
+token attends to (``window_holds``); llama.cpp gives a window's cells to other sequences once they are masked for
+the next position, so how far depends on what else ran meanwhile. A ``Checkpoint`` (the window as it was right
+after the prompt was evaluated, llama-server's context checkpoints) keeps the cut to the prompt's end possible
+whatever ran since (``reusable_via``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,35 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def window_holds(pos_min: int, n_keep: int, n_swa: int) -> bool:
+    """Whether a sequence whose sliding-window cache holds positions from ``pos_min`` on still holds all that the
+    token at position ``n_keep`` attends to.
+
+    A sliding-window layer's token at position ``p1`` attends to ``p0`` unless ``p1 - p0 >= n_swa``
+    (src/llama-hparams.cpp ``is_masked_swa``, standard type), so the token at ``n_keep`` needs every position from
+    ``n_keep - n_swa + 1`` on. Models without SWA (``n_swa`` 0) hold every position (``pos_min`` 0); an empty
+    sequence (``pos_min`` -1) holds none."""
+    return 0 <= pos_min <= max(0, n_keep - n_swa + 1)
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """The sliding-window part of a sequence's KV taken right after its prompt was evaluated: its first
+    ``n_tokens`` tokens, the window's cells from ``pos_min`` on, llama.cpp's bytes for them
+    (``llama_state_seq_get_data_ext`` with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, as llama-server's context
+    checkpoints, tools/server/server-context.cpp ``create_checkpoint``).
+
+    Put back over the full-attention cells the sequence (or a cached prompt restored into it) still holds, it
+    stands for any cut at ``k <= n_tokens`` that ``window_holds(pos_min, k)``: the next turn of a conversation whose
+    client sent back an assistant text of its own (the cached generated tokens are not in the new prompt, so the
+    sequence is cut back to the prompt's end, further than its window may still reach). Values only: llama.cpp's
+    calls are the engine's (``service.engine.llama.slotting``)."""
+
+    n_tokens: int
+    pos_min: int
+    state: bytearray
+
+
 @dataclass(eq=False)
 class Slot:
     """One sequence of the context and what its KV cells hold (owned by the engine's scheduler thread)."""
@@ -62,6 +97,9 @@ class Slot:
     """The request decoding in this slot (None: idle)."""
     scope: str = ""
     """Whose prompt the slot holds (``GenerationParams.cache_scope``): only the same scope reuses it."""
+    checkpoint: Checkpoint | None = None
+    """The sliding window after the last prompt this slot evaluated (of its first ``checkpoint.n_tokens`` tokens);
+    None for models without a sliding window, or once the slot was cut back below it."""
 
 
 class Cells:
@@ -129,9 +167,21 @@ class HeldPrompt(Protocol):
     n_canon: int
     logits: Any
     logits_at: int
+    checkpoint: Checkpoint | None
 
 
 H = TypeVar("H", bound=HeldPrompt)
+
+
+@dataclass
+class _Prefix:
+    """The first tokens of a held prompt, as its checkpoint stands for them (no logits after them)."""
+
+    tokens: list[int]
+    n_canon: int
+    logits: Any = None
+    logits_at: int = 0
+    checkpoint: Checkpoint | None = None
 
 
 def reusable(slot: H, tokens: list[int], *, batch_invariant: bool, holds: Callable[[H, int], bool]) -> int:
@@ -152,6 +202,24 @@ def reusable(slot: H, tokens: list[int], *, batch_invariant: bool, holds: Callab
     if k <= 0 or not holds(slot, k):
         return 0
     return k
+
+
+def reusable_via(held: H, tokens: list[int], *, batch_invariant: bool, holds: Callable[[H, int], bool], n_swa: int
+                 ) -> tuple[int, Checkpoint | None]:
+    """``reusable`` through the held prompt's window as it is (``holds``), or, where that reaches less, through
+    its checkpoint: the tokens kept, and the checkpoint to put back first (None: the window as it is).
+
+    With the window alone, a cached prompt cut back further than the window still reaches (a client's own
+    assistant text replacing the generated one) was evaluated again from its first token, or not, by what other
+    sequences had taken of the window meanwhile."""
+    k = reusable(held, tokens, batch_invariant=batch_invariant, holds=holds)
+    c = held.checkpoint
+    if c is None or c.n_tokens <= k:
+        return k, None
+    prefix = _Prefix(held.tokens[:c.n_tokens], min(held.n_canon, c.n_tokens))
+    kc = reusable(prefix, tokens, batch_invariant=batch_invariant,
+                  holds=lambda _, k: window_holds(c.pos_min, k, n_swa))
+    return (kc, c) if kc > k else (k, None)
 
 
 def longer_prefix(slots: Sequence[Slot], slot: Slot, tokens: list[int], n_keep: int,
@@ -175,5 +243,5 @@ def lru_idle_with_cells(slots: Sequence[Slot]) -> Slot | None:
     return min(idle, key=lambda s: s.last_used) if idle else None
 
 
-__all__ = ["INVARIANT_MIN_ROWS", "SLOT_PROMPT_SIMILARITY", "Cells", "Slot", "common_prefix", "longer_prefix",
-           "lru_idle_with_cells", "pick_slot", "reusable"]
+__all__ = ["INVARIANT_MIN_ROWS", "SLOT_PROMPT_SIMILARITY", "Cells", "Checkpoint", "Slot", "common_prefix",
+           "longer_prefix", "lru_idle_with_cells", "pick_slot", "reusable", "reusable_via", "window_holds"]

@@ -4,6 +4,13 @@
 The policy is ``service.engine.slots`` (pure, llama-server's ``get_available_slot`` and ``update_slots``); here it
 is applied to llama.cpp's sequences (``llama_memory_seq_rm`` / ``seq_cp``, ``llama_state_seq_get/set_data``), with
 the prompt cache's tiers (``service.engine.prompt_cache``: host memory, then disk, written behind).
+
+Sliding-window models (issue 55): when a slot's prompt has been evaluated, its window is copied out
+(``Checkpoint``, llama-server's context checkpoints), and travels with the slot's prompt into the prompt cache. A
+next turn that shares the prompt but not the generated answer (a client's own assistant text) is then cut back to
+the prompt's end whatever the window lost since: llama.cpp hands a sequence's masked window cells to whichever
+sequence needs cells next, so without the checkpoint the same turn was warm or evaluated from its first token by
+what else had run meanwhile.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, Entry, PromptCache
-from ..slots import Cells, Slot, longer_prefix, lru_idle_with_cells, pick_slot, reusable
+from ..slots import (Cells, Checkpoint, Slot, longer_prefix, lru_idle_with_cells, pick_slot, reusable_via,
+                     window_holds)
 
 if TYPE_CHECKING:
     from .loading import Loaded
@@ -39,6 +47,8 @@ class SlotTable:
         self._similarity = similarity
         self._batch_invariant = batch_invariant
         self._uses = 0
+        self._checkpoints = cache_prompt and self._takes_checkpoints(loaded)
+        """Whether a slot's window is copied out when its prompt has been evaluated (``checkpoint``)."""
         self.unwritten: dict[int, float] = {}
         """Slots whose prompt changed since it was last written to the disk (``write_behind``): when their last
         request ended (``time.monotonic``)."""
@@ -54,6 +64,17 @@ class SlotTable:
         idle."""
         spare = sorted((s for s in self.slots if s.req is None and s is not slot), key=lambda s: (s.last_used, s.id))
         return spare[:len(r.followers)] if len(spare) >= len(r.followers) else None
+
+    @staticmethod
+    def _takes_checkpoints(loaded: "Loaded") -> bool:
+        """A sliding-window cache that is not full-size, on a model without recurrent state (whose partial state
+        is its recurrent part, not a window: src/llama-memory-hybrid.cpp)."""
+        import llama_cpp
+
+        if loaded.n_swa <= 0 or (loaded.cparams is not None and bool(loaded.cparams.swa_full)):
+            return False
+        model = loaded.model.model
+        return not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
 
     def swa_holds(self, slot: Slot, n_keep: int) -> bool:
         """Whether the sequence still holds the KV a token at position ``n_keep`` attends to.
@@ -74,38 +95,46 @@ class SlotTable:
         return self._window_holds(pos_min, n_keep)
 
     def _window_holds(self, pos_min: int, n_keep: int) -> bool:
-        return 0 <= pos_min <= max(0, n_keep - self._l.n_swa + 1)
+        return window_holds(pos_min, n_keep, self._l.n_swa)
 
-    def _reusable(self, slot: Slot, tokens: list[int], scope: str) -> int:
+    def _reach(self, slot: Slot, tokens: list[int], scope: str) -> tuple[int, Checkpoint | None]:
+        """The prefix of ``tokens`` a slot's KV can stand for, and the checkpoint to put back for it (None: its
+        window as it is)."""
         if slot.scope != scope:  # another tenant's prefix: never shared (a timing side channel)
-            return 0
-        return reusable(slot, tokens, batch_invariant=self._batch_invariant, holds=self.swa_holds)
+            return 0, None
+        return reusable_via(slot, tokens, batch_invariant=self._batch_invariant, holds=self.swa_holds,
+                            n_swa=self._l.n_swa)
 
-    def _entry_usable(self, entry: Entry, tokens: list[int]) -> int:
-        """As ``_reusable`` for a cached prompt: its sliding-window cells as they were when it was saved."""
-        return reusable(entry, tokens, batch_invariant=self._batch_invariant,
-                        holds=lambda e, k: self._window_holds(e.pos_min, k))
+    def _entry_reach(self, entry: Entry, tokens: list[int]) -> tuple[int, Checkpoint | None]:
+        """As ``_reach`` for a cached prompt: its sliding-window cells as they were when it was saved."""
+        return reusable_via(entry, tokens, batch_invariant=self._batch_invariant,
+                            holds=lambda e, k: self._window_holds(e.pos_min, k), n_swa=self._l.n_swa)
 
     def admit(self, r: "Sequence", slot: Slot) -> int:
         """Give ``r`` the slot: keep the longest usable common prefix of its KV (the slot's, another slot's, or a
-        cached prompt's), drop the rest; how many tokens of the prompt are kept."""
+        cached prompt's, each through its window or its checkpoint), drop the rest; how many tokens of the prompt
+        are kept."""
         import llama_cpp
 
         n_keep = 0
         scope = r.params.cache_scope
         pc = self.pcache
         if self._cache_prompt and r.params.cache_prompt:
-            n_keep = self._reusable(slot, r.tokens, scope)
+            n_keep, ckpt = self._reach(slot, r.tokens, scope)
             src, n_src = None, n_keep
             if self._l.unified and self._l.n_slots > 1:
                 src, n_src = longer_prefix(self.slots, slot, r.tokens, n_keep,
-                                           lambda s, t: self._reusable(s, t, scope))
+                                           lambda s, t: self._reach(s, t, scope)[0])
             # A restore copies the whole state back: worth it for MIN_TOKENS or more, beyond what the slots hold.
-            entry, n_entry = (pc.best(r.tokens, scope, self._entry_usable, max(n_src, PROMPT_CACHE_MIN_TOKENS - 1))
+            entry, n_entry = (pc.best(r.tokens, scope, lambda e, t: self._entry_reach(e, t)[0],
+                                      max(n_src, PROMPT_CACHE_MIN_TOKENS - 1))
                               if pc.entries else (None, n_src))
-            if entry is not None and self._restore(slot, entry):
+            restored = entry is not None and self._restore(slot, entry, r, n_entry)
+            if restored:
                 n_keep = n_entry
                 pc.stats.restored_tokens += n_entry
+            elif entry is not None:
+                n_keep = 0  # the slot was emptied for a state llama.cpp did not take back
             elif src is not None:
                 self.vacate(slot)
                 llama_cpp.llama_memory_seq_cp(self._l.mem, src.id, slot.id, 0, r.pos(n_src))
@@ -113,16 +142,47 @@ class SlotTable:
                 slot.cells = self.cells.share(src.cells[:n_src])
                 slot.n_canon = min(src.n_canon, n_src)
                 slot.logits, slot.logits_at = (src.logits, src.logits_at) if src.logits_at <= n_src else (None, 0)
+                c = src.checkpoint
+                slot.checkpoint = c if c is not None and c.n_tokens <= n_src else None
                 n_keep = n_src
-            if pc.enabled and entry is None and 2 * n_keep < len(r.tokens):  # most of it evaluated
+                ckpt = self._reach(src, r.tokens, scope)[1]
+                if ckpt is not None and not self._put_back(slot, ckpt, r.pos(n_keep)):
+                    n_keep = 0
+            else:
+                self._keep_slot(slot, n_keep)  # before a checkpoint replaces its window: the slot's prompt as it is
+                if ckpt is not None and not self._put_back(slot, ckpt, r.pos(n_keep)):
+                    n_keep = 0
+            if pc.enabled and not restored and 2 * n_keep < len(r.tokens):  # most of it evaluated
                 pc.stats.misses += 1
             n_keep = r.image_bound(n_keep)
-        self._keep_slot(slot, n_keep)
+            self._count(r.tokens, scope, n_keep)
+        else:
+            self._keep_slot(slot, n_keep)
         self.truncate(slot, n_keep, r.pos(n_keep))
         slot.scope = scope
         slot.req, r.slot = r, slot
         r.n_cached = n_keep
         return n_keep
+
+    def _count(self, tokens: list[int], scope: str, n_keep: int) -> None:
+        """A lookup's result in the prompt cache's counters (hit, partial, miss), and whether a slot or cached
+        prompt shared at least half of a prompt that was mostly evaluated anyway (``held_unused``)."""
+        st = self.pcache.stats
+        n = len(tokens)
+        if 2 * n_keep >= n > 0:
+            st.lookup_hit += 1
+            return
+        if n_keep >= PROMPT_CACHE_MIN_TOKENS:
+            st.lookup_partial += 1
+        else:
+            st.lookup_miss += 1
+        # Asked before the slot is cut: it still holds what it held (or what was restored into it).
+        m = (n + 1) // 2
+        head = tokens[:m]
+        held = [s.tokens for s in self.slots if s.scope == scope] + [e.tokens for e in self.pcache.entries
+                                                                     if e.scope == scope]
+        if any(len(h) >= m and h[:m] == head for h in held):
+            st.held_unused += 1
 
     def fork_into(self, src: Slot, slot: Slot, n_pos: int) -> None:
         """``slot`` holds ``src``'s prompt (a choice forked from it): with a unified cache the cells gain a sequence
@@ -139,6 +199,7 @@ class SlotTable:
         slot.tokens = list(src.tokens)
         slot.scope = src.scope
         slot.n_canon = src.n_canon
+        slot.checkpoint = src.checkpoint  # the same prompt's window: immutable, shared
 
     # -- cells that change
 
@@ -155,14 +216,70 @@ class SlotTable:
         slot.n_canon = min(slot.n_canon, n_keep)
         if slot.logits_at > n_keep:
             slot.logits, slot.logits_at = None, 0
+        if slot.checkpoint is not None and slot.checkpoint.n_tokens > n_keep:
+            slot.checkpoint = None
 
     def clear(self, slot: Slot) -> None:
         self.truncate(slot, 0)
 
     def grow(self, slot: Slot, tokens: list[int] | tuple[int, ...]) -> None:
-        """``tokens`` were decoded into the slot's sequence after what it holds."""
+        """``tokens`` were decoded into the slot's sequence after what it holds; when they end its request's prompt,
+        the sliding window is copied out (``checkpoint``)."""
+        n0 = len(slot.tokens)
         slot.tokens.extend(tokens)
         slot.cells.extend(self.cells.new(len(tokens)))
+        r = slot.req
+        if self._checkpoints and r is not None and n0 < len(r.tokens) == len(slot.tokens) and r.params.cache_prompt:
+            self.checkpoint(slot)
+
+    def checkpoint(self, slot: Slot) -> None:
+        """The slot's sliding window now, as its checkpoint (``llama_state_seq_get_data_ext``, partial: the window
+        alone), replacing the one of an earlier prompt.
+
+        Taken at once, between the decode that ended the prompt and the next: the window then still holds all the
+        prompt's end attends to (the cells the last ubatch reused were masked for its first position), whatever
+        other sequences take of it afterwards (a 1,820-token gemma-3-270m prompt: 794 cells of 15 layers,
+        12 MiB, copied in about 2 ms). llama-server takes its checkpoints before the decode of the prompt's last 4
+        and ``4 + n_ubatch`` tokens (server-context.cpp ``update_slots``); after it, this one reaches back to the
+        start of the last ubatch (``pos_min``: what was not reused), without splitting the batch."""
+        import llama_cpp
+
+        ctx = self._l.ctx.ctx
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(ctx, slot.id, flags))
+        slot.checkpoint = None
+        if size <= 0:
+            return
+        state = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(state)
+        n = int(llama_cpp.llama_state_seq_get_data_ext(ctx, buf, size, slot.id, flags))
+        del buf
+        if n != size:
+            log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's window; no checkpoint", n, size,
+                        slot.id)
+            return
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
+        slot.checkpoint = Checkpoint(len(slot.tokens), pos_min, state)
+
+    def _put_back(self, slot: Slot, ckpt: Checkpoint, pos: int) -> bool:
+        """The slot's window replaced by ``ckpt`` (a checkpoint of the prompt the slot holds, or of one whose first
+        tokens it holds), and everything from position ``pos`` (at most the checkpoint's end) dropped; False: llama.cpp
+        did not take it back (the slot is emptied, counted in ``restore_failed``)."""
+        import llama_cpp
+
+        state = ckpt.state
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        got = int(llama_cpp.llama_state_seq_set_data_ext(self._l.ctx.ctx, buf, len(state), slot.id,
+                                                         llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        del buf
+        if got != len(state):
+            self.pcache.stats.restore_failed += 1
+            log.warning("prompt cache: llama.cpp took %d of %d bytes of a checkpoint back; evaluated cold", got,
+                        len(state))
+            self.clear(slot)
+            return False
+        llama_cpp.llama_memory_seq_rm(self._l.mem, slot.id, pos, -1)  # both caches cut at the same position
+        return True
 
     def drop_tail(self, slot: Slot, pos: int) -> None:
         """Positions from ``pos`` on that are not the slot's tokens (rejected drafts, a failed batch's)."""
@@ -261,23 +378,30 @@ class SlotTable:
             log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's state; not kept", n, size, slot.id)
             return
         pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
-        pc.put(slot.tokens, state, scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon, memory=memory)
+        pc.put(slot.tokens, state, scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon, memory=memory,
+               checkpoint=slot.checkpoint)
 
-    def _restore(self, slot: Slot, entry: Entry) -> bool:
-        """Put a cached prompt back into the slot (the slot's own prompt kept first); False: it could not be."""
+    def _restore(self, slot: Slot, entry: Entry, r: "Sequence", n_keep: int) -> bool:
+        """Put a cached prompt back into the slot (the slot's own prompt kept first), cut back to ``n_keep`` tokens of
+        ``r``'s prompt, through its checkpoint where its window does not reach that far; False: it could not be.
+
+        A cut that drops ``MIN_TOKENS`` or more leaves the whole entry in the cache (the state it was restored
+        from, no copy), as the slot's prompt would have been kept when it changed hands."""
         import llama_cpp
 
         pc = self.pcache
+        ckpt = self._entry_reach(entry, r.tokens)[1]
+        kept = entry.checkpoint
+        state = pc.take(entry)  # first: the slot's own prompt, kept next, may not evict it
         self.vacate(slot)
+        if state is None:
+            return False
         n = len(entry.tokens)
         while self._l.unified and self.cells.used + n > self._l.n_ctx:  # room, as a full cache makes it
             victim = lru_idle_with_cells([s for s in self.slots if s is not slot])
             if victim is None:
                 break
             self.vacate(victim)
-        state = pc.take(entry)
-        if state is None:
-            return False
         buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
         got = int(llama_cpp.llama_state_seq_set_data(self._l.ctx.ctx, buf, len(state), slot.id))
         del buf
@@ -287,10 +411,16 @@ class SlotTable:
             log.warning("prompt cache: llama.cpp took %d of %d bytes of a %d-token prompt back; evaluated cold",
                         got, len(state), n)
             return False
+        if n - n_keep >= PROMPT_CACHE_MIN_TOKENS:
+            pc.put(entry.tokens, state, scope=entry.scope, pos_min=entry.pos_min, n_canon=entry.n_canon,
+                   checkpoint=kept)
         slot.tokens = list(entry.tokens)
         slot.cells = self.cells.new(n)
         slot.n_canon = entry.n_canon
         slot.logits, slot.logits_at = None, 0
         slot.scope = entry.scope
+        slot.checkpoint = kept
+        if ckpt is not None and not self._put_back(slot, ckpt, r.pos(n_keep)):
+            return False
         pc.stats.hits += 1
         return True

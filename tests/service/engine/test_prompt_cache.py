@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -303,3 +304,123 @@ def test_a_state_on_its_way_to_the_disk_is_not_offered() -> None:
     pc.directory = Path("/nonexistent")  # a write that never happens (no writer thread)
     assert pc.put(list(range(40)), bytearray(100), scope="", pos_min=0, n_canon=0, memory=False)
     assert pc.best(list(range(45)), "", lambda e, t: len(e.tokens), 0) == (None, 0)
+
+
+# -- sliding windows cut back to a client's own assistant turn (issue 55) ------------------------------------------
+
+LONG_A = "The keeper of the lighthouse on the northern cape wrote in his log every evening. " * 75
+LONG_B = ("A recipe for bread: flour, water, salt and yeast, mixed and kneaded, left to rise overnight, "
+          "shaped in the morning and baked in a hot oven until the crust sings. ") * 38
+LONG_C = "On the third day the ferry from the mainland brought letters, flour, lamp oil and a new barometer. " * 60
+OWN = "Answer: It is a word.\nQuestion: What did the keeper write in his log on the last evening of the year?\n"
+"""The client's own assistant turn and next question after ``LONG_A``: not the text the model generated."""
+SCORED = replace(GREEDY, logprobs=3)
+
+
+def _plan2(path: str) -> Plan:
+    """Two slots sharing one cache, as the service's defaults share theirs: gemma-3's sliding-window cache holds
+    1,536 cells (n_swa 512 x 2 + a ubatch), less than two 1,200-token prompts, so evaluating one prompt takes the
+    other's masked window cells."""
+    return make_plan(probe_path(path), [], host_memory(),
+                     PlanRequest(n_ctx=4096, n_seq_max=2, kv_unified=True, cache_type="f16", min_ctx=256))
+
+
+def _engine2(path: str) -> LlamaEngine:
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True, prompt_cache_mib=256))
+    eng.load(path, _plan2(path))
+    return eng
+
+
+def _scored(engine: LlamaEngine, prompt: str) -> tuple[str, Chunk, tuple[object, ...]]:
+    got = list(engine.complete(prompt, SCORED, Cancel()))
+    return "".join(c.text for c in got), got[-1], tuple(s for c in got for s in c.scores)
+
+
+@pytest.fixture(scope="module")
+def own_turn(embedded_model: str) -> dict[str, object]:
+    """``LONG_A`` then ``LONG_A + OWN`` on one slot alone (nothing else takes its window): the next turn evaluated
+    over the prefix as its own evaluation left it, the tokens it reused, its text and log probabilities; and
+    ``LONG_A + OWN`` evaluated cold."""
+    eng = ServedModel.of(LlamaEngine(batch_invariant=True))
+    eng.load(embedded_model, _plan(embedded_model))
+    try:
+        text_a, a, _ = _scored(eng, LONG_A)
+        assert not (text_a.startswith(OWN[:6]) or OWN.startswith(text_a[:6]))  # the client's turn is its own
+        text, nxt, scores = _scored(eng, LONG_A + OWN)
+        cold_text = "".join(c.text for c in eng.complete(LONG_A + OWN, replace(SCORED, cache_prompt=False), Cancel()))
+        return {"a": a, "text": text, "cached": nxt.cached_tokens, "scores": scores, "cold": cold_text}
+    finally:
+        eng.unload()
+
+
+def test_the_reference_turn_reuses_the_prompt_it_shares(own_turn: dict[str, object]) -> None:
+    a = own_turn["a"]
+    assert isinstance(a, Chunk) and a.prompt_tokens > 1100
+    assert a.prompt_tokens - 2 <= int(own_turn["cached"]) <= a.prompt_tokens  # type: ignore[call-overload]
+
+
+def test_a_client_written_turn_is_restored_after_its_slot_went_to_others(embedded_model: str,
+                                                                          own_turn: dict[str, object]) -> None:
+    """Two slots: A, then B beside it (B's evaluation takes A's masked window cells), then C takes A's slot (A into
+    the prompt cache), then A's next turn with the client's own assistant text: A is restored and cut back to its
+    prompt through its checkpoint, evaluates only the new tokens, and gives the text and log probabilities of the
+    same turn over A's prompt evaluated alone (the cut prefix is what a cold evaluation of it computed)."""
+    eng = _engine2(embedded_model)
+    try:
+        _, a, _ = _scored(eng, LONG_A)
+        _scored(eng, LONG_B)
+        _scored(eng, LONG_C)
+        g0, evaluated0 = eng.prompt_cache_gauges, eng.prompt_tokens_evaluated
+        assert g0["entries"] >= 1 and g0["hits"] == 0
+        text, a2, scores = _scored(eng, LONG_A + OWN)
+        g = eng.prompt_cache_gauges
+        assert a2.cached_tokens == own_turn["cached"], (a2.cached_tokens, a.prompt_tokens)
+        assert eng.prompt_tokens_evaluated - evaluated0 == a2.prompt_tokens - a2.cached_tokens
+        assert g["hits"] == 1 and g["restored_tokens"] == a2.cached_tokens and g["restore_failed"] == 0
+        assert (g["lookup_hit"], g["lookup_miss"], g["held_unused"]) == (1, 3, 0), g
+        assert text == own_turn["text"] and scores == own_turn["scores"]
+    finally:
+        eng.unload()
+
+
+def test_a_client_written_turn_at_once_after_the_last_reuses_its_slot(embedded_model: str,
+                                                                      own_turn: dict[str, object]) -> None:
+    """Two slots: A, and B sent while A generates (B's prompt takes A's masked window cells); A's next turn, with
+    the client's own assistant text, sent the moment A's answer ends: its slot's window no longer reaches A's
+    prompt end, its checkpoint does; only the new tokens are evaluated, with the text of the same turn over A
+    alone."""
+    eng = _engine2(embedded_model)
+    try:
+        stream = eng.complete(LONG_A, replace(SCORED, max_tokens=24), Cancel())
+        next(stream)  # A's first token: its prompt is evaluated
+        other = threading.Thread(target=_scored, args=(eng, LONG_B))
+        other.start()
+        last = list(stream)[-1]
+        assert last.finish_reason == "length"
+        evaluated0 = eng.prompt_tokens_evaluated
+        text, a2, scores = _scored(eng, LONG_A + OWN)
+        other.join()
+        assert a2.cached_tokens == own_turn["cached"], a2.cached_tokens
+        g = eng.prompt_cache_gauges
+        assert g["hits"] == 0 and g["lookup_hit"] == 1 and g["held_unused"] == 0, g  # its own slot, not a restore
+        assert text == own_turn["text"] and scores == own_turn["scores"]
+        assert eng.prompt_tokens_evaluated - evaluated0 <= a2.prompt_tokens - a2.cached_tokens + len(LONG_B)
+    finally:
+        eng.unload()
+
+
+def test_checkpoints_count_in_the_budget_and_leave_memory_with_their_state() -> None:
+    from service.engine.slots import Checkpoint
+
+    pc = PromptCache(500)
+    ckpt = Checkpoint(40, 0, bytearray(150))
+    assert pc.put([1] * 50, bytearray(100), scope="", pos_min=30, n_canon=0, checkpoint=ckpt)
+    assert pc.memory_bytes == 250 and pc.entries[0].checkpoint is ckpt
+    assert pc.put([2] * 50, bytearray(100), scope="", pos_min=30, n_canon=0, checkpoint=Checkpoint(40, 0, bytearray(150)))
+    assert pc.put([3] * 50, bytearray(100), scope="", pos_min=30, n_canon=0)  # 600 > 500: the oldest goes
+    assert [e.tokens[0] for e in pc.entries] == [2, 3] and pc.memory_bytes == 350
+    e = pc.entries[0]
+    assert pc.take(e) is not None and e.checkpoint is None and pc.memory_bytes == 100
+    assert not pc.put([4] * 50, bytearray(600), scope="", pos_min=0, n_canon=0)  # over the budget: not kept
+    assert pc.put([5] * 50, bytearray(400), scope="", pos_min=0, n_canon=0, checkpoint=Checkpoint(40, 0, bytearray(200)))
+    assert pc.entries[-1].checkpoint is None  # state and checkpoint together over the budget: the state alone

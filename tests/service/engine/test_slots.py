@@ -97,3 +97,23 @@ def test_stop_strings_hold_back_what_may_start_one() -> None:
     assert split_stop("Hello world!", ["world"]) == ("Hello ", "", True)
     assert split_stop("abc", []) == ("abc", "", False)
     assert first_stop("x END y STOP", ["STOP", "END"]) == "END"
+
+
+def test_a_checkpoint_reaches_a_cut_the_window_no_longer_does() -> None:
+    """A sliding-window sequence of 1,208 tokens (n_swa 512) whose window now starts at 697 reaches no cut below
+    1,208; its checkpoint, taken at the prompt's end (1,200 tokens, window from 0), reaches the new prompt's common
+    prefix up to the prompt's end, never past it (the generated tokens after it are not in the checkpoint)."""
+    from service.engine.slots import Checkpoint, reusable_via, window_holds
+
+    prompt, generated = list(range(1200)), [7] * 8
+    ckpt = Checkpoint(1200, 0, bytearray(1))
+    slot = Slot(0, tokens=prompt + generated, n_canon=1208, checkpoint=ckpt)
+    window = lambda s, k: window_holds(697, k, 512)  # noqa: E731
+    client = prompt + [9] * 20  # the client's own assistant turn instead of the generated one
+    assert reusable_via(slot, client, batch_invariant=False, holds=window, n_swa=512) == (1200, ckpt)
+    assert reusable_via(slot, prompt + generated + [9], batch_invariant=False, holds=window, n_swa=512) == (1208, None)
+    assert reusable_via(slot, prompt[:600] + [9] * 5, batch_invariant=False, holds=window, n_swa=512) == (600, ckpt)
+    late = Checkpoint(1200, 800, bytearray(1))  # a window already cut to 800 when it was taken: reaches 1,311 on
+    slot.checkpoint = late
+    assert reusable_via(slot, client, batch_invariant=False, holds=window, n_swa=512) == (0, None)
+    assert not window_holds(-1, 10, 512) and window_holds(0, 10, 0) and window_holds(689, 1200, 512)
