@@ -186,7 +186,14 @@ class _ServerState(Collector):
             ("misses", "Requests of whose prompt the slots held less than half and the prompt cache nothing (since load)."),
             ("restored_tokens", "Prompt tokens restored from the prompt cache instead of evaluated (since load)."),
             ("evicted", "Cached prompts evicted from host memory to keep the budget (since load)."),
-            ("rejected", "Cache files ignored: another model or parameters, truncated, corrupt (since load)."))}
+            ("rejected", "Cache files ignored: another model or parameters, truncated, corrupt (since load)."),
+            ("held_unused", "Requests that reused less than half of their prompt although a slot or a cached prompt "
+             "shared at least half of it: a sliding window that no longer reached the cut, a state llama.cpp did not "
+             "take back (since load)."))}
+        lookups = CounterMetricFamily(
+            "gguf_prompt_cache_lookups", "Requests by how much of their prompt the slots and the prompt cache gave "
+            "back (since load): hit, at least half of its tokens; partial, 32 or more but less than half; miss, fewer.",
+            labels=["model", "result"])
         msp: list[tuple[str, int, int, int, int]] = []
         for st in loaded:
             runner, engine, name = st.runner, st.engine, st.name
@@ -207,6 +214,9 @@ class _ServerState(Collector):
             for k, count in pc_counts.items():
                 if k in pc:
                     count.add_metric([name], pc[k])
+            for result in ("hit", "partial", "miss"):
+                if f"lookup_{result}" in pc:
+                    lookups.add_metric([name, result], pc[f"lookup_{result}"])
             info = self._manager.describe(st) or {}
             for m in info.get("memory", []):
                 device.add_metric([name, m["device"], "allocated"], int(m["allocated_mib"] * MIB))
@@ -224,6 +234,7 @@ class _ServerState(Collector):
         yield from families.values()
         yield from pc_gauges.values()
         yield from pc_counts.values()
+        yield lookups
         yield from self._msp(msp)
         yield device
         yield speed

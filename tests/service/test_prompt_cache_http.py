@@ -49,10 +49,11 @@ def _complete(svc: ServiceProcess, prompt: str, key: str | None = None, **body: 
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def _metric(svc: ServiceProcess, name: str, key: str | None = None) -> float:
+def _metric(svc: ServiceProcess, name: str, key: str | None = None, label: str = "") -> float:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     text = svc.client.get("/metrics", headers=headers).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 def test_turns_beyond_the_slot_survive_eviction_and_restart(tmp_path: Path) -> None:
@@ -69,6 +70,10 @@ def test_turns_beyond_the_slot_survive_eviction_and_restart(tmp_path: Path) -> N
         assert n > 150, n  # A came back: only its new tokens evaluated
         assert _metric(svc, "gguf_prompt_cache_hits_total") == 1
         assert _metric(svc, "gguf_prompt_cache_restored_tokens_total") == n
+        lookups = {r: _metric(svc, "gguf_prompt_cache_lookups_total", label=f'result="{r}"')
+                   for r in ("hit", "partial", "miss")}
+        assert lookups == {"hit": 1, "partial": 0, "miss": 2}, lookups  # A and B cold, A's next turn restored
+        assert _metric(svc, "gguf_prompt_cache_held_unused_total") == 0
         assert _metric(svc, "gguf_prompt_cache_bytes") > 0  # B, now
         holds = loaded_model(svc.client)["prompt_cache"]["holds"]
         assert holds["entries"] == 1 and holds["hits"] == 1
