@@ -1,5 +1,6 @@
 """``python -m service``: serve with uvicorn on the configured host and port; ``python -m service worker``: serve
-this machine's devices to a model planned over several machines (``service.rpc.worker``).
+this machine's devices to a model planned over several machines (``service.rpc.worker``); ``python -m service
+tunnel``: a worker's ports over mutual TLS across a network others reach (``service.rpc.tunnel``).
 
 Refuses to start (exit 2, one clear line) with settings it must not serve with: a non-loopback
 address without API keys, an unreadable key file, a malformed CORS origin, a malformed ``GGUF_RPC_WORKERS`` (or
@@ -54,6 +55,10 @@ def main() -> int:
         from .rpc.worker import main as worker
 
         return worker(sys.argv[2:])
+    if sys.argv[1:2] == ["tunnel"]:  # a worker's ports over mutual TLS (service.rpc.tunnel)
+        from .rpc.tunnel import main as tunnel
+
+        return tunnel(sys.argv[2:])
     try:
         settings = Settings()
         parse_workers(settings.rpc_workers, runner_process=settings.runner_process)
