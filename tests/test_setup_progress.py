@@ -20,6 +20,8 @@ echo '[ 12%] Building C object vendor/llama.cpp/ggml/src/CMakeFiles/ggml-base.di
 echo 'cc1: note: a warning nobody reads'
 sleep 1.2
 echo '[41/210] Building CXX object vendor/llama.cpp/src/CMakeFiles/llama.dir/llama-model.cpp.o'
+echo '[42/210] /usr/bin/g++ -DGGML_USE_CPU -DLLAMA_BUILD -I/tmp/pip-wheel-x/include -O3 -o vendor/llama.cpp/src/CMakeFiles/llama.dir/llama-vocab.cpp.o -c /tmp/pip-wheel-x/vendor/llama.cpp/src/llama-vocab.cpp'
+echo '[210/210] : && /usr/bin/g++ -fPIC -O3 -shared -Wl,-soname,libllama.so -o vendor/llama.cpp/bin/libllama.so a.o b.o && :'
 echo '  *** Created llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl'
 """
 SHOWN = r"^\s*(\*\*\* |Building wheel|Created wheel|Successfully|ERROR)"
@@ -39,6 +41,8 @@ def test_build_lines_and_steps_are_shown_with_the_time_and_the_rest_is_not() -> 
     said = [line.split(": ", 1)[1] for line in lines[1:]]
     assert "[ 12%] Building C object vendor/llama.cpp/ggml/src/CMakeFiles/ggml-base.dir/ggml.c.o" in said
     assert "[ 19%] 41/210 Building CXX object vendor/llama.cpp/src/CMakeFiles/llama.dir/llama-model.cpp.o" in said
+    # A verbose build's compiler commands, as the file each makes.
+    assert "[ 20%] 42/210 compiling llama-vocab.cpp.o" in said and "[100%] 210/210 linking libllama.so" in said
     assert "  *** Configuring CMake..." in said and any("Created llama_cpp_python" in s for s in said)
     assert not any("compiler identification" in s or "cc1: note" in s for s in said), "the rest stays quiet"
     # Nothing came for 1.2 s, more than --every: a line said it was still running, and what it had reached.
