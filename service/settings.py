@@ -181,9 +181,9 @@ class Settings(BaseSettings):
         "a cached one (llama-server's cache_prompt). Off: every prompt is evaluated whole.",
     )
     speculative: Literal["ngram", "off"] = Field(
-        "ngram", description="Self-speculative decoding: each step drafts the tokens that followed the last earlier "
-        "occurrence of the sequence's last 12, 6, 3 or 2 tokens (llama-server's ngram-simple) and keeps those the model "
-        "chooses itself, so the answer is the one without drafts up to the rounding of rows computed together (an AVX2 "
+        "ngram", description="Self-speculative decoding: each step drafts the tokens that followed the earlier place "
+        "agreeing longest with the sequence's last tokens (llama-server's ngram-simple and ngram-mod), as many as that "
+        "agreement's drafts kept so far make worth it, and keeps those the model chooses itself, so the answer is the one without drafts up to the rounding of rows computed together (an AVX2 "
         "build can turn a greedy answer; docs/batching.md; batch_invariant turns drafting off); a request's "
         "`speculative: false` turns it off for that request. off: one token a step.",
     )

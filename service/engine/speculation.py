@@ -2,29 +2,39 @@
 llama.cpp.
 
 Where an answer copies from its context (an edited text, tool arguments quoting the prompt, a JSON answer
-repeating its input, code rewritten), the tokens that followed the last earlier occurrence of the sequence's
-last tokens are a good guess of the tokens that come next: prompt lookup, llama-server's ``ngram-simple``
-speculation (common/ngram-map.cpp of the llama.cpp that llama-cpp-python 0.3.36 vendors: "the m tokens
-following the last occurrence of the current n-gram"). The engine (``service.engine.llama``) puts the guessed
-tokens into the same batch as the sequence's next token and keeps those the model itself would have chosen:
-with greedy decoding a drafted token is accepted exactly when it is the argmax of the row before it, so the
-answer is the one non-speculative decoding gives, several tokens a step.
+repeating its input, code rewritten, a table copied), the tokens that followed an earlier place agreeing with the
+sequence's last tokens are a good guess of the tokens that come next: prompt lookup, llama-server's
+``ngram-simple`` and ``ngram-mod`` speculation (common/ngram-map.cpp, common/ngram-mod.cpp and
+common/speculative.cpp of the llama.cpp that llama-cpp-python 0.3.36 vendors). The engine
+(``service.engine.llama``) puts the guessed tokens into the same batch as the sequence's next token and keeps those
+the model itself would have chosen: with greedy decoding a drafted token is accepted exactly when it is the argmax
+of the row before it, so the answer is the one non-speculative decoding gives, several tokens a step.
 
-``NgramDrafter`` finds the guesses; ``DraftPolicy`` decides how many to verify: a draft costs rows of a batch
-(the output head alone is n_vocab x n_embd multiply-adds a row), so the length follows what the last drafts
-kept, and a sequence whose drafts keep being rejected stops drafting for a while, the pause doubling each time
-it happens again.
+``NgramDrafter`` finds the place agreeing longest with the sequence's end, among its own tokens and its scope's
+earlier answers, and how long the agreement is; ``NgramPolicy`` decides how many of the tokens that followed it to
+verify, from that length and from what the request's earlier drafts of such lengths kept. Where a text repeats a
+small vocabulary (logs, tables, code) a few tokens agree with many places, and a guess from them is mostly wrong;
+llama-server's ngram-mod answers that with 24-token keys only. Here the length of the agreement classes the draft,
+and each class's measured acceptance sizes it: short agreements draft where they are kept (a copy just resumed
+after an edit), not where they are not (a table's rows, a word list). ``DraftPolicy`` sizes a draft model's
+guesses, which come with no such length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NGRAM_SIZES = (12, 6, 3, 2)
-"""The n-gram lengths looked up, longest first: a long match tells which of several places that share a few
-tokens the answer is copying (records of the same keys: 420 of 420 drafted tokens kept against 339 of 570 with
-3-grams first, bench/speculative_bench.py ``json``); a 2-gram finds the copy again soonest after an edit.
-llama-server's ngram-simple looks up 12 tokens only."""
+NGRAM_SIZES = (32, 16, 8, 4, 2)
+"""The key lengths looked up, longest first: the first that occurred before gives the places compared
+(``CHAIN_MAX``), whose agreement with the sequence is measured token by token (``MATCH_MAX``). Long keys tell apart the places that share a few tokens (records of the same keys, a small
+vocabulary); the 2-gram finds the copy again soonest after an edit. llama-server's ngram-simple looks up 12
+tokens, its ngram-mod 24."""
+CHAIN_MAX = 8
+"""The places of one key compared, latest first (``_Index.best``): on a text of few words a 2-token key's latest
+place agrees on 2 or 3 tokens where an earlier one agrees on 5."""
+MATCH_MAX = 64
+"""The longest agreement measured: as long as any draft (``GGUF_DRAFT_MAX`` 48), and llama-server's ngram-mod
+drafts at most 64."""
 DRAFT_MAX = 48
 """The most tokens drafted for one sequence in one step (``GGUF_DRAFT_MAX``; llama-server's ngram-simple drafts
 up to 48 too). 32 against 16 took the bench's copy from 144 to 153 tokens/s and its JSON from 163 to 189; 48
@@ -33,42 +43,101 @@ against 186.0."""
 DRAFT_MIN = 1
 """Fewer tokens than this are not worth a draft."""
 DRAFT_START = 4
-"""A sequence's first draft length; it doubles while drafts are kept whole and falls to what was kept (at least
-one) when one is not: a drafted row costs about a sixth of a one-token step (gemma-3-270m on 2 cores: 21 ms for
-one row, +3.5 to 4 ms a row up to 24), a kept one saves a step."""
-LONG_MATCH = 12
-"""A draft found by an n-gram of at least this many tokens is verified at full length (``DraftPolicy.budget``):
-that many tokens agreeing with an earlier place of the context means the answer is copying it, and it goes on
-copying past where the last draft stopped agreeing (an edit, a changed word). The ramp from ``DRAFT_START`` costs
-a copy a step of fixed cost per doubling: the bench's copy went from 163 to 172 tokens/s (the service alone,
-bench/speculative_bench.py's prompts), as llama-server's ngram-mod drafts its 48 to 64 tokens at once from 24-token
-matches. A wrong full-length draft costs its rows (a sixth of a step each, ``DRAFT_START``). A 6-gram at 16 tokens
-was tried and not kept: the copy fell to 174 from 186 (more rejected rows), JSON gained nothing. ``GGUF_DRAFT_MAX``
-64 against 48: copy 152 against 172."""
+"""A draft model's first draft length (``DraftPolicy``); it doubles while drafts are kept whole and falls to what
+was kept (at least one) when one is not."""
+ROW_COST = 0.18
+"""A drafted row's cost, in one-token steps: gemma-3-270m on 2 cores, 21 ms for one row and +3.5 to 4 ms a row up
+to 24 (the output head alone is n_vocab x n_embd multiply-adds a row). ``NgramPolicy`` drafts the length that makes
+the most tokens per unit of step time for the acceptance it expects."""
+MATCH_CLASSES = (2, 4, 8, 16, 32, MATCH_MAX)
+"""The lower bounds of the agreement-length classes whose acceptance ``NgramPolicy`` measures apart."""
+PRIOR_KEPT = (0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
+"""Each class's expected share of drafted tokens kept, one after the other, before a request has drafted from it:
+(measured on bench/speculative_bench.py's copies, greedy, the embedded model)."""
+PRIOR_WEIGHT = 4.0
+"""How many tokens of evidence the prior is worth."""
+DECAY = 0.9
+"""Each draft of a class weighs the class's earlier evidence by this: the acceptance followed is the recent one."""
+MIN_GAIN = 1.05
+"""A draft is made where the tokens it is expected to give per unit of step time are at least this many times a
+step's one token (the row cost is a model: what it leaves out should not make a draft a loss)."""
 POOL_ANSWERS = 8
 """Finished answers a cache scope's n-gram pool keeps for later requests' drafts (``NgramPool``)."""
-POOL_MIN_MATCH = 6
-"""The shortest n-gram looked up in the pool: two or three tokens shared with another answer say little about
+POOL_MIN_MATCH = 8
+"""The shortest key looked up in the pool: two or three tokens shared with another answer say little about
 what follows here (sampled prose drafted from the pool on 2- and 3-grams kept 28 of 209 tokens and ran at 0.98x
 its speed without drafts; ngram-mod looks up 24-grams only)."""
 PAUSE_AFTER_MISSES = 3
-"""Consecutive drafts rejected whole before a sequence stops drafting."""
+"""Consecutive drafts rejected whole before a sequence drafting from a draft model stops for a while."""
 PAUSE_TOKENS = 16
 """The first pause, in generated tokens; each later pause of the same request is twice the last one."""
 
 
-def _index_into(index: dict[tuple[int, ...], int], tokens: list[int], start: int, sizes: tuple[int, ...]) -> None:
-    """The n-grams ending just before each position ``i >= start`` (``tokens[i - n:i]``) map to ``i``, the position
-    of the token that followed them; the latest occurrence wins."""
-    for n in sizes:
-        for i in range(max(n, start), len(tokens)):
-            index[(n, *tokens[i - n:i])] = i
+@dataclass
+class _Index:
+    """Where each key of a token list occurred: per key length, the position after its latest occurrence, and for
+    every position the one after the key's occurrence before (a hash chain, as zlib's deflate finds its matches),
+    so that the several places a short key occurred can be compared. Keys are hashed: an index of 32-token tuples
+    held 300 bytes a token a size; a collision is caught by ``_agreement``."""
+
+    sizes: tuple[int, ...]
+    latest: dict[int, dict[int, int]] = field(default_factory=dict)
+    chain: dict[int, list[int]] = field(default_factory=dict)
+    """Per key length, for each position, the position after the previous occurrence of the key ending before it
+    (-1: none)."""
+    indexed: int = 0
+    """Positions < ``indexed`` have had the keys ending before them indexed."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the keys ending before the positions from ``indexed`` to the end of ``tokens`` (amortised O(1) a
+        token a key length: the prompt once, then the tokens each step adds)."""
+        if len(tokens) < self.indexed:  # another sequence's tokens: start over
+            self.latest.clear()
+            self.chain.clear()
+            self.indexed = 0
+        for n in self.sizes:
+            latest = self.latest.setdefault(n, {})
+            chain = self.chain.setdefault(n, [])
+            for i in range(self.indexed, len(tokens)):
+                if i < n:
+                    chain.append(-1)
+                    continue
+                key = hash(tuple(tokens[i - n:i]))
+                chain.append(latest.get(key, -1))
+                latest[key] = i
+        self.indexed = len(tokens)
+
+    def best(self, tokens: list[int], n: int, key: int, seq: list[int]) -> tuple[int, int]:
+        """Of the ``CHAIN_MAX`` latest places the ``n``-token key ``key`` occurred in ``tokens``, the one agreeing
+        longest with ``seq``'s end (the latest on a tie): (agreement, position after it); (0, -1): none."""
+        at = self.latest.get(n, {}).get(key, -1)
+        chain = self.chain.get(n, [])
+        best, where = 0, -1
+        for _ in range(CHAIN_MAX):
+            if at < 0:
+                break
+            m = _agreement(tokens, at, seq, MATCH_MAX)
+            if m > best:
+                best, where = m, at
+                if m >= MATCH_MAX:
+                    break
+            at = chain[at]
+        return (best, where) if best >= n else (0, -1)  # below n: a hash collision
+
+
+def _agreement(src: list[int], at: int, seq: list[int], limit: int) -> int:
+    """How many tokens ``src[:at]`` and ``seq`` agree on, counted back from their ends (at most ``limit``)."""
+    m, n = 0, len(seq)
+    stop = min(limit, at, n)
+    while m < stop and src[at - 1 - m] == seq[n - 1 - m]:
+        m += 1
+    return m
 
 
 @dataclass
 class _Answer:
     tokens: list[int]
-    index: dict[tuple[int, ...], int]
+    index: _Index
 
 
 @dataclass
@@ -78,8 +147,9 @@ class NgramPool:
     generated (an answer asked for again, a regenerated turn, an agent's loop writing the same call). Here per cache
     scope (``GenerationParams.cache_scope``: one API key's, one ``cache_salt``'s), as the prompt cache, so that one
     tenant's drafts never come from, nor time, another's text. Each answer is indexed once when it ends
-    (``add``: a few dictionary inserts a token), the last ``POOL_ANSWERS`` of a scope kept; a sequence's own
-    tokens are looked up first (``NgramDrafter``), the pool where they have no n-gram as long."""
+    (``add``: a few dictionary inserts a token), with the ``MATCH_MAX`` tokens of context before it, the last
+    ``POOL_ANSWERS`` of a scope kept; a sequence drafts from the place, its own tokens' or the pool's, that agrees
+    longest with its end (``NgramDrafter``)."""
 
     answers: int = 0
     """Answers kept per scope (0: off)."""
@@ -90,20 +160,21 @@ class NgramPool:
         """An answer that ended: ``tokens[start:]`` generated, after the context that led to it."""
         if self.answers <= 0 or len(tokens) - start < 2:
             return
-        held = tokens[max(0, start - max(self.sizes)):]
-        index: dict[tuple[int, ...], int] = {}
-        _index_into(index, held, 0, self.sizes)
+        held = tokens[max(0, start - MATCH_MAX):]
+        index = _Index(tuple(n for n in self.sizes if n >= POOL_MIN_MATCH))
+        index.extend(held)
         kept = self._scopes.setdefault(scope, [])
         kept.append(_Answer(held, index))
         del kept[:-self.answers]
 
-    def lookup(self, scope: str, key: tuple[int, ...], k: int) -> list[int]:
-        """What followed the n-gram ``key`` (``(n, *tokens)``) in the newest answer of ``scope`` holding it."""
+    def find(self, scope: str, n: int, key: int, seq: list[int]) -> tuple[int, list[int], int]:
+        """Of the newest answer of ``scope`` holding the ``n``-token key ``key`` (hashed), the place agreeing
+        longest with ``seq``'s end: (agreement, the answer's tokens, the position after it); agreement 0: none."""
         for a in reversed(self._scopes.get(scope, ())):
-            at = a.index.get(key)
-            if at is not None:
-                return a.tokens[at:at + k]
-        return []
+            m, at = a.index.best(a.tokens, n, key, seq)
+            if m:
+                return m, a.tokens, at
+        return 0, [], -1
 
     def clear(self) -> None:
         self._scopes.clear()
@@ -113,51 +184,68 @@ class NgramPool:
 class NgramDrafter:
     """Prompt lookup over one sequence's tokens, which only grow while it generates, and over its scope's pool.
 
-    An index from each n-gram to the position after its latest occurrence is updated with the new tokens at
-    each call (amortised O(1) a token, the prompt once), so a draft costs a dictionary lookup, not a scan."""
+    An index of each key's places is updated with the new tokens at each call (``_Index``: amortised O(1) a token
+    a key length, the prompt once), so a draft costs a few dictionary lookups and comparisons, not a scan. Of the
+    places found by the longest key that occurred, the one agreeing longest with the sequence's end is copied (``matched``: how long, which ``NgramPolicy`` classes the draft by); the sequence's own place on a
+    tie. A copy of the sequence's own recent tokens runs on into what it drafts (a loop of a few tokens is drafted
+    as long as asked, as ngram-mod's chained lookups do)."""
 
     sizes: tuple[int, ...] = NGRAM_SIZES
     pool: NgramPool | None = None
     scope: str = ""
     """The request's cache scope: whose answers in ``pool`` it may draft from."""
     matched: int = 0
-    """The n-gram length the last draft was found by (0: none)."""
-    _index: dict[tuple[int, ...], int] = field(default_factory=dict)
-    _indexed: int = 0
-    """Positions < ``_indexed`` have had the n-grams ending before them indexed."""
+    """How many tokens the place the last draft copied agrees on with the sequence's end (0: none found; at most
+    ``MATCH_MAX``)."""
+    _own: _Index | None = None
 
     def draft(self, tokens: list[int], last: int, k: int) -> list[int]:
         """At most ``k`` tokens guessed to follow ``tokens`` then ``last`` (the sampled token not yet in
-        ``tokens``); empty: no earlier occurrence of the last n-gram."""
+        ``tokens``); empty: no earlier occurrence of the last tokens."""
         n_tok = len(tokens)
         self.matched = 0
         if k <= 0 or n_tok < 2:
             return []
-        if n_tok < self._indexed:  # another sequence's tokens: start over
-            self._index.clear()
-            self._indexed = 0
-        index = self._index
-        _index_into(index, tokens, self._indexed, self.sizes)
-        self._indexed = n_tok
+        if self._own is None:
+            self._own = _Index(self.sizes)
+        own = self._own
+        own.extend(tokens)
+        seq = [*tokens[n_tok + 1 - min(MATCH_MAX, n_tok + 1):], last]  # the end agreement is measured on
         for n in self.sizes:
-            if n_tok < n - 1:
+            if n_tok + 1 < n:
                 continue
-            key = (n, *tokens[n_tok - n + 1:], last)
-            at = index.get(key)
-            out = (tokens[at:at + k] if at is not None
-                   else self.pool.lookup(self.scope, key, k) if self.pool and n >= POOL_MIN_MATCH else [])
-            if out:
-                self.matched = n
-                for j, t in enumerate(out):
-                    if t < 0:  # an image's positions (``service.engine.vision``): no token a step can draft
-                        return out[:j]
-                return out
+            key = hash(tuple(seq[len(seq) - n:]))
+            best, at = own.best(tokens, n, key, seq)
+            src = tokens
+            if self.pool and n >= POOL_MIN_MATCH:
+                m, answer, where = self.pool.find(self.scope, n, key, seq)
+                if m > best:
+                    best, src, at = m, answer, where
+            if best:
+                self.matched = best
+                return _copy(src, at, k, seq if src is tokens else None)
         return []
+
+
+def _copy(src: list[int], at: int, k: int, tail: list[int] | None) -> list[int]:
+    """``src[at:at + k]``, stopping before an image's positions (``service.engine.vision``: negative, no token a
+    step can draft); with ``tail`` (the sequence's own end, ``src`` its tokens) the copy runs on past ``src``'s end
+    into ``tail``'s last token and then into itself."""
+    out = src[at:at + k]
+    if tail is not None and len(out) < k:
+        out.append(tail[-1])
+        period = len(src) + 1 - at  # the copy runs ``period`` tokens behind the sequence's end
+        while len(out) < k:
+            out.append(out[len(out) - period])
+    for j, t in enumerate(out):
+        if t < 0:
+            return out[:j]
+    return out[:k]
 
 
 @dataclass
 class DraftPolicy:
-    """How many tokens one sequence drafts, from how its drafts fared (one per request)."""
+    """How many tokens a draft model drafts for one sequence, from how its drafts fared (one per request)."""
 
     draft_max: int = DRAFT_MAX
     misses: int = 0
@@ -171,11 +259,10 @@ class DraftPolicy:
     accepted: int = 0
 
     def budget(self, n_out: int, matched: int = 0) -> int:
-        """The most tokens to draft now, after ``n_out`` generated tokens (0: do not draft); ``matched``: the
-        n-gram length the draft was found by (``LONG_MATCH`` and more: the whole ``draft_max``)."""
+        """The most tokens to draft now, after ``n_out`` generated tokens (0: do not draft)."""
         if n_out < self.paused_until:
             return 0
-        return self.draft_max if matched >= LONG_MATCH else min(self.draft_max, self.length)
+        return min(self.draft_max, self.length)
 
     def record(self, n_out: int, drafted: int, accepted: int) -> None:
         """A verified draft: ``drafted`` tokens of which the first ``accepted`` were the model's own choice."""
@@ -192,7 +279,7 @@ class DraftPolicy:
 
     def declined(self, n_out: int) -> None:
         """A draft model had no guess it was sure enough of: its decode was spent for nothing, a miss as a draft
-        rejected whole (the n-gram drafter's empty look-up costs nothing and is not counted)."""
+        rejected whole."""
         self._miss(n_out)
 
     def _miss(self, n_out: int) -> None:
@@ -203,5 +290,75 @@ class DraftPolicy:
             self.misses = 0
 
 
-__all__ = ["DRAFT_MAX", "DRAFT_MIN", "DRAFT_START", "LONG_MATCH", "NGRAM_SIZES", "POOL_ANSWERS", "DraftPolicy",
-           "NgramDrafter", "NgramPool"]
+def match_class(matched: int) -> int:
+    """The class of an agreement of ``matched`` tokens (``MATCH_CLASSES``); -1: none."""
+    c = -1
+    for i, low in enumerate(MATCH_CLASSES):
+        if matched >= low:
+            c = i
+    return c
+
+
+def best_length(kept: float, cap: int, row_cost: float = ROW_COST, min_gain: float = MIN_GAIN) -> int:
+    """The draft length up to ``cap`` that gives the most tokens per unit of step time where each drafted token is
+    kept with probability ``kept`` once the ones before it were: ``(1 + kept + kept^2 + ... + kept^L) /
+    (1 + row_cost * L)``; 0 where no length gives ``min_gain`` times a step without a draft."""
+    best, length = min_gain, 0
+    q = tokens = 1.0
+    for n in range(1, cap + 1):
+        q *= kept
+        tokens += q
+        gain = tokens / (1.0 + row_cost * n)
+        if gain > best:
+            best, length = gain, n
+        elif q * (1.0 + row_cost * n) < row_cost * tokens:
+            break  # each further token adds less than its row costs, and less each time: past the best
+    return length
+
+
+@dataclass
+class NgramPolicy(DraftPolicy):
+    """How many tokens an n-gram draft verifies, from how long the place it copies agrees with the sequence's end
+    and what this request's drafts of that agreement class kept (one per request).
+
+    Each class (``MATCH_CLASSES``) holds the tokens its drafts kept and the drafts cut short, the older evidence
+    weighed down by ``DECAY`` at each draft and ``PRIOR_KEPT`` worth ``PRIOR_WEIGHT`` tokens before any: their
+    ratio is the chance that a drafted token is kept once those before it were, and the draft is as long as that
+    chance makes worth its rows (``best_length``). A copy agreeing for 64 tokens drafts the whole ``draft_max``;
+    on a text of few words, where 2 to 8 tokens agree with many places, short agreements whose drafts are cut
+    at once stop drafting (the key is lengthened by what the request measures, not set once for all texts), and
+    they draft again where they are kept, e.g. a copy resumed after an edit. llama-server's ngram-mod drafts 48
+    to 64 tokens from 24-token keys only, and empties its pool after 5 drafts in a row kept under a quarter
+    (common/speculative.cpp ``common_speculative_impl_ngram_mod::accept``)."""
+
+    row_cost: float = ROW_COST
+    kept: list[float] = field(default_factory=lambda: [p * PRIOR_WEIGHT for p in PRIOR_KEPT])
+    """Per class: tokens kept (decayed, the prior's included)."""
+    cut: list[float] = field(default_factory=lambda: [(1.0 - p) * PRIOR_WEIGHT for p in PRIOR_KEPT])
+    """Per class: drafts cut short, each the token that was not kept (decayed, the prior's included)."""
+    _class: int = -1
+    """The class of the draft ``budget`` last sized (-1: none), which ``record`` is told about."""
+
+    def chance(self, c: int) -> float:
+        """The chance that a drafted token of class ``c`` is kept once the ones before it were."""
+        return self.kept[c] / (self.kept[c] + self.cut[c])
+
+    def budget(self, n_out: int, matched: int = 0) -> int:
+        """The most tokens to draft now from a place agreeing on ``matched`` tokens (0: do not draft)."""
+        self._class = match_class(matched)
+        if self._class < 0:
+            return 0
+        return best_length(self.chance(self._class), self.draft_max, self.row_cost)
+
+    def record(self, n_out: int, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        c, self._class = self._class, -1
+        if c < 0 or drafted <= 0:
+            return
+        self.kept[c] = self.kept[c] * DECAY + accepted
+        self.cut[c] = self.cut[c] * DECAY + (accepted < drafted)
+
+
+__all__ = ["DRAFT_MAX", "DRAFT_MIN", "DRAFT_START", "MATCH_CLASSES", "MATCH_MAX", "NGRAM_SIZES", "POOL_ANSWERS",
+           "DraftPolicy", "NgramDrafter", "NgramPolicy", "NgramPool", "best_length", "match_class"]

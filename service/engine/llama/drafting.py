@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 from ..base import GenerationParams
 from ..draft import DraftJob, DraftModelRunner
 from ..mtp import MtpRunner
-from ..speculation import DRAFT_MIN, LONG_MATCH, POOL_ANSWERS, DraftPolicy, NgramDrafter, NgramPool
+from ..speculation import DRAFT_MIN, POOL_ANSWERS, DraftPolicy, NgramDrafter, NgramPolicy, NgramPool
 
 if TYPE_CHECKING:
     from .state import Sequence
@@ -47,7 +47,8 @@ class Drafting:
         pool = self.answers if reqs and reqs[0].greedy else None
         for r in reqs:
             r.drafter = (self.runner if not images else None) or NgramDrafter(pool=pool, scope=params.cache_scope)
-            r.policy = DraftPolicy(draft_max=self._draft_max)
+            r.policy = (NgramPolicy(draft_max=self._draft_max) if isinstance(r.drafter, NgramDrafter)
+                        else DraftPolicy(draft_max=self._draft_max))
 
     def reserve(self, r: "Sequence", spare: int, room: int) -> int:
         """Rows of this step for ``r``'s guesses (at most ``spare`` and ``room``): the n-gram drafter's now, a draft
@@ -55,11 +56,11 @@ class Drafting:
         assert r.policy is not None and r.slot is not None and r.next_token is not None
         k = min(spare, room, r.max_new_tokens - r.n_out - 1)
         if isinstance(r.drafter, NgramDrafter):
-            k = min(k, r.policy.budget(r.n_out, LONG_MATCH))  # the most any match may take
+            k = min(k, r.policy.draft_max)
             if k < DRAFT_MIN:
                 return 0
             draft = r.drafter.draft(r.slot.tokens, r.next_token, k)
-            r.draft = draft[:r.policy.budget(r.n_out, r.drafter.matched)]
+            r.draft = draft[:r.policy.budget(r.n_out, r.drafter.matched)] if draft else []
             return len(r.draft)
         if (k := min(k, r.policy.budget(r.n_out))) < DRAFT_MIN:
             return 0
