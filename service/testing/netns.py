@@ -14,13 +14,15 @@ delay (``hosts(n, delay_s=...)``). Two kinds of link:
   megabyte of logits crosses in 17 packets (the relay costs a few microseconds a packet).
 
 Needs root and iproute2 (``unavailable`` says why not, for a test's skip). Names carry this process's id; the
-namespaces, their processes and links are removed on the way out, whatever happened.
+namespaces, their processes and links are removed on the way out, whatever happened; those of a process that was
+killed before it could (SIGKILL) are removed by the next ``hosts``, and a relay ends with its parent.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import heapq
@@ -39,6 +41,7 @@ from typing import Iterator, Sequence
 TUN_MTU = 65000
 """The delayed link's MTU (the TUN devices'): large packets, few of them for the relay to copy."""
 _TUNSETIFF = 0x400454CA
+_PR_SET_PDEATHSIG = 1
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
 
 
@@ -135,8 +138,9 @@ def hosts(n: int, *, delay_s: float | Sequence[float] = 0.0) -> Iterator[list[Ho
     delays = [float(delay_s)] * n if isinstance(delay_s, (int, float)) else [float(x) for x in delay_s]
     if len(delays) != n:
         raise ValueError(f"{n} hosts, {len(delays)} delays")
+    _reap_stale()
     k = _free_block()
-    tag = f"{os.getpid() % 100000}{chr(ord('a') + next(_made) % 26)}"
+    tag = f"{os.getpid()}{chr(ord('a') + next(_made) % 26)}"
     made: list[Host] = []
     relays: list[subprocess.Popen[bytes]] = []
     try:
@@ -177,6 +181,19 @@ def hosts(n: int, *, delay_s: float | Sequence[float] = 0.0) -> Iterator[list[Ho
         for i in range(len(made)):
             with contextlib.suppress(NetnsError):  # a veth pair goes with its namespace's end; in case it did not
                 _ip("link", "del", f"g{tag}r{i}")
+
+
+def _reap_stale() -> None:
+    """Namespaces an earlier process of these made and could not remove (it was killed): their processes killed,
+    the namespaces deleted (a veth pair goes with its namespace's end, a relay with its parent)."""
+    for ns in namespaces():
+        owner = ns.split("-")[1][:-1] if ns.startswith("gguf-") and ns.count("-") == 2 else ""
+        if not owner.isdigit() or int(owner) == os.getpid() or os.path.exists(f"/proc/{owner}"):
+            continue
+        host = Host(ns, "", "", "")
+        _kill_all(host)
+        with contextlib.suppress(NetnsError):
+            _ip("netns", "del", ns)
 
 
 def namespaces() -> list[str]:
@@ -221,6 +238,7 @@ def relay(root_fd: int, ns_fd: int, one_way_s: float) -> None:
 
 
 def _relay_main(args: argparse.Namespace) -> int:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # its devices go with its parent
     root_fd, ns_fd = _tun(args.root_dev), _tun(args.ns_dev)
     _ip("link", "set", args.ns_dev, "netns", args.ns)
     _ip("addr", "add", args.root_addr, "peer", args.ns_addr, "dev", args.root_dev)
