@@ -82,7 +82,9 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def svc(service_factory: Callable[..., ServiceProcess], models_dir: Path, hub: str) -> ServiceProcess:
     s = service_factory(GGUF_CONFIRM_LOADS="false", GGUF_CONTEXT_LENGTH=str(N_CTX), GGUF_EMBEDDINGS="on",
-                        GGUF_EMBEDDING_TOKENS="128", GGUF_API_KEYS=KEY, GGUF_MODELS_DIR=str(models_dir),
+                        # An admin key: Ollama's client pulls, deletes and unloads, which ordinary keys may not
+                        # (issue 54; tests/reliability/test_roles.py).
+                        GGUF_EMBEDDING_TOKENS="128", GGUF_ADMIN_KEYS=KEY, GGUF_MODELS_DIR=str(models_dir),
                         HF_ENDPOINT=hub)
     s.wait_ready()
     return s
