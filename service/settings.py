@@ -105,6 +105,11 @@ class Settings(BaseSettings):
     gpu_allowance_mib: int = Field(
         477, ge=0, description="Per-GPU memory llama.cpp does not track (CUDA context): 477 MiB = the source's 500 MB."
     )
+    vulkan_allowance_mib: int = Field(
+        64, ge=0, description="Per-card memory a Vulkan device context holds outside ggml's buffers (the driver's "
+        "pipelines, descriptor pools, command buffers; ggml-vulkan's own scratch is bounded per plan): 64 MiB. "
+        "GGUF_GPU_ALLOWANCE_MIB is CUDA's (and ROCm's).",
+    )
     gpus_file: str | None = Field(None, description="Declared GPU inventory (JSON list of {name, free_mib, total_mib}, "
                                   "each optionally with backend: Vulkan, ROCm, ...; default CUDA) instead of the cards "
                                   "llama.cpp's ggml lists (NVML's for NVIDIA).")

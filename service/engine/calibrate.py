@@ -170,6 +170,13 @@ class Calibrator:
             w = self._workers.get((path, model))
         return load_layer_devices(w.load_log) if w is not None else {}
 
+    def load_lines(self, path: str, model: ModelParams) -> tuple[str, ...]:
+        """The load's kept log lines of the worker holding ``path`` with ``model`` (``dryrun._KEEP_LOAD_LINES``:
+        layer assignments, buffers, the weights a device's backend refused); empty where no worker holds it."""
+        with self._lock:
+            w = self._workers.get((path, model))
+        return w.load_log if w is not None else ()
+
     def model_buffers(self, path: str, model: ModelParams) -> dict[str, float]:
         """llama.cpp's weight buffers (rows: CPU, CPU_REPACK, AMX, CUDA0...) as the worker holding ``path`` with
         ``model`` logged them at its load, in MiB (a no_alloc load logs 0.00: it names the buffers, not their

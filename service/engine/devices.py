@@ -3,8 +3,9 @@
 Every backend the installed llama-cpp-python was built with (CUDA, ROCm, Vulkan, SYCL, Metal...) registers its
 devices in ggml's registry; ``ggml_backend_dev_count/get`` list them, each with its name (``CUDA0``, ``Vulkan0``:
 the name llama.cpp gives its buffers), description, type (GPU, integrated GPU, accelerator, CPU), free and total
-memory (``ggml_backend_dev_memory``), device id (``ggml_backend_dev_get_props``: the PCI bus id), host buffer type
-and buffer alignment and largest buffer (``ggml_backend_buft_get_alignment/max_size``). Reading them starts the
+memory (``ggml_backend_dev_memory``), device id (``ggml_backend_dev_get_props``: the PCI bus id), host buffer type,
+buffer alignment and largest buffer (``ggml_backend_buft_get_alignment/max_size``) and the largest tensor its ops
+take (``max_tensor_bytes``: ``ggml_backend_dev_supports_op`` asked). Reading them starts the
 backends (a CUDA context on every card, a Vulkan instance), which the API process must not hold: the list is read
 by ``python -m service.engine.devices`` (this module's ``main``), which prints one JSON line and exits, as the
 dry runs are (``service.engine.dryrun``). ``sizing.probe.devices.ggml_devices`` turns the rows into ``Device``
@@ -171,6 +172,36 @@ def _text(raw: bytes | None) -> str:
     return raw.decode("utf-8", "replace") if raw else ""
 
 
+PROBE_LIMIT_BYTES = 1 << 50
+"""The largest tensor ``max_tensor_bytes`` asks a device about: one it takes is taken as no limit (0)."""
+
+
+def max_tensor_bytes(lib: Any, dev: int) -> int:  # pragma: no cover - runs in the child
+    """The largest tensor ``dev``'s backend runs an op on, by its own ``supports_op``: a 1-D I8 tensor of no data
+    and no sources (``GGML_OP_NONE``, which every backend takes unless its size is refused), bisected in bytes.
+    ggml-vulkan refuses past ``maxBufferSize`` and, without ``VK_EXT_shader_64bit_indexing``,
+    ``maxStorageBufferRange`` (``ggml_backend_vk_device_supports_op``'s ``tensor_size_supported``): the limit that
+    keeps a weight in host memory (``sizing.memory.gpu.vulkan_refuses``). 0: no limit below ``PROBE_LIMIT_BYTES``."""
+    from .native import GGML_TYPE_I8, InitParams
+
+    ctx = lib.ggml_init(InitParams(lib.ggml_tensor_overhead() * 64, None, True))
+    if not ctx:
+        return 0
+    try:
+        def takes(n: int) -> bool:
+            return bool(lib.ggml_backend_dev_supports_op(dev, lib.ggml_new_tensor_1d(ctx, GGML_TYPE_I8, n)))
+
+        if takes(PROBE_LIMIT_BYTES) or not takes(1):
+            return 0
+        lo, hi = 1, PROBE_LIMIT_BYTES  # takes(lo), not takes(hi): 50 steps
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if takes(mid) else (lo, mid)
+        return lo
+    finally:
+        lib.ggml_free(ctx)
+
+
 def list_devices() -> list[dict[str, Any]]:  # pragma: no cover - runs in the child
     """Every device of every backend in this process's ggml (``ggml_backend_dev_get(i)``, in ggml's order)."""
     import ctypes
@@ -200,6 +231,7 @@ def list_devices() -> list[dict[str, Any]]:  # pragma: no cover - runs in the ch
             "host_buffer": _text(lib.ggml_backend_buft_name(host)) if host else None,
             "alignment": int(lib.ggml_backend_buft_get_alignment(buft)) if buft else 0,
             "max_size": int(lib.ggml_backend_buft_get_max_size(buft)) if buft else 0,
+            "max_tensor": max_tensor_bytes(lib, d) if int(lib.ggml_backend_dev_type(d)) != 0 else 0,
             "caps": {"async": bool(props.caps.async_), "host_buffer": bool(props.caps.host_buffer),
                      "buffer_from_host_ptr": bool(props.caps.buffer_from_host_ptr),
                      "events": bool(props.caps.events), "mmap": bool(props.caps.mmap_support)},

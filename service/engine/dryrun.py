@@ -439,7 +439,10 @@ def _backend_devices() -> list[dict[str, Any]]:  # pragma: no cover - runs in th
     return out
 
 
-_KEEP_LOAD_LINES = ("assigned to device", "offloaded", "model buffer size", "using device", "buffer type overridden")
+_KEEP_LOAD_LINES = ("assigned to device", "offloaded", "model buffer size", "using device", "buffer type overridden",
+                   "cannot be used with preferred buffer type")
+"""The load lines a dry-run worker keeps; the last: the weights a device's backend refused (ggml-vulkan past its
+``maxStorageBufferRange``), counted (``select_weight_buft``'s ``(and N others)``)."""
 
 
 def _worker() -> int:  # pragma: no cover - runs in the child

@@ -28,6 +28,16 @@ class DevCaps(ctypes.Structure):
                 ("events", ctypes.c_bool), ("mmap_support", ctypes.c_bool)]
 
 
+class InitParams(ctypes.Structure):
+    """ggml.h's ``struct ggml_init_params`` (passed by value to ``ggml_init``)."""
+
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+GGML_TYPE_I8 = 24
+"""ggml.h's ``GGML_TYPE_I8``: one byte an element, so a 1-D tensor of n elements is n bytes."""
+
+
 class DevProps(ctypes.Structure):
     """ggml-backend.h's ``struct ggml_backend_dev_props``: what ``ggml_backend_dev_get_props`` fills in."""
 
@@ -96,6 +106,16 @@ def libggml() -> ctypes.CDLL | None:
     lib.ggml_backend_buft_get_alignment.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_buft_get_max_size.restype = ctypes.c_size_t
     lib.ggml_backend_buft_get_max_size.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_supports_op.restype = ctypes.c_bool
+    lib.ggml_backend_dev_supports_op.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ggml_tensor_overhead.restype = ctypes.c_size_t
+    lib.ggml_tensor_overhead.argtypes = []
+    lib.ggml_init.restype = ctypes.c_void_p
+    lib.ggml_init.argtypes = [InitParams]
+    lib.ggml_free.restype = None
+    lib.ggml_free.argtypes = [ctypes.c_void_p]
+    lib.ggml_new_tensor_1d.restype = ctypes.c_void_p
+    lib.ggml_new_tensor_1d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     return lib
 
 

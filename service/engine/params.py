@@ -35,7 +35,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
-from sizing.memory import ContextConfig, Placement, draft_config, draft_placement
+from sizing.memory import ContextConfig, Placement, backend_terms, draft_config, draft_placement
 from sizing.model import GGML_TYPE_IDS
 
 from ..errors import EngineFailure
@@ -70,6 +70,11 @@ class ModelParams:
     rpc_workers: tuple[str, ...] = ()
     """ggml-rpc workers (``host:port``) whose devices are registered before the load, in this order: llama.cpp
     lists their devices first, so ``tensor_split`` gives them the first proportions (``device_params``)."""
+    host_only: bool = False
+    """Load with the CPU alone (``llama_model_params.devices``: an empty, NULL-terminated list): a CPU-only plan
+    where a card's backend row says so (``sizing.memory.gpu.BackendTerms.cpu_plans_host_only``: Vulkan). Without it
+    llama.cpp still creates every card's backend and ``op_offload`` runs large batches' ops on the first card, in a
+    compute buffer the plan did not count there (lavapipe: 18 MiB for gemma-3-270m, 126 for SmolLM2-135M)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,6 +86,7 @@ class ModelParams:
             tensor_split=tuple(float(x) for x in d["tensor_split"]),
             cpu_overrides=tuple(str(x) for x in d["cpu_overrides"]), use_extra_bufts=bool(d["use_extra_bufts"]),
             load_mtp=bool(d.get("load_mtp", False)), rpc_workers=tuple(str(x) for x in d.get("rpc_workers", ())),
+            host_only=bool(d.get("host_only", False)),
         )
 
 
@@ -140,6 +146,9 @@ def device_params(placement: Placement, gpus: Sequence["Device"], *, use_extra_b
     indexes = [rpc.index(g.label) if g.kind == "rpc" else len(rpc) + g.index for g in gpus]
     mp = model_params(placement, indexes, n_devices=len(gpus), use_extra_bufts=use_extra_bufts)
     workers = rpc_endpoints(gpus)
+    if placement.cpu_only and any(g.kind == "gpu" and backend_terms(g.backend.prefix).cpu_plans_host_only
+                                  for g in gpus):  # sizing.plan.sizer.host_only: the plan's extra buffers
+        mp = replace(mp, host_only=True)
     # A plan with nothing off the host connects to no worker (each serves one client).
     return replace(mp, rpc_workers=workers) if workers and not placement.cpu_only else mp
 
@@ -270,6 +279,10 @@ def apply_model_params(mp: Any, params: ModelParams) -> list[Any]:
     mp.main_gpu = params.main_gpu
     mp.use_extra_bufts = params.use_extra_bufts
     mp.load_mtp = params.load_mtp
+    if params.host_only:
+        none = (ctypes.c_void_p * 1)(None)  # NULL-terminated: no device but the CPU
+        keep.append(none)
+        mp.devices = ctypes.cast(none, ctypes.c_void_p)
     if params.tensor_split:
         n = max(len(params.tensor_split), llama_cpp.LLAMA_MAX_DEVICES)
         split = (ctypes.c_float * n)(*params.tensor_split)

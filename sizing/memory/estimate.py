@@ -19,11 +19,11 @@ from .projector import Projector, ProjectorMemory, projector_memory
 from ..units import MIB, gpu_label, mib
 from ..errors import FlashAttentionRequiredError
 from ..model.ggml import cache_type
-from .repack import EXTRA_BUFFERS, extra_buffer_bytes
+from .repack import EXTRA_BUFFERS, buffer_of, extra_buffer_bytes
 from .kv import KvCells, check_cache_types, kv_cells, kv_split_bytes, recurrent_state_bytes
 from .measured import Figures, Source
 from .placement import Placement
-from ..model.spec import ModelSpec
+from ..model.spec import ModelSpec, TensorInfo
 
 DEFAULT_GPU_ALLOWANCE_BYTES = 500 * 1000 * 1000
 """Untracked per-GPU memory (CUDA context, cuBLAS workspace): the second source document's 500 MB."""
@@ -86,8 +86,9 @@ class DeviceMemory:
     state_bytes: int = 0
     """Recurrent state of this device's state layers (``llama_memory_recurrent``)."""
     pool_bytes: int = 0
-    """The bound on what llama.cpp's dry run cannot see on a GPU: the CUDA pool and cuBLAS workspace
-    (``sizing.memory.gpu.cuda_pool_bound_bytes``); 0 on the host."""
+    """The bound on what llama.cpp's dry run cannot see on a GPU: its backend's (``sizing.memory.gpu.terms``): the
+    CUDA pool and cuBLAS workspace (``cuda_pool_bound_bytes``), ggml-vulkan's scratch buffers (``vulkan_scratch``);
+    0 on the host."""
     embedding_bytes: int = 0
     """The embedding context's KV, compute and output buffers on this device (``ContextConfig.embedding_tokens``)."""
     draft_bytes: int = 0
@@ -288,8 +289,15 @@ def estimate(
     projector: Projector | None = None,
     mtp_figures: Figures | None = None,
     remote: Mapping[str, str] = {},
+    cards: Sequence[gpu.Card] = (),
+    host_features: frozenset[str] | None = None,
 ) -> MemoryEstimate:
     """Predict what llama.cpp allocates on each device for this placement and context.
+
+    ``cards``: what each card of the placement is beyond its label (its backend's row of ``sizing.memory.gpu``, its
+    allowance, ggml's alignment and largest tensor for it); without them every card is CUDA's with
+    ``allowance_bytes``. ``host_features``: the CPU features of a load with llama.cpp's extra CPU buffer types on,
+    where a weight no card takes (``gpu.vulkan_refuses``) may be repacked on the host; None: off.
 
     ``remote``: the labels of workers' devices (``RPC0[host:port]``) and what each is on its machine (``cpu``,
     ``gpu``): no runner's CUDA context there (the worker's own is in the free memory it reports), and a CUDA pool
@@ -315,7 +323,8 @@ def estimate(
     context cannot be sized and no device holds it).
     """
     main = _estimate(spec, cfg, placement, gpu_labels=gpu_labels, allowance_bytes=allowance_bytes, figures=figures,
-                     measured_on=measured_on, cpu_extra=cpu_extra, remote=remote)
+                     measured_on=measured_on, cpu_extra=cpu_extra, remote=remote, cards=cards,
+                     host_features=host_features)
     if cfg.mtp:
         main = _with_mtp(main, spec, cfg, placement, gpu_labels, mtp_figures, cpu_extra, measured_on)
     if projector is not None:
@@ -325,7 +334,9 @@ def estimate(
     dpl, pos = draft_placement(placement, draft.spec.n_layer_all, spec.n_layer_all)
     labels = list(gpu_labels) or [gpu_label(g) for g in placement.gpus]
     dest = _estimate(draft.spec, draft_config(cfg), dpl, gpu_labels=[labels[pos]] if pos is not None else [],
-                     allowance_bytes=0, figures=draft_figures, measured_on=measured_on, cpu_extra=cpu_extra)
+                     allowance_bytes=0, figures=draft_figures, measured_on=measured_on, cpu_extra=cpu_extra,
+                     cards=[replace(cards[pos], allowance_bytes=0)] if pos is not None and cards else (),
+                     host_features=host_features)
     gpus = list(main.gpus)
     if pos is not None:
         gpus[pos] = replace(gpus[pos], draft_model_bytes=dest.gpus[0].total_bytes)
@@ -400,6 +411,72 @@ def _with_projector(main: MemoryEstimate, spec: ModelSpec, placement: Placement,
     return replace(main, gpus=tuple(gpus), projector=pm)
 
 
+def _mapped_span(spec: ModelSpec, host_layers: Sequence[int], output: bool, loaded: int, pinned: Sequence[int],
+                 n_moe_host: int, extra: Sequence[TensorInfo]) -> int | None:
+    """What the host's ``CPU_Mapped`` buffer spans with layers on cards: llama.cpp maps, per file, the range from the
+    first to the last byte of the tensors the CPU buffer keeps (``llama_model_loader::get_mapping_range``,
+    ``ggml_backend_dev_buffer_from_host_ptr``), so a card's tensors lying between two of the host's in file order
+    are in it too (SmolLM2's blocks are in the file in name order: blk.2 after blk.19; its first 28 blocks on the host
+    span blocks 28 and 29, 4.23 MiB more). The tensors: the input layer, the host's blocks, the experts ``n_cpu_moe``
+    keeps on the host, the output layer when it stays, and ``extra`` (weights a card's backend refused). None where
+    the tensors do not say where they are (a spec built by hand: overlapping offsets)."""
+    if not spec.tensors or max(t.offset + t.n_bytes for t in spec.tensors) < sum(t.n_bytes for t in spec.tensors if t.shard == 0):
+        return None
+    on_host = set(il for il in host_layers if il < loaded)
+    experts = set(pinned)
+    ranges: dict[int, tuple[int, int]] = {}
+
+    def add(t: TensorInfo) -> None:
+        lo, hi = ranges.get(t.shard, (t.offset, t.offset + t.n_bytes))
+        ranges[t.shard] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
+
+    for t in spec.tensors:
+        if t.layer is None:
+            if t.name.startswith(_INPUT_TENSORS) or output:
+                add(t)
+        elif t.layer in on_host or (t.layer in experts and t.layer < n_moe_host and "_exps." in t.name):
+            add(t)
+    for t in extra:
+        add(t)
+    return sum(hi - lo for lo, hi in ranges.values())
+
+
+_INPUT_TENSORS = ("token_embd.", "pos_embd.", "token_types.", "per_layer_token_embd.")
+"""The input layer's tensors (``LLM_TENSOR_LAYER_INPUT``, read by GET_ROWS): always in host memory."""
+
+
+def _card_weights(spec: ModelSpec, layers: Sequence[int], has_output: bool, loaded: int, n_moe_host: int,
+                  card: gpu.Card, row: gpu.BackendTerms) -> tuple[int, list[tuple[TensorInfo, str | None]]]:
+    """The weights a card's buffers hold, tensor by tensor (``ggml_backend_alloc_ctx_tensors_from_buft``: each padded
+    to the buffer type's alignment), and the tensors (with the op they were tried with) its backend refuses
+    (``select_weight_buft``: ``gpu.vulkan_refuses``): its blocks' tensors (less experts kept on the host by
+    ``n_cpu_moe``) and, with the output layer, every tensor outside the blocks but the token embedding, and the head
+    (a tied one is a second use of the embedding, by MUL_MAT)."""
+    on = set(il for il in layers if il < loaded)
+    align = card.alignment_bytes if row.weights_padded and card.alignment_bytes > 0 else 1
+    total = 0
+    moved: list[tuple[TensorInfo, str | None]] = []
+
+    def place(t: TensorInfo, op: str | None = None) -> None:
+        nonlocal total
+        if row.refuses_large_tensors and gpu.vulkan_refuses(t, card.max_tensor_bytes, spec.n_expert_used, op):
+            moved.append((t, op))
+        else:
+            total += -(-t.n_bytes // align) * align
+
+    for t in spec.tensors:
+        if t.layer is None:
+            if has_output and not t.name.startswith(_INPUT_TENSORS):
+                place(t)
+        elif t.layer in on and not (t.layer < n_moe_host and "_exps." in t.name):
+            place(t)
+    if has_output and spec.output_tied:
+        for t in spec.tensors:
+            if t.name == "token_embd.weight":
+                place(t, "MUL_MAT")
+    return total, moved
+
+
 def _estimate(
     spec: ModelSpec,
     cfg: ContextConfig,
@@ -411,6 +488,8 @@ def _estimate(
     measured_on: str,
     cpu_extra: frozenset[str] | None,
     remote: Mapping[str, str] = {},
+    cards: Sequence[gpu.Card] = (),
+    host_features: frozenset[str] | None = None,
 ) -> MemoryEstimate:
     flash = resolve_flash_attn(cfg, spec)
     check_cache_types(spec, cfg, flash)
@@ -444,6 +523,8 @@ def _estimate(
         graph += pooling_bytes(spec, cfg)
     host_graph = host_compute_bytes(spec, cfg)
     gpu_measured: dict[str, int] = {}
+    gpu_host_measured = False
+    """A GPU backend's dry run measured the host's compute buffers (a CPU-only placement on a GPU build too)."""
     if figures is not None:
         src_kv: Source = "simulated"
         if figures.kv_bytes is not None:
@@ -469,10 +550,12 @@ def _estimate(
         elif measured_on != "CPU" and figures.compute_bytes:
             gpu_measured = {k: v for k, v in figures.compute_bytes.items() if k in labels}
             host_graph = sum(v for k, v in figures.compute_bytes.items() if k == "CPU" or k.endswith("_Host"))
+            gpu_host_measured = bool(labels) or any(k == "CPU" or k.endswith("_Host") for k in figures.compute_bytes)
             src_compute = "measured"
         sources = FigureSources(src_kv, src_state, src_compute, src_out)
 
-    # Host: token embedding always, host layers, the output layer when not offloaded.
+    # Host: token embedding always, host layers, the output layer when not offloaded (a span of the file where the
+    # tensors say where they are: _mapped_span).
     host_w = spec.token_embd_bytes + layer_weights(host_layers)
     other = ((spec.weights_bytes if cfg.mtp else spec.loaded_weights_bytes) - spec.token_embd_bytes
              - spec.output_bytes - layer_weights(range(n_all)))
@@ -485,19 +568,39 @@ def _estimate(
     pinned = [il for il in range(n_moe_host) if slots[il] is not None]
     host_w += sum(spec.layers[il].expert_bytes for il in pinned)
     gpus: list[DeviceMemory] = []
+    refused: list[tuple[TensorInfo, str | None]] = []
+    host_runs_head = False
+    """A card's backend refused the output head: the logits are computed on the host (simulated: the whole graph)."""
     for pos, layers in enumerate(per_gpu_layers):
-        w = layer_weights(layers) - sum(spec.layers[il].expert_bytes for il in layers if il < n_moe_host)
-        if out_dev == pos:
-            w += spec.output_layer_bytes if spec.output_tied else spec.output_bytes + max(other, 0)
+        card = cards[pos] if pos < len(cards) else gpu.Card()
+        row = gpu.terms(card.backend)
+        head_refused = False
+        if row.refuses_large_tensors or (row.weights_padded and card.alignment_bytes > 0):
+            # Tensor by tensor: what the backend's ops refuse stays on the host, the rest padded as its buffers are.
+            w, moved = _card_weights(spec, layers, out_dev == pos, loaded, n_moe_host, card, row)
+            refused.extend(moved)
+            head_refused = any(t.name in ("output.weight", "token_embd.weight") for t, _ in moved)
+            host_runs_head = host_runs_head or head_refused
+        else:
+            w = layer_weights(layers) - sum(spec.layers[il].expert_bytes for il in layers if il < n_moe_host)
+            if out_dev == pos:
+                w += spec.output_layer_bytes if spec.output_tied else spec.output_bytes + max(other, 0)
         if labels[pos] in gpu_measured:
             dev_compute = gpu_measured[labels[pos]]
         elif labels[pos] in remote and out_dev != pos:
             # A worker's device without the output layer: its layers' phases, until llama.cpp's dry run (every
             # plan over workers is calibrated and confirmed by one) measures it.
             dev_compute = layers_compute_bytes(spec, cfg, flash)
+        elif head_refused or (row.layer_phases_off_head and out_dev != pos):
+            # A card without the logits (its backend left the head on the host, or it holds no head): its layers'
+            # phases and what the backend adds, until the dry run (a GPU backend's plans are calibrated) measures it.
+            dev_compute = layers_compute_bytes(spec, cfg, flash) + gpu.unseen_compute_for(
+                row, spec, cfg, flash, placement, pos, bool(host_layers))
         else:
             # Simulated, or measured on a CPU build: what the CPU dry run cannot show is added (sizing.memory.gpu).
-            dev_compute = graph + gpu.unseen_compute_bytes(spec, cfg, flash, placement, pos, bool(host_layers))
+            dev_compute = graph + gpu.unseen_compute_for(row, spec, cfg, flash, placement, pos, bool(host_layers))
+        allowance = card.allowance_bytes if card.allowance_bytes is not None else (
+            row.allowance_bytes if row.allowance_bytes is not None else allowance_bytes)
         gpus.append(
             DeviceMemory(
                 device=labels[pos],
@@ -505,21 +608,35 @@ def _estimate(
                 kv_bytes=kv[pos + 1],
                 state_bytes=state[pos + 1],
                 compute_bytes=dev_compute,
-                allowance_bytes=0 if labels[pos] in remote else allowance_bytes,
-                pool_bytes=0 if remote.get(labels[pos]) == "cpu" else gpu.cuda_pool_bound_bytes(spec, cfg, flash),
+                allowance_bytes=0 if labels[pos] in remote else allowance,
+                pool_bytes=0 if remote.get(labels[pos]) == "cpu" else row.pool(spec, cfg, flash, tuple(layers)),
                 layers=tuple(layers),
             )
         )
     # The host's own weights: its blocks, and the output layer when it stays (sizing.memory.repack).
     repacked = (extra_buffer_bytes(spec, cpu_extra, nextn=cfg.mtp, layers=host_layers, output=out_dev is None)
                 if cpu_extra is not None else {})
+    # Weights a card's backend refused (select_weight_buft goes down the card's list: its host buffer, refused by
+    # the same op; the CPU's extra buffer types where they take it; the CPU, i.e. the mapped file).
+    mapped_extra: list[TensorInfo] = []
+    for t, op in refused:
+        got = buffer_of(t, host_features, op) if host_features is not None else None
+        if got is not None:
+            repacked[got[0]] = repacked.get(got[0], 0) + got[1]
+        elif not (op == "MUL_MAT" and t.name.startswith("token_embd.")):  # a tied head: the embedding's mapping
+            host_w += t.n_bytes
+            mapped_extra.append(t)
+    if cpu_extra is None and any(gpu.terms(c.backend).maps_span for c in cards[:len(gpus)]):
+        span = _mapped_span(spec, host_layers, out_dev is None, loaded, pinned, n_moe_host, mapped_extra)
+        if span is not None:
+            host_w = max(host_w, span)
     host = DeviceMemory(
         device="CPU",
         extra_weights=tuple((b, repacked[b]) for b in EXTRA_BUFFERS if b in repacked),
         weights_bytes=host_w,
         kv_bytes=kv[0],
         state_bytes=state[0],
-        compute_bytes=graph if placement.cpu_only else host_graph,
+        compute_bytes=(graph if (placement.cpu_only or host_runs_head) and not gpu_host_measured else host_graph),
         output_bytes=out_bytes,
         draft_bytes=draft_output_bytes(spec, cfg),
         layers=tuple(host_layers),
@@ -530,7 +647,7 @@ def _estimate(
         return main
     # The embedding context shares the model's weights; its own buffers go where the generation context's go.
     emb = _estimate(spec, ecfg, placement, gpu_labels=labels, allowance_bytes=0, figures=None, measured_on="CPU",
-                    cpu_extra=None)
+                    cpu_extra=None, cards=[replace(c, allowance_bytes=0) for c in cards])
 
     def extra(d: DeviceMemory) -> int:
         return d.kv_bytes + d.state_bytes + d.compute_bytes + d.output_bytes

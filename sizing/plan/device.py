@@ -60,8 +60,9 @@ class Device:
     """A worker's device: what it is on its machine (``cpu``, ``gpu``), as its ``/status`` says."""
     link_latency_s: float = 0.0
     """A worker's device: the network's round trip to its worker (``service.rpc.client.round_trip_s``); a decoded
-    token waits for about two per worker it crosses (the activations in, the graph's result out), and for
-    ``sizing.plan.speed.RPC_TOKEN_OVERHEAD_S``, on top of the memory it reads."""
+    token waits for one per worker it crosses (the result read back; the inputs and the graph are sent without
+    waiting), and for ``sizing.plan.speed.RPC_TOKEN_OVERHEAD_S``, on top of the memory it reads
+    (``sizing.plan.speed.rpc_token_s``)."""
     cpu_threads: int = 0
     """A worker's CPU device: the threads its graphs run on (its ``/status``); its share of a token is computed at
     the CPU's speed per thread, as the host's is (0: not reported, only its memory bandwidth counts)."""
@@ -82,6 +83,10 @@ class Device:
     """The card's buffer alignment (``ggml_backend_buft_get_alignment``); 0: not read (NVML, declared)."""
     max_buffer_bytes: int = 0
     """The largest single buffer the card's backend allocates (``ggml_backend_buft_get_max_size``); 0: not read."""
+    max_tensor_bytes: int = 0
+    """The largest tensor the card's backend runs an op on (``ggml_backend_dev_supports_op``'s answer, read in the
+    device child: ggml-vulkan's ``maxStorageBufferRange``, 128 MiB on lavapipe); a weight whose op needs more stays
+    in host memory (``sizing.memory.gpu.vulkan_refuses``). 0: not read, or no limit."""
 
     @property
     def free_mib(self) -> float:

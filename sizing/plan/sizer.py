@@ -19,6 +19,7 @@ from ..memory.measured import Calibration, ConfigKey, Figures, placement_key
 from ..memory.estimate import MemoryEstimate, estimate, resolve_flash_attn
 from ..memory.draft import draft_config, draft_placement
 from ..memory.mtp import mtp_config
+from ..memory import gpu as gpu_terms
 from ..memory.placement import Placement, assign_slots
 from .request import PlanRequest, context_config
 from ..model.spec import ModelSpec
@@ -107,12 +108,16 @@ class Sizer:
             self.spec, cfg, placement, gpu_labels=labels, allowance_bytes=self.req.allowance_bytes,
             figures=self.figures(placement, cfg),
             measured_on=self.calibration.backend if self.calibration is not None else "CPU",
-            # Without a local GPU (a worker's device has no pinned host buffer) the host's buffer types are
+            # Without a local GPU (a worker's device has no pinned host buffer), or loaded with the CPU alone (a
+            # CPU-only plan where a card's backend says so: ModelParams.host_only), the host's buffer types are
             # llama.cpp's extra CPU ones, then CPU (make_cpu_buft_list).
-            cpu_extra=None if any(g.kind != "rpc" for g in self.gpus) else self.req.extra_buffers,
+            cpu_extra=(self.req.extra_buffers if host_only(placement, self.gpus)
+                       or not any(g.kind != "rpc" for g in self.gpus) else None),
             draft=self.req.draft, draft_figures=self.draft_figures(placement, cfg), projector=self.req.projector,
             mtp_figures=self.mtp_figures(placement, cfg),
             remote={g.label: g.remote_kind for g in self.gpus if g.kind == "rpc"},
+            cards=[card_of(self.req, self.gpus[i]) for i in placement.gpus],
+            host_features=self.req.extra_buffers,
         )
 
     def shortfalls(self, est: MemoryEstimate, placement: Placement) -> list[int]:
@@ -171,10 +176,32 @@ class Sizer:
         return None
 
 
+def host_only(placement: Placement, gpus: Sequence[Device]) -> bool:
+    """Whether a placement loads with the CPU alone: CPU-only, beside a card whose backend keeps CPU-only plans off
+    the cards (``sizing.memory.gpu.BackendTerms.cpu_plans_host_only``; ``service.engine.params.device_params``)."""
+    return placement.cpu_only and any(g.kind == "gpu" and gpu_terms.terms(g.backend.prefix).cpu_plans_host_only
+                                      for g in gpus)
+
+
+def card_of(req: PlanRequest, dev: Device) -> gpu_terms.Card:
+    """What the estimate needs of a card beyond its label: its backend (whose row of ``sizing.memory.gpu`` gives
+    its terms), the allowance the request sets for that backend, and ggml's alignment and largest tensor for it."""
+    prefix = dev.backend.prefix if dev.kind == "gpu" else gpu_terms.CUDA_TERMS.prefix
+    return gpu_terms.Card(prefix, dict(req.backend_allowance_bytes).get(prefix), dev.alignment_bytes,
+                          dev.max_tensor_bytes)
+
+
 def allowance(req: PlanRequest, dev: Device) -> int:
-    """The runner's CUDA context a card must keep free beside the plan; none on a worker's device (the worker's
-    own context is already out of the free memory it reports)."""
-    return 0 if dev.kind == "rpc" else req.allowance_bytes
+    """The runner's device context a card must keep free beside the plan (its backend's: CUDA's
+    ``req.allowance_bytes``, Vulkan's...); none on a worker's device (the worker's own context is already out of
+    the free memory it reports)."""
+    if dev.kind == "rpc":
+        return 0
+    card = card_of(req, dev)
+    if card.allowance_bytes is not None:
+        return card.allowance_bytes
+    row = gpu_terms.terms(card.backend).allowance_bytes
+    return row if row is not None else req.allowance_bytes
 
 
 def _figures(spec: ModelSpec, cal: Calibration | None, placement: Placement, cfg: ContextConfig) -> Figures | None:

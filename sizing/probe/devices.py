@@ -230,7 +230,8 @@ def ggml_devices(rows: Sequence[Mapping[str, Any]], nvml: Sequence[NvmlCard] = (
                      backend=Backend(prefix, reports_free=reports, host_buffer=str(row.get("host_buffer") or "")),
                      ordinal=ordinal, gpu_type="igpu" if row.get("type") == "igpu" else "gpu",
                      device_id=str(row.get("device_id") or ""), free_margin_bytes=margin,
-                     alignment_bytes=int(row.get("alignment", 0) or 0), max_buffer_bytes=int(row.get("max_size", 0) or 0))
+                     alignment_bytes=int(row.get("alignment", 0) or 0), max_buffer_bytes=int(row.get("max_size", 0) or 0),
+                     max_tensor_bytes=int(row.get("max_tensor", 0) or 0))
         key = pci_key(dev.device_id)
         card = by_bus.get(key) if key is not None and prefix == CUDA.prefix else None
         if card is not None:

@@ -10,7 +10,7 @@ from sizing.memory.placement import Placement
 
 from service.engine.params import (
     LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED,
-    ContextParams, ModelParams, context_params, model_params, physical_cores,
+    ContextParams, ModelParams, context_params, device_params, model_params, physical_cores,
 )
 
 
@@ -83,3 +83,19 @@ def test_a_context_below_the_slot_count_is_raised_to_it() -> None:
     cp = context_params(ContextConfig(n_ctx=1, n_seq_max=4, kv_unified=True))
     assert cp.n_ctx >= cp.n_seq_max == 4 and cp.n_batch >= 4
     assert context_params(ContextConfig(n_ctx=4096, n_seq_max=4)).n_ctx == 4096
+
+
+def test_a_cpu_plan_beside_a_vulkan_card_loads_without_it() -> None:
+    """A CPU-only plan where a Vulkan card is: loaded with the CPU alone (``ModelParams.host_only``: llama.cpp would
+    otherwise run large batches' ops on the card, op_offload, in a compute buffer the plan did not count there);
+    beside a CUDA card, as before."""
+    from sizing.plan.device import Backend
+
+    gib = 1 << 30
+    vk = Device(0, "llvmpipe", gib, 2 * gib, backend=Backend("Vulkan", host_buffer="Vulkan_Host"))
+    cuda = Device(0, "RTX", gib, 2 * gib)
+    assert device_params(Placement(), [vk]).host_only
+    assert not device_params(Placement(), [cuda]).host_only
+    assert not device_params(Placement(gpus=(0,), n_gpu_layers=5, tensor_split=(1.0,)), [vk]).host_only
+    mp = device_params(Placement(), [vk])
+    assert ModelParams.from_json(mp.to_json()) == mp
