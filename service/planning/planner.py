@@ -103,6 +103,7 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         kv_unified=bool(o.kv_unified),
         swa_full=bool(o.swa_full),
         allowance_bytes=settings.gpu_allowance_mib * MIB,
+        backend_allowance_bytes=(("Vulkan", settings.vulkan_allowance_mib * MIB),),
         gpu=o.gpu if o.gpu is not None else "auto",
         tensor_split=o.tensor_split,
         allow_offload=settings.allow_offload,

@@ -43,7 +43,7 @@ from ..memory.placement import Placement
 from .auto_cache import choose_cache_type
 from .request import (AUTO_CACHE_TYPE, AUTO_CACHE_TYPES, DEFAULT_CACHE_TYPES, PlanRequest, context_config, ctx_cap,
                       ctx_floor)
-from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, proportional_counts, slot_counts,
+from .sizer import (CacheTypeOption, Candidate, RefusalCode, Sizer, Verdict, allowance, proportional_counts, slot_counts,
                     split_placement)
 from ..model.spec import ModelSpec
 from .speed import Tiers
@@ -146,7 +146,8 @@ def _option(sz: Sizer, cap: int) -> CacheTypeOption:
         if at_floor is None:
             proportional = split_placement(idx, proportional_counts(sz, idx))
             counts = slot_counts(spec, proportional)
-            if min(counts) == 0 or any(g.free_bytes <= req.allowance_bytes for g in gpus):
+            if min(counts) == 0 or any(g.free_bytes <= (req.allowance_bytes if g.kind == "rpc" else allowance(req, g))
+                                       for g in gpus):
                 est = sz.estimate(proportional, floor)
                 share = ", ".join(
                     f"{gpus[i].label} {c} layers ({d.weights_bytes / MIB:.0f} MiB of weights, {gpus[i].free_bytes / MIB:.0f} MiB free)"

@@ -39,6 +39,11 @@ class PlanRequest:
     kv_unified: bool = False
     swa_full: bool = False
     allowance_bytes: int = DEFAULT_GPU_ALLOWANCE_BYTES
+    """A CUDA card's context beside the plan (``GGUF_GPU_ALLOWANCE_MIB``); also ROCm's and MUSA's, and any backend
+    without a row of its own in ``sizing.memory.gpu.BACKENDS``."""
+    backend_allowance_bytes: tuple[tuple[str, int], ...] = ()
+    """Per backend prefix, its device context where it is not CUDA's (``Vulkan``: ``GGUF_VULKAN_ALLOWANCE_MIB``);
+    a backend not named here takes its row's (``sizing.memory.gpu``), else ``allowance_bytes``."""
     gpu: int | Literal["auto", "all"] = "auto"
     tensor_split: tuple[float, ...] | None = None
     allow_offload: bool = True
