@@ -1,9 +1,10 @@
 # syntax=docker/dockerfile:1
 #
-# gguf-fit-server images. Two targets:
+# gguf-fit-server images. Three targets:
 #
-#   docker build -t gguf-fit-server:cuda .                # NVIDIA GPUs (the default, last stage)
-#   docker build -t gguf-fit-server:cpu --target cpu .    # CPU only, python:3.11-slim
+#   docker build -t gguf-fit-server:cuda .                      # NVIDIA GPUs (the default, last stage)
+#   docker build -t gguf-fit-server:cpu --target cpu .          # CPU only, python:3.11-slim
+#   docker build -t gguf-fit-server:vulkan --target vulkan .    # AMD and Intel GPUs (Vulkan: Mesa's radv, anv)
 #
 # Each build stage runs the install the README documents ("Install by hand"):
 # llama-cpp-python is compiled from source by pip, with CMAKE_ARGS choosing the
@@ -75,6 +76,65 @@ USER 10001:10001
 WORKDIR /home/gguf
 EXPOSE 8000
 # Ready = a model is loaded and the server takes requests; urlopen raises (exit 1) on 503.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"]
+CMD ["python", "-m", "service"]
+
+# ---------------------------------------------------------------- Vulkan build
+# Debian 13 (trixie): its Vulkan headers (1.4) have what ggml-vulkan needs (vk::LayerSettingsCreateInfoEXT, 1.3.272+;
+# Debian 12's are 1.3.239: tools/vulkan-deps fetches these outside Docker). glslc compiles ggml-vulkan's shaders.
+FROM python:${PYTHON_VERSION}-slim-trixie AS vulkan-build
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential cmake glslc spirv-headers libvulkan-dev \
+    && rm -rf /var/lib/apt/lists/*
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# GGML_NATIVE=off and GGML_RPC=on as in the CPU build (the image also runs `python -m service worker`, serving its
+# cards to another server). The build needs no GPU: the shaders are compiled to SPIR-V, the driver is the host's.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    CMAKE_ARGS="-DGGML_VULKAN=on -DGGML_RPC=on -DGGML_NATIVE=off" \
+    pip install --no-cache-dir llama-cpp-python==0.3.36 \
+    && python -c "__import__('sys').exit(0 if __import__('llama_cpp').llama_supports_rpc() else 'no ggml-rpc')" \
+    && test -n "$(find /opt/venv -name 'libggml-vulkan.so*' -print -quit)"
+WORKDIR /src
+COPY pyproject.toml ./
+COPY sizing ./sizing
+COPY service ./service
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install .
+# The embedded default model, SmolLM2-135M-Instruct, as in the CPU build (service/catalog/embedded.py).
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "__import__('service.catalog.embedded').catalog.embedded.fetch_instruct_model()"
+
+# ---------------------------------------------------------------- Vulkan runtime
+FROM python:${PYTHON_VERSION}-slim-trixie AS vulkan
+# The Vulkan loader (libvulkan1) and Mesa's drivers (mesa-vulkan-drivers: radv for AMD, anv for Intel, lavapipe, the
+# software device llama.cpp skips unless GGML_VK_VISIBLE_DEVICES names it). The cards are the host's /dev/dri
+# (docker-compose.yml's gguf-vulkan service passes it through, with the host's render group: DEPLOY_RENDER_GID).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 libvulkan1 mesa-vulkan-drivers \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=vulkan-build /opt/venv /opt/venv
+RUN groupadd --system --gid 10001 gguf \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gguf gguf \
+    && mkdir -p /models /cache/huggingface /cache/embedded \
+    && chown -R 10001:10001 /cache
+# Where the service finds the instruct model (its home's cache); copied onto GGUF_EMBEDDED_MODEL_DIR at first use.
+COPY --from=vulkan-build --chown=10001:10001 /root/.cache/smollm2_135m_instruct_gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
+     /home/gguf/.cache/smollm2_135m_instruct_gguf/
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/cache/huggingface \
+    GGUF_HOST=0.0.0.0 \
+    GGUF_PORT=8000 \
+    GGUF_MODELS_DIR=/models \
+    GGUF_EMBEDDED_MODEL_DIR=/cache/embedded
+USER 10001:10001
+WORKDIR /home/gguf
+EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('GGUF_PORT', '8000'), timeout=4)"]
 CMD ["python", "-m", "service"]

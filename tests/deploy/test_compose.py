@@ -188,6 +188,18 @@ def test_cpu_profile_builds_the_cpu_target_without_gpus(compose: dict[str, Any])
     assert cpu["environment"] == compose["services"]["gguf"]["environment"]
 
 
+def test_vulkan_profile_passes_the_render_nodes_through(compose: dict[str, Any]) -> None:
+    """AMD and Intel cards: the Vulkan image with the host's /dev/dri and its render group, no NVIDIA reservation,
+    the same settings as the default service; only with its profile (`up -d` still starts the CUDA service)."""
+    vk = compose["services"]["gguf-vulkan"]
+    assert vk["profiles"] == ["vulkan"] and vk["build"]["target"] == "vulkan"
+    assert _gpu_devices(vk) == []
+    assert "/dev/dri:/dev/dri" in vk["devices"]
+    groups = [interpolate(str(g), {}) for g in vk["group_add"]]
+    assert "video" in groups and interpolate(str(vk["group_add"][-1]), {"DEPLOY_RENDER_GID": "992"}) == "992"
+    assert vk["environment"] == compose["services"]["gguf"]["environment"]
+
+
 def test_build_targets_are_dockerfile_stages(compose: dict[str, Any], replicas: dict[str, Any],
                                              workers: dict[str, Any]) -> None:
     stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE | re.IGNORECASE))

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 DOCKERFILE = ROOT / "Dockerfile"
-RUNTIME_STAGES = {"cpu": "cpu-build", "cuda": "cuda-build"}
+RUNTIME_STAGES = {"cpu": "cpu-build", "cuda": "cuda-build", "vulkan": "vulkan-build"}
 
 
 @dataclass
@@ -193,6 +193,26 @@ def test_build_installs_the_pinned_llama_cpp_python_then_the_project(dockerfile:
     assert "-DGGML_NATIVE=off" in cmake_args.group(1).split(), "-march=native would tie the image to the build host's CPU"
     if build_stage == "cuda-build":
         assert "-DGGML_CUDA=on" in cmake_args.group(1).split(), "llama.cpp must be built with CUDA"
+    if build_stage == "vulkan-build":
+        assert "-DGGML_VULKAN=on" in cmake_args.group(1).split(), "llama.cpp must be built with Vulkan"
+    assert "-DGGML_RPC=on" in cmake_args.group(1).split(), "the image also serves its devices as a ggml-rpc worker"
+
+
+def test_vulkan_image_builds_ggml_vulkan_and_ships_the_loader_and_mesa(dockerfile: Dockerfile) -> None:
+    """The Vulkan target (AMD and Intel cards): built where the Vulkan headers are new enough for ggml-vulkan (Debian
+    13's 1.4; Debian 12's 1.3.239 lack vk::LayerSettingsCreateInfoEXT), with the shader compiler; its runtime has
+    the loader and Mesa's drivers (radv, anv) and none of the build's compilers; not the default target."""
+    bases = {s.name: expand(s.base, dockerfile.global_args) for s in dockerfile.stages}
+    assert bases["vulkan-build"] == bases["vulkan"] == "python:3.11-slim-trixie"
+    build = " ".join(dockerfile.stage("vulkan-build").all("RUN"))
+    for package in ("glslc", "libvulkan-dev", "spirv-headers", "cmake"):
+        assert re.search(rf"apt-get install[^&]*\b{package}\b", build), package
+    assert "libggml-vulkan.so" in build, "the build checks that the Vulkan backend was built"
+    runtime = " ".join(dockerfile.stage("vulkan").all("RUN"))
+    for package in ("libvulkan1", "mesa-vulkan-drivers", "libgomp1"):
+        assert re.search(rf"apt-get install[^&]*\b{package}\b", runtime), package
+    assert not re.search(r"\b(build-essential|cmake|glslc)\b", runtime)
+    assert [s.name for s in dockerfile.stages][-1] == "cuda"
 
 
 def readme_install_commands() -> list[list[str]]:
