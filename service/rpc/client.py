@@ -104,9 +104,48 @@ def round_trip_s(endpoint: str, timeout_s: float = 2.0, tries: int = 3) -> float
     return best if best != float("inf") else 0.0
 
 
-def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0) -> tuple[list[Device], list[Absent]]:
+PROBE_BYTES = 4 << 20
+"""What ``link_bandwidth`` reads from a worker: a few of gemma-3's 1 MiB of logits a token."""
+
+
+def link_bandwidth(endpoint: str, timeout_s: float = STATUS_PROBE_S, nbytes: int = PROBE_BYTES) -> float | None:
+    """The link's transfer rate from a worker, bytes/s: ``GET /probe?bytes=N`` on its status port, timed from the
+    first quarter's arrival to the last byte (past most of TCP's slow start, which a connection of ggml-rpc's has long
+    left). None when the worker does not answer it (an older one has no ``/probe``)."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        with socket.create_connection((host, port + 1), timeout=timeout_s) as s:
+            s.sendall(f"GET /probe?bytes={nbytes} HTTP/1.0\r\n\r\n".encode())
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None
+                buf += chunk
+            head, body = buf.split(b"\r\n\r\n", 1)
+            if not head.startswith(b"HTTP/1.0 200"):
+                return None
+            got, mark = len(body), None
+            while got < nbytes:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    return None
+                got += len(chunk)
+                if mark is None and got >= nbytes // 4:
+                    mark = (time.perf_counter(), got)
+            end = time.perf_counter()
+    except OSError:
+        return None
+    if mark is None or end <= mark[0]:
+        return None
+    return (got - mark[1]) / (end - mark[0])
+
+
+def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0, *, measure_links: bool = True
+                   ) -> tuple[list[Device], list[Absent]]:
     """The workers' devices as llama.cpp will list them, and the workers left out, with why (one that serves a
-    client now is: ggml-rpc serves one at a time, and a model of this server's on it is that client)."""
+    client now is: ggml-rpc serves one at a time, and a model of this server's on it is that client). With
+    ``measure_links`` each worker's link is timed too: its round trip and transfer rate (the speed model's)."""
     devices: list[Device] = []
     absent: list[Absent] = []
     for ep in endpoints:
@@ -122,7 +161,10 @@ def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0) -> tuple[li
             absent.append(Absent(ep, "serves a client now (a model loaded on it; a ggml-rpc worker serves one at a "
                                      "time)"))
             continue
-        rtt = round_trip_s(ep, timeout_s)
+        rtt = round_trip_s(ep, timeout_s) if measure_links else 0.0
+        # The faster of two reads: a loaded machine only ever slows one down.
+        rates = [r for r in (link_bandwidth(ep, timeout_s) for _ in range(2 if measure_links else 0)) if r]
+        rate = max(rates) if rates else None
         listed = st["devices"]
         rows = [d for d in listed if isinstance(d, dict)] if isinstance(listed, list) else []
         for row in rows:
@@ -131,6 +173,7 @@ def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0) -> tuple[li
                                   free_bytes=max(0, int(row.get("free_bytes", 0))),
                                   total_bytes=max(0, int(row.get("total_bytes", 0))),
                                   remote_kind=str(row.get("kind", "cpu")), link_latency_s=rtt,
+                                  link_bandwidth_bytes_per_s=rate,
                                   bandwidth_bytes_per_s=float(row["bandwidth_bytes_per_s"])
                                   if isinstance(row.get("bandwidth_bytes_per_s"), (int, float)) else None,
                                   cpu_threads=int(row["threads"]) if isinstance(row.get("threads"), int) else 0))
@@ -143,7 +186,7 @@ def plan_workers_ready(plan: "Plan") -> str | None:
     est = plan.estimate
     need = {d.device: d.total_bytes for d in est.gpus} if est is not None else {}
     for ep in rpc_endpoints(plan.gpus):
-        devices, absent = worker_devices([ep])
+        devices, absent = worker_devices([ep], measure_links=False)
         if absent:
             return str(absent[0])
         for dev in devices:

@@ -64,6 +64,8 @@ STATUS_READ_TIMEOUT_S = 10.0
 """How long a ``/status`` connection may take to send its request and read the answer."""
 STATUS_MAX_HEAD_BYTES = 16 * 1024
 """The longest request head ``/status`` reads (the request line and headers)."""
+PROBE_MAX_BYTES = 8 << 20
+"""The most ``GET /probe`` sends (the server times the link with a few MiB)."""
 
 
 def _rss_bytes() -> int:
@@ -362,9 +364,22 @@ class StatusServer:
             return 400, b'{"error": "malformed request line"}'
         if parts[0] != b"GET":
             return 405, b'{"error": "only GET"}'
-        if parts[1].split(b"?", 1)[0] != b"/status":
-            return 404, b'{"error": "not found: only /status"}'
+        path, _, query = parts[1].partition(b"?")
+        if path == b"/probe":
+            return self._probe(query)
+        if path != b"/status":
+            return 404, b'{"error": "not found: only /status and /probe"}'
         return 200, json.dumps(self.worker.status()).encode()
+
+    @staticmethod
+    def _probe(query: bytes) -> tuple[int, bytes]:
+        """``GET /probe?bytes=N``: N bytes (at most ``PROBE_MAX_BYTES``), for the server to time the link's transfer
+        rate with (``service.rpc.client.link_bandwidth``): a token's logits cross it every token."""
+        fields = dict(kv.partition(b"=")[::2] for kv in query.split(b"&"))
+        n = fields.get(b"bytes", b"")
+        if not n.isdigit() or not 0 < int(n) <= PROBE_MAX_BYTES:
+            return 400, b'{"error": "bytes: 1 to %d"}' % PROBE_MAX_BYTES
+        return 200, bytes(int(n))  # zeros: the answer's Content-Type says what they are
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._open >= self.max_connections:
@@ -384,8 +399,10 @@ class StatusServer:
                     code, body = 431, b'{"error": "request head too large"}'
                 else:
                     code, body = self._answer(head)
+                probe = code == 200 and head.split(b" ", 2)[1].startswith(b"/probe")
                 self._waiting.pop(writer, None)
-                writer.write(f"HTTP/1.0 {code} {_REASONS[code]}\r\nContent-Type: application/json\r\n"
+                ctype = "application/octet-stream" if probe else "application/json"
+                writer.write(f"HTTP/1.0 {code} {_REASONS[code]}\r\nContent-Type: {ctype}\r\n"
                              f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
                 await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):

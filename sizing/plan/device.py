@@ -63,6 +63,10 @@ class Device:
     token waits for one per worker it crosses (the result read back; the inputs and the graph are sent without
     waiting), and for ``sizing.plan.speed.RPC_TOKEN_OVERHEAD_S``, on top of the memory it reads
     (``sizing.plan.speed.rpc_token_s``)."""
+    link_bandwidth_bytes_per_s: float | None = None
+    """A worker's device: the transfer rate of the link to its worker (``service.rpc.client.link_bandwidth``); what a
+    decoded token's results cross it with (a worker's output, the logits on the last one), on top of its round trip;
+    None: not measured, not counted."""
     cpu_threads: int = 0
     """A worker's CPU device: the threads its graphs run on (its ``/status``); its share of a token is computed at
     the CPU's speed per thread, as the host's is (0: not reported, only its memory bandwidth counts)."""

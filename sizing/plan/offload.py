@@ -24,8 +24,8 @@ from ..memory.estimate import MemoryEstimate
 from ..memory.placement import Placement
 from .sizer import CacheTypeOption, Candidate, Sizer
 from .device import Device
-from .speed import (CPU_FLOPS_PER_CORE, CPU_GEMM_FLOPS_PER_CORE, RPC_TOKEN_OVERHEAD_S, TokenBytes, Tiers, gpu_bandwidth,
-                    prompt_tokens_per_s)
+from .speed import (CPU_FLOPS_PER_CORE, CPU_GEMM_FLOPS_PER_CORE, TokenBytes, Tiers, gpu_bandwidth,
+                    prompt_tokens_per_s, rpc_link_bytes, rpc_token_s)
 
 def disk_bytes(sz: Sizer, est: MemoryEstimate) -> int:
     """Weight bytes that do not fit in MemAvailable and are read from the file (page cache misses)."""
@@ -93,16 +93,18 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
     spec = sz.spec
     params_per_byte = spec.n_params / max(spec.weights_bytes, 1)
     gpu_s = 0.0
-    for b, i in zip(per_gpu, pl.gpus):
+    out_pos = pl.slots(spec.n_layer_all)[spec.n_layer_all]  # the position of the device holding the output layer
+    for pos, (b, i) in enumerate(zip(per_gpu, pl.gpus)):
         dev = sz.gpus[i]
         stream_s = b / gpu_bandwidth(dev.name, dev.bandwidth_bytes_per_s)
         # A worker's CPU computes its share as the host computes its own: the slower of reading and computing.
         compute_s = 2.0 * b * params_per_byte / (dev.cpu_threads * CPU_FLOPS_PER_CORE) if _cpu_worker(dev) else 0.0
         gpu_s += max(stream_s, compute_s)
         if b and dev.kind == "rpc":
-            # A worker's device adds its link: about two round trips per token (activations in, results out), and
-            # the graph ggml-rpc sends and runs there.
-            gpu_s += 2 * dev.link_latency_s + RPC_TOKEN_OVERHEAD_S
+            # A worker's device adds its link: a round trip, the bytes a token moves over it, and the graph ggml-rpc
+            # sends and runs there.
+            gpu_s += rpc_token_s(dev.link_latency_s, rpc_link_bytes(spec.n_embd, spec.n_vocab, pos == out_pos),
+                                 dev.link_bandwidth_bytes_per_s)
     host_stream_s = tb.host / tiers.host + tb.disk / tiers.disk
     host_compute_s = 2.0 * (tb.host + tb.disk) * params_per_byte / tiers.cpu_flops
     seconds = gpu_s + max(host_stream_s, host_compute_s) + tiers.token_overhead_s

@@ -119,3 +119,26 @@ RPC_TOKEN_OVERHEAD_S = 2.0e-3
 """What each ggml-rpc worker a token crosses costs beyond the network's round trips: the graph sent and run on the
 worker's side each token (``GRAPH_COMPUTE``), measured by ``bench/rpc_bench.py`` (the embedded model over one
 worker on loopback: 2.0 ms a token more than on the host, 2026-12-06)."""
+RPC_ROUND_TRIPS_PER_TOKEN = 1
+"""Round trips of its link a decoded token waits for, per worker it crosses: ggml-rpc's dispatcher sends the
+inputs (``SET_TENSOR``) and the graph (``GRAPH_RECOMPUTE``) without waiting for an answer (``send_async`` of
+ggml-rpc.cpp, ``ggml_backend_rpc_set_tensor_async``, ``ggml_backend_rpc_graph_compute``) and waits once, for the
+result (``GET_TENSOR``: the next device's input through the host, ``ggml_backend_tensor_copy``, or the logits).
+It was 2 (activations in, results out, each waited for)."""
+
+
+def rpc_token_s(link_latency_s: float, link_bytes: int = 0, link_bandwidth_bytes_per_s: float | None = None
+                ) -> float:
+    """What one ggml-rpc worker a decoded token crosses adds to it beyond the memory it reads: its link's round trips
+    (``link_latency_s`` each, the worker's ``Device.link_latency_s``), the bytes the token sends it and reads back
+    (``link_bytes``: the input and the result; the logits, ``n_vocab`` floats, from the worker holding the output) at
+    its link's transfer rate where measured, and ggml-rpc's own cost."""
+    transfer_s = link_bytes / link_bandwidth_bytes_per_s if link_bandwidth_bytes_per_s else 0.0
+    return RPC_ROUND_TRIPS_PER_TOKEN * link_latency_s + transfer_s + RPC_TOKEN_OVERHEAD_S
+
+
+def rpc_link_bytes(n_embd: int, n_vocab: int, holds_output: bool) -> int:
+    """Bytes a decoded token moves over one worker's link: its input, the hidden state (F32), in, and its result out:
+    the hidden state again, or the logits (F32, ``n_vocab``) where the worker holds the output layer
+    (``llama_context::decode`` reads them back, ``ggml_backend_tensor_get_async``)."""
+    return 4 * n_embd + 4 * (n_vocab if holds_output else n_embd)

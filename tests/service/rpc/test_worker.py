@@ -150,3 +150,19 @@ def test_a_worker_killed_under_a_loaded_model_ends_that_process_not_hangs_it(emb
         finally:
             child.kill()
             child.wait()
+
+
+def test_probe_gives_the_bytes_the_server_times_the_link_with() -> None:
+    from service.rpc.client import link_bandwidth
+    from service.rpc.worker import PROBE_MAX_BYTES
+
+    port, _ = two_ports()
+    with worker(port):
+        r = httpx.get(f"http://127.0.0.1:{port + 1}/probe?bytes=100000", timeout=5)
+        assert r.status_code == 200 and r.content == bytes(100000)
+        assert r.headers["content-type"] == "application/octet-stream"
+        for bad in ("0", str(PROBE_MAX_BYTES + 1), "x", ""):
+            assert httpx.get(f"http://127.0.0.1:{port + 1}/probe?bytes={bad}", timeout=5).status_code == 400
+        rate = link_bandwidth(f"127.0.0.1:{port}")
+        assert rate is not None and rate > 50e6, rate  # loopback: hundreds of MB/s at least
+        assert status(port)["devices"]  # /status as before
