@@ -459,7 +459,7 @@ def _card_weights(spec: ModelSpec, layers: Sequence[int], has_output: bool, load
 
     def place(t: TensorInfo, op: str | None = None) -> None:
         nonlocal total
-        if row.refuses_large_tensors and gpu.vulkan_refuses(t, card.max_tensor_bytes, spec.n_expert_used, op):
+        if row.refuses_large_tensors and gpu.vulkan_refuses(t, card.max_tensor_bytes, spec.n_expert_used, op, spec.ssm):
             moved.append((t, op))
         else:
             total += -(-t.n_bytes // align) * align

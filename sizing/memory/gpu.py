@@ -73,7 +73,7 @@ from .context import ContextConfig
 from ..model.ggml import cache_type
 from .kv import kv_cells, kv_layers
 from .placement import Placement
-from ..model.spec import ModelSpec, TensorInfo
+from ..model.spec import ModelSpec, SsmSpec, TensorInfo
 
 F32 = 4
 F16 = 2
@@ -290,10 +290,32 @@ def vulkan_test_op_bytes(t: TensorInfo, n_expert_used: int = 0, op: str | None =
                F32 * shape[1] * VK_TEST_ROWS * shape[2] * shape[3])
 
 
-def vulkan_refuses(t: TensorInfo, max_tensor_bytes: int, n_expert_used: int = 0, op: str | None = None) -> bool:
+VK_SSM_SCAN_STATES = (128, 256)
+"""``ggml_backend_vk_device_supports_op``'s SSM_SCAN: Mamba-2's scan only (``src[3]``, the weight ``ssm_a``, one float
+a head), with d_state 128 or 256 and a head size that is a multiple of 16."""
+
+
+def vulkan_refuses(t: TensorInfo, max_tensor_bytes: int, n_expert_used: int = 0, op: str | None = None,
+                   ssm: SsmSpec | None = None) -> bool:
     """Whether ggml-vulkan's ``supports_op`` refuses ``t``'s op on a card whose largest tensor is
-    ``max_tensor_bytes`` (0: not known, nothing refused)."""
-    return max_tensor_bytes > 0 and vulkan_test_op_bytes(t, n_expert_used, op) > max_tensor_bytes
+    ``max_tensor_bytes`` (0: not known, nothing refused): a source or result past it, or (``ssm``: the model's
+    recurrent shape) a scan ggml-vulkan has no shader for, Mamba-1's (``ssm_a`` of ``d_state x d_inner``): that weight
+    stays on the host (measured: Mamba-1.4B's 48 ``ssm_a`` beside a lavapipe card)."""
+    if max_tensor_bytes <= 0:
+        return False
+    if ssm is not None and op is None and t.name.endswith(".ssm_a") and _vulkan_scan_refused(t, ssm):
+        return True
+    return vulkan_test_op_bytes(t, n_expert_used, op) > max_tensor_bytes
+
+
+def _vulkan_scan_refused(t: TensorInfo, ssm: SsmSpec) -> bool:
+    """SSM_SCAN as ``weight_buft_supported`` tries it: ``d_state`` is ``ssm_a``'s first dimension unless that is 1
+    (Mamba-2: ``ssm.state_size``), the head size ``d_inner / n_head`` (``ssm_a``'s second dimension)."""
+    mamba2 = t.shape[0] == 1 or len(t.shape) == 1
+    if not mamba2:
+        return True
+    n_head = t.shape[-1] if t.shape[-1] > 1 else 1
+    return ssm.d_state not in VK_SSM_SCAN_STATES or (ssm.d_inner // max(n_head, 1)) % 16 != 0
 
 
 # ---- the table -------------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ buffers and takes its own allowance. The figures are lavapipe's, measured (``mak
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
 from sizing.memory import Card, ContextConfig, Placement, estimate, gpu, vulkan_scratch
@@ -119,3 +121,21 @@ def test_the_host_maps_a_span_of_the_file(smollm2: ModelSpec) -> None:
     assert (mib(vk.host.weights_bytes), mib(vk.gpus[0].weights_bytes)) == (92.1, 32.92)
     cuda = estimate(smollm2, cfg, pl, gpu_labels=["CUDA0"])
     assert mib(cuda.host.weights_bytes) == 87.87  # CUDA's plans keep the sum (the figures its tests hold)
+
+
+def test_a_scan_ggml_vulkan_has_no_shader_for_stays_on_the_host(fixture_spec: Callable[..., ModelSpec]) -> None:
+    """ggml-vulkan scans Mamba-2's state only (d_state 128 or 256): Mamba-1's ``ssm_a`` (d_state x d_inner) stays on
+    the host beside a Vulkan card, one a block (llama.cpp's dry run beside lavapipe moved 50: those 48, the
+    embedding and the tied head); Mamba-2's goes to the card."""
+    mamba1, mamba2 = fixture_spec("Mamba-1.4B"), fixture_spec("Mamba2-2.7B")
+    a1 = [t for t in mamba1.tensors if t.name.endswith(".ssm_a")]
+    a2 = [t for t in mamba2.tensors if t.name.endswith(".ssm_a")]
+    assert len(a1) == mamba1.n_layer and a2
+    assert all(gpu.vulkan_refuses(t, 128 * MIB, ssm=mamba1.ssm) for t in a1)
+    assert not any(gpu.vulkan_refuses(t, 128 * MIB, ssm=mamba2.ssm) for t in a2)
+    assert not any(gpu.vulkan_refuses(t, 0, ssm=mamba1.ssm) for t in a1)  # no card's figures: nothing refused
+    cfg = ContextConfig(4096, "f16", "f16", "on")
+    lava = estimate(mamba1, cfg, whole(mamba1), gpu_labels=["Vulkan0"], cards=[LAVAPIPE])
+    cuda = estimate(mamba1, cfg, whole(mamba1), gpu_labels=["CUDA0"])
+    moved = sum(t.n_bytes for t in a1)
+    assert lava.host.weights_bytes - cuda.host.weights_bytes >= moved
