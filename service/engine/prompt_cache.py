@@ -205,7 +205,9 @@ class Entry:
     tokens: list[int]
     scope: str
     pos_min: int
-    """``llama_memory_seq_pos_min`` when it was saved: what a sliding-window cache still held."""
+    """The first position of the sliding window its state holds: the live sequence's ``llama_memory_seq_pos_min``,
+    but at least its last position less ``n_swa - 1`` (llama.cpp saves no cell masked for the last position;
+    ``service.engine.llama.slotting``)."""
     n_canon: int
     """Batch-invariant mode: leading tokens computed as a cold evaluation computes them."""
     nbytes: int

@@ -97,6 +97,28 @@ class SlotTable:
     def _window_holds(self, pos_min: int, n_keep: int) -> bool:
         return window_holds(pos_min, n_keep, self._l.n_swa)
 
+    def _saved_pos_min(self, slot: Slot) -> int:
+        """The first position of the sliding window a state copied out of the slot now holds.
+
+        llama.cpp writes a sequence's state without the window cells masked for its last position
+        (src/llama-kv-cache.cpp ``state_write``: ``is_masked_swa(pos, seq_pos_max)``), so a saved state keeps the
+        window's last ``n_swa`` positions whatever the live sequence still held: restored, it continues at its end
+        or one token before, never further back. Until issue 55 an entry carried the live ``pos_min``; one saved
+        from a roomy cache was then restored and cut back past its window, and the next tokens attended to a
+        window with a hole (16 of 512 positions for a 16-token answer)."""
+        import llama_cpp
+
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
+        if self._l.n_swa > 0 and pos_min >= 0:
+            pos_max = int(llama_cpp.llama_memory_seq_pos_max(self._l.mem, slot.id))
+            pos_min = max(pos_min, pos_max - self._l.n_swa + 1)
+        return pos_min
+
+    def _held_from(self, pos_min: int, n_tokens: int) -> int:
+        """A saved state's window start, at least what its token count allows (``_saved_pos_min``): files written
+        before issue 55 carry the live sequence's."""
+        return max(pos_min, n_tokens - self._l.n_swa) if self._l.n_swa > 0 else pos_min
+
     def _reach(self, slot: Slot, tokens: list[int], scope: str) -> tuple[int, Checkpoint | None]:
         """The prefix of ``tokens`` a slot's KV can stand for, and the checkpoint to put back for it (None: its
         window as it is)."""
@@ -108,7 +130,8 @@ class SlotTable:
     def _entry_reach(self, entry: Entry, tokens: list[int]) -> tuple[int, Checkpoint | None]:
         """As ``_reach`` for a cached prompt: its sliding-window cells as they were when it was saved."""
         return reusable_via(entry, tokens, batch_invariant=self._batch_invariant,
-                            holds=lambda e, k: self._window_holds(e.pos_min, k), n_swa=self._l.n_swa)
+                            holds=lambda e, k: self._window_holds(self._held_from(e.pos_min, len(e.tokens)), k),
+                            n_swa=self._l.n_swa)
 
     def admit(self, r: "Sequence", slot: Slot) -> int:
         """Give ``r`` the slot: keep the longest usable common prefix of its KV (the slot's, another slot's, or a
@@ -236,12 +259,13 @@ class SlotTable:
         """The slot's sliding window now, as its checkpoint (``llama_state_seq_get_data_ext``, partial: the window
         alone), replacing the one of an earlier prompt.
 
-        Taken at once, between the decode that ended the prompt and the next: the window then still holds all the
-        prompt's end attends to (the cells the last ubatch reused were masked for its first position), whatever
-        other sequences take of it afterwards (a 1,820-token gemma-3-270m prompt: 794 cells of 15 layers,
-        12 MiB, copied in about 2 ms). llama-server takes its checkpoints before the decode of the prompt's last 4
-        and ``4 + n_ubatch`` tokens (server-context.cpp ``update_slots``); after it, this one reaches back to the
-        start of the last ubatch (``pos_min``: what was not reused), without splitting the batch."""
+        Taken at once, between the decode that ended the prompt and the next, whatever other sequences take of the
+        window afterwards. llama.cpp writes the window's last ``n_swa`` positions (``_saved_pos_min``), so the
+        checkpoint stands for the cut at the prompt's end or one token before (where the next prompt's text merged
+        the last token when retokenized): the cut a chat turn makes when its client sends back an assistant text
+        of its own. A 1,816-token gemma-3-270m prompt's window: 512 cells of 15 layers, 7.5 MiB. llama-server takes
+        its checkpoints before the decode of a prompt's last 4 and ``4 + n_ubatch`` tokens, splitting the batch
+        (server-context.cpp ``update_slots``), and evaluates those 4 again at the next turn."""
         import llama_cpp
 
         ctx = self._l.ctx.ctx
@@ -258,8 +282,7 @@ class SlotTable:
             log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's window; no checkpoint", n, size,
                         slot.id)
             return
-        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
-        slot.checkpoint = Checkpoint(len(slot.tokens), pos_min, state)
+        slot.checkpoint = Checkpoint(len(slot.tokens), self._saved_pos_min(slot), state)
 
     def _put_back(self, slot: Slot, ckpt: Checkpoint, pos: int) -> bool:
         """The slot's window replaced by ``ckpt`` (a checkpoint of the prompt the slot holds, or of one whose first
@@ -377,9 +400,8 @@ class SlotTable:
         if n != size:
             log.warning("prompt cache: llama.cpp wrote %d of %d bytes of slot %d's state; not kept", n, size, slot.id)
             return
-        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._l.mem, slot.id))
-        pc.put(slot.tokens, state, scope=slot.scope, pos_min=pos_min, n_canon=slot.n_canon, memory=memory,
-               checkpoint=slot.checkpoint)
+        pc.put(slot.tokens, state, scope=slot.scope, pos_min=self._saved_pos_min(slot), n_canon=slot.n_canon,
+               memory=memory, checkpoint=slot.checkpoint)
 
     def _restore(self, slot: Slot, entry: Entry, r: "Sequence", n_keep: int) -> bool:
         """Put a cached prompt back into the slot (the slot's own prompt kept first), cut back to ``n_keep`` tokens of
