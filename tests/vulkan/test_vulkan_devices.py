@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow
 
 LAVAPIPE_HEAP_BYTES = 2048 * MIB
 """Mesa 22.3.6's lavapipe: one 2 GiB device-local heap (``vulkaninfo``)."""
+LAVAPIPE_STORAGE_RANGE_BYTES = 128 * MIB
+"""Its ``maxStorageBufferRange`` (2^27): the largest tensor ggml-vulkan runs an op on there."""
 
 
 def test_ggml_lists_vulkan0_with_its_memory_and_whether_free_is_reported(vulkan_device: str) -> None:
@@ -28,7 +30,7 @@ def test_ggml_lists_vulkan0_with_its_memory_and_whether_free_is_reported(vulkan_
     assert vk and vk[0]["name"] == "Vulkan0"
     assert vk[0]["description"] == vulkan_device
     assert vk[0]["host_buffer"] == "Vulkan_Host"
-    assert vk[0]["alignment"] > 0 and vk[0]["max_size"] > 0
+    assert vk[0]["alignment"] > 0 and vk[0]["max_size"] > 0 and vk[0]["max_tensor"] > 0
     cards = LocalDevices().cards()
     assert cards[0].label == "Vulkan0" and cards[0].index == 0
     card = cards[0]
@@ -38,10 +40,13 @@ def test_ggml_lists_vulkan0_with_its_memory_and_whether_free_is_reported(vulkan_
         assert (card.free_bytes, card.free_margin_bytes) == unreported_free(card.total_bytes)
     else:
         assert card.free_memory in ("reported", "shared") and card.free_bytes == vk[0]["free_bytes"]
+    assert card.max_tensor_bytes == vk[0]["max_tensor"] and card.alignment_bytes == vk[0]["alignment"]
     if "llvmpipe" in vulkan_device:  # Mesa 22.3's lavapipe: one 2 GiB heap, no memory budget
         assert [c.label for c in cards] == ["Vulkan0"]
         assert vk[0]["free_bytes"] == vk[0]["total_bytes"] == LAVAPIPE_HEAP_BYTES
         assert card.free_memory == "unreported"
+        # ggml-vulkan's ops take tensors up to lavapipe's maxStorageBufferRange (no 64-bit indexing there)
+        assert vk[0]["max_tensor"] == LAVAPIPE_STORAGE_RANGE_BYTES and vk[0]["alignment"] == 16
 
 
 def test_a_device_named_twice_is_vulkan0_and_vulkan1(monkeypatch: pytest.MonkeyPatch) -> None:
