@@ -20,6 +20,7 @@ import pytest
 
 from service.runner.process import WATCH_S, ProcessEngine, stall_bound_s
 from tests.conftest import EMBEDDED_NAME, ServiceProcess, process_alive
+from tests.figures import figure
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,8 @@ def test_a_stopped_runner_is_ended_within_its_bound_and_served_again(svc: Servic
         assert r.json()["error"]["code"] == "runner_died" and r.headers.get("retry-after"), r.text
         assert "no progress" in r.text or "did not answer" in r.text, r.text
         # At most the bound plus the watchdog's period, plus the kill's and the answer's own time.
+        figure(f"SIGSTOPped runner: a request answered 503 runner_died after {waited:.1f} s (stall bound {bound} s, "
+               f"GGUF_RUNNER_STALL_S={STALL_S:g} raised by the plan)")
         assert waited <= bound + WATCH_S + 2.0, f"the request waited {waited:.1f} s for a bound of {bound} s"
         # Meanwhile the health routes say so (until the new runner has loaded).
         ready = c.get("/ready")
