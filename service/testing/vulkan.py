@@ -141,6 +141,9 @@ def rows_of(model: Mapping[str, Any], scratch: Mapping[str, Mapping[str, int]] |
             used = scratch.get(dev, {})
             out.append(Row(dev, "scratch", float(want.get("gpu_pool_mib", 0.0)),
                            round(sum(v for k, v in used.items() if k in SCRATCH_KINDS) / MIB, 2), bound=True))
+        elif scratch is not None:  # the host's: the cards' staging buffers (host memory)
+            out.append(Row(dev, "staging", float(want.get("gpu_pool_mib", 0.0)),
+                           round(sum(u.get("staging", 0) for u in scratch.values()) / MIB, 2), bound=True))
     return out
 
 

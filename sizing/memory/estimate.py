@@ -88,7 +88,8 @@ class DeviceMemory:
     pool_bytes: int = 0
     """The bound on what llama.cpp's dry run cannot see on a GPU: its backend's (``sizing.memory.gpu.terms``): the
     CUDA pool and cuBLAS workspace (``cuda_pool_bound_bytes``), ggml-vulkan's scratch buffers (``vulkan_scratch``);
-    0 on the host."""
+    on the host, the staging buffers a card's backend uploads weights through (``BackendTerms.stages_weights``: 0
+    but beside a Vulkan card)."""
     embedding_bytes: int = 0
     """The embedding context's KV, compute and output buffers on this device (``ContextConfig.embedding_tokens``)."""
     draft_bytes: int = 0
@@ -446,23 +447,24 @@ _INPUT_TENSORS = ("token_embd.", "pos_embd.", "token_types.", "per_layer_token_e
 
 
 def _card_weights(spec: ModelSpec, layers: Sequence[int], has_output: bool, loaded: int, n_moe_host: int,
-                  card: gpu.Card, row: gpu.BackendTerms) -> tuple[int, list[tuple[TensorInfo, str | None]]]:
+                  card: gpu.Card, row: gpu.BackendTerms) -> tuple[int, list[tuple[TensorInfo, str | None]], int]:
     """The weights a card's buffers hold, tensor by tensor (``ggml_backend_alloc_ctx_tensors_from_buft``: each padded
     to the buffer type's alignment), and the tensors (with the op they were tried with) its backend refuses
     (``select_weight_buft``: ``gpu.vulkan_refuses``): its blocks' tensors (less experts kept on the host by
     ``n_cpu_moe``) and, with the output layer, every tensor outside the blocks but the token embedding, and the head
-    (a tied one is a second use of the embedding, by MUL_MAT)."""
+    (a tied one is a second use of the embedding, by MUL_MAT); and the largest weight the card holds."""
     on = set(il for il in layers if il < loaded)
     align = card.alignment_bytes if row.weights_padded and card.alignment_bytes > 0 else 1
-    total = 0
+    total = largest = 0
     moved: list[tuple[TensorInfo, str | None]] = []
 
     def place(t: TensorInfo, op: str | None = None) -> None:
-        nonlocal total
+        nonlocal total, largest
         if row.refuses_large_tensors and gpu.vulkan_refuses(t, card.max_tensor_bytes, spec.n_expert_used, op, spec.ssm):
             moved.append((t, op))
         else:
             total += -(-t.n_bytes // align) * align
+            largest = max(largest, t.n_bytes)
 
     for t in spec.tensors:
         if t.layer is None:
@@ -474,7 +476,7 @@ def _card_weights(spec: ModelSpec, layers: Sequence[int], has_output: bool, load
         for t in spec.tensors:
             if t.name == "token_embd.weight":
                 place(t, "MUL_MAT")
-    return total, moved
+    return total, moved, largest
 
 
 def _estimate(
@@ -571,14 +573,18 @@ def _estimate(
     refused: list[tuple[TensorInfo, str | None]] = []
     host_runs_head = False
     """A card's backend refused the output head: the logits are computed on the host (simulated: the whole graph)."""
+    staging = 0
+    """Host memory a card's backend keeps to upload weights through (``gpu.BackendTerms.stages_weights``)."""
     for pos, layers in enumerate(per_gpu_layers):
         card = cards[pos] if pos < len(cards) else gpu.Card()
         row = gpu.terms(card.backend)
         head_refused = False
         if row.refuses_large_tensors or (row.weights_padded and card.alignment_bytes > 0):
             # Tensor by tensor: what the backend's ops refuse stays on the host, the rest padded as its buffers are.
-            w, moved = _card_weights(spec, layers, out_dev == pos, loaded, n_moe_host, card, row)
+            w, moved, largest = _card_weights(spec, layers, out_dev == pos, loaded, n_moe_host, card, row)
             refused.extend(moved)
+            if row.stages_weights:
+                staging += largest
             head_refused = any(t.name in ("output.weight", "token_embd.weight") for t, _ in moved)
             host_runs_head = host_runs_head or head_refused
         else:
@@ -637,6 +643,7 @@ def _estimate(
         kv_bytes=kv[0],
         state_bytes=state[0],
         compute_bytes=(graph if (placement.cpu_only or host_runs_head) and not gpu_host_measured else host_graph),
+        pool_bytes=staging,
         output_bytes=out_bytes,
         draft_bytes=draft_output_bytes(spec, cfg),
         layers=tuple(host_layers),

@@ -342,6 +342,11 @@ class BackendTerms:
     (``layers_compute_bytes``: the logits are not there) rather than the whole graph's peak, which would keep the
     plan's search from ever trying it (a GPU backend's plans are all calibrated). CUDA's keeps the whole graph, the
     figures its tests hold."""
+    stages_weights: bool = False
+    """The host keeps a staging buffer per card as large as the largest weight loaded there, for the card's lifetime
+    (ggml-vulkan's ``device->sync_staging``: ``ggml_backend_tensor_set`` from the mapped file, where the card's
+    memory is not host-visible: ``ggml_vk_buffer_write_2d``), counted in the host's ``pool_bytes`` (a bound: a card
+    whose memory the host maps, as lavapipe's, allocates none)."""
     maps_span: bool = False
     """The host's mapped weights are predicted as llama.cpp logs them, the span of the file from the first to the last
     tensor the CPU buffer keeps (``sizing.memory.estimate._mapped_span``); without it, their sum. The span is
@@ -380,7 +385,7 @@ CUDA_TERMS = BackendTerms("CUDA", None, _cuda_pool, fa_dequant_in_compute=True,
                           source="ggml/src/ggml-cuda: the CUDA context (GGUF_GPU_ALLOWANCE_MIB), the pool bound")
 VULKAN_TERMS = BackendTerms("Vulkan", VULKAN_ALLOWANCE_BYTES, vulkan_scratch_bytes, fa_dequant_in_compute=False,
                             refuses_large_tensors=True, weights_padded=True, cpu_plans_host_only=True,
-                            layer_phases_off_head=True, maps_span=True,
+                            layer_phases_off_head=True, maps_span=True, stages_weights=True,
                             source="ggml/src/ggml-vulkan: its scratch buffers bounded, large tensors refused")
 BACKENDS: dict[str, BackendTerms] = {
     "CUDA": CUDA_TERMS,

@@ -107,6 +107,11 @@ def test_a_vulkan_card_takes_its_own_allowance_and_scratch(gemma: ModelSpec) -> 
     assert g.allowance_bytes == gpu.VULKAN_ALLOWANCE_BYTES
     assert g.pool_bytes == vulkan_scratch(gemma, plan.estimate.cfg, True, g.layers).total_bytes
     assert mib(g.weights_bytes) == 65.16
+    # The host stages the card's weights through a buffer as large as the largest (where the card's memory is not
+    # host-visible; lavapipe's is, and stages none): a bound in the host's pool.
+    assert plan.estimate.host.pool_bytes == max(t.n_bytes for t in gemma.tensors if t.layer is not None)
+    cuda = make_plan(gemma, [Device(0, "RTX", 8 * GIB, 8 * GIB)], HOST, req)
+    assert cuda.estimate is not None and cuda.estimate.host.pool_bytes == 0
     plan = make_plan(gemma, [card], HOST, PlanRequest(n_ctx=512, cache_type="q8_0", flash_attn="on",
                                                       backend_allowance_bytes=(("Vulkan", 100 * MIB),)))
     assert plan.estimate is not None and plan.estimate.gpus[0].allowance_bytes == 100 * MIB
