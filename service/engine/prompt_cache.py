@@ -13,8 +13,9 @@ An entry is found by its longest common prefix with the new prompt, not only whe
 that sends back an assistant turn of its own (edited, trimmed, or simply not the generated text) shares the
 entry's prompt but not its generated tokens, so the entry is restored and cut back to the common prefix. For a
 sliding-window model the entry also keeps its slot's ``Checkpoint`` (the window right after the prompt was
-evaluated, in host memory beside the state, counted in the budget): the cut back to the prompt's end then holds
-whatever the window lost while the answer was generated or other conversations ran (issue 55).
+evaluated, in host memory beside the state, counted in the budget, and in its file after the state): the cut back
+to the prompt's end then holds whatever the window lost while the answer was generated or other conversations ran,
+a restart too (issue 55).
 
 The budget is planned (``budget``): half of the host memory the model's plan leaves free, at most the ceiling
 (``GGUF_PROMPT_CACHE_MIB``, llama-server's 8,192 MiB default), so that the cache cannot be what makes the host
@@ -67,8 +68,8 @@ FORMAT = 2
 2: sealed with the install's key (issue 54); format 1's folders are left as they are, never read."""
 MAGIC = b"GGUFKV2\n"
 """A file: ``MAGIC``, its seal (``SEAL_BYTES``), the header's length (u32 little-endian), the header (JSON), the
-tokens (int32), the state. The seal is an HMAC-SHA256 of everything before the state but itself; the header
-holds the state's sha256."""
+tokens (int32), the state, then the checkpoint's state where the header names one. The seal is an HMAC-SHA256 of
+everything before the state but itself; the header holds the state's sha256 and the checkpoint's."""
 SEAL_BYTES = 32
 KEY_FILE = "prompt-cache.key"
 """The install's key, at ``GGUF_PROMPT_CACHE_DIR``'s root beside the binding folders (one key for all of them)."""
@@ -221,8 +222,14 @@ class Entry:
     """As a slot's (``service.engine.slots.reusable`` reads them): an entry keeps no logits."""
     checkpoint: Checkpoint | None = None
     """The sliding window after the prompt's evaluation (``service.engine.slots.Checkpoint``), in host memory with
-    ``state``: not on disk (a file keeps the state alone), so an entry read back from disk is cut back only as far
-    as its window reaches."""
+    ``state``; where only its file holds it, its state is empty (``PromptCache.checkpoint_of`` reads it)."""
+    file_checkpoint: tuple[int, int, int] | None = None
+    """The checkpoint its file holds after the state: (tokens, window start, bytes); None: none."""
+
+    @property
+    def disk_nbytes(self) -> int:
+        """What its file's states take (the state, and the checkpoint's)."""
+        return self.nbytes + (self.file_checkpoint[2] if self.file_checkpoint is not None else 0)
 
     @property
     def memory_nbytes(self) -> int:
@@ -292,7 +299,7 @@ class PromptCache:
     @property
     def disk_bytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self.entries if e.path is not None)
+            return sum(e.disk_nbytes for e in self.entries if e.path is not None)
 
     @property
     def disk_entries(self) -> int:
@@ -352,17 +359,18 @@ class PromptCache:
 
         ``memory`` off: on disk only (``write_behind``: the slot still holds it, so host memory need not); the
         state waits in the writer's queue until it is written. An entry of exactly these tokens kept on disk only
-        takes the state (and ``checkpoint``) into memory. ``checkpoint``: the slot's (kept with the state in host
-        memory only, when both fit the budget)."""
+        takes the state (and ``checkpoint``) into memory. ``checkpoint``: the slot's, kept with the state in host
+        memory when both fit the budget, and in the file."""
         if not self.needs(tokens, scope, memory=memory) or not self.takes(len(state)):
             return False
+        to_disk = checkpoint
         if checkpoint is not None and (not memory or len(state) + len(checkpoint.state) > self.budget_bytes):
             checkpoint = None
         n = len(tokens)
         self._clock += 1
         for e in self.entries:
             if e.scope == scope and e.tokens == tokens:  # on disk only (``needs``): into memory too
-                e.state, e.checkpoint, e.last_used = state, checkpoint, self._clock
+                e.state, e.checkpoint, e.last_used = state, checkpoint or _on_file(e), self._clock
                 self._fit()
                 return True
         with self._lock:
@@ -377,7 +385,7 @@ class PromptCache:
         self.stats.saved += 1
         self._fit()
         if self.directory is not None:
-            self._write(e, state)
+            self._write(e, state, to_disk)
         return True
 
     @property
@@ -385,6 +393,15 @@ class PromptCache:
         """Whether a write is queued or under way (``write_behind`` queues one at a time)."""
         with self._lock:
             return self._backlog > 0
+
+    def checkpoint_of(self, e: Entry) -> Checkpoint | None:
+        """The entry's checkpoint with its state, read from its file where only the file holds it (before ``take``,
+        which lets it go); None when it has none or its file no longer reads back as written (counted)."""
+        c = e.checkpoint
+        if c is None or c.state:
+            return c
+        with self._io:
+            return self._read_checkpoint(e)
 
     def take(self, e: Entry) -> bytearray | None:
         """The entry's state, to restore into a slot: it leaves host memory (its disk copy stays); None when its
@@ -394,7 +411,7 @@ class PromptCache:
             state = self._load(e)
             if state is None:
                 return None
-        e.state = e.checkpoint = None
+        e.state, e.checkpoint = None, _on_file(e)
         if e.path is None:
             with self._lock:
                 self._drop(e)
@@ -417,7 +434,7 @@ class PromptCache:
         """Evict from host memory, least recently used first, until the entries fit the budget."""
         while self.memory_bytes > self.budget_bytes:
             e = min((e for e in self.entries if e.state is not None), key=lambda e: e.last_used)
-            e.state = e.checkpoint = None
+            e.state, e.checkpoint = None, _on_file(e)
             self.stats.evicted += 1
             if e.path is None:
                 with self._lock:
@@ -480,11 +497,16 @@ class PromptCache:
             self._writes.put(done)
             done.wait()
 
-    def _header(self, e: Entry, digest: str) -> bytes:
+    def _header(self, e: Entry, digest: str, checkpoint: Checkpoint | None) -> bytes:
         """The header's length and the header: everything that gives the entry its meaning but its tokens."""
-        head = json.dumps({"binding": self._fields, "scope": e.scope, "n_tokens": len(e.tokens), "pos_min": e.pos_min,
-                           "n_canon": e.n_canon, "state_bytes": e.nbytes, "state_sha256": digest},
-                          sort_keys=True).encode()
+        fields: dict[str, Any] = {"binding": self._fields, "scope": e.scope, "n_tokens": len(e.tokens),
+                                  "pos_min": e.pos_min, "n_canon": e.n_canon, "state_bytes": e.nbytes,
+                                  "state_sha256": digest}
+        if checkpoint is not None:
+            fields["checkpoint"] = {"n_tokens": checkpoint.n_tokens, "pos_min": checkpoint.pos_min,
+                                    "bytes": len(checkpoint.state),
+                                    "sha256": hashlib.sha256(checkpoint.state).hexdigest()}
+        head = json.dumps(fields, sort_keys=True).encode()
         return struct.pack("<I", len(head)) + head
 
     def _seal(self, length_and_head: bytes, tokens: bytes) -> bytes:
@@ -495,11 +517,11 @@ class PromptCache:
         mac.update(tokens)
         return mac.digest()
 
-    def _write(self, e: Entry, state: bytearray) -> None:
+    def _write(self, e: Entry, state: bytearray, checkpoint: Checkpoint | None) -> None:
         if self._writes is not None:
             with self._lock:
                 self._backlog += 1
-            self._writes.put((e, state))
+            self._writes.put((e, state, checkpoint))
 
     def _write_loop(self, writes: "queue.SimpleQueue[Any]") -> None:
         while True:
@@ -509,19 +531,19 @@ class PromptCache:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            e, state = item
+            e, state, checkpoint = item
             try:
-                self._write_one(e, state)
+                self._write_one(e, state, checkpoint)
             finally:
                 with self._lock:
                     self._backlog -= 1
 
-    def _write_one(self, e: Entry, state: bytearray) -> None:
+    def _write_one(self, e: Entry, state: bytearray, checkpoint: Checkpoint | None) -> None:
         with self._lock:
             if e not in self.entries:  # dropped before its turn
                 return
         try:
-            path = self._store(e, state)
+            path = self._store(e, state, checkpoint)
         except OSError as exc:
             log.warning("prompt cache: could not write an entry of %d tokens: %s", len(e.tokens), exc)
             with self._lock:
@@ -531,22 +553,28 @@ class PromptCache:
         with self._lock:
             if e in self.entries:
                 e.path = path
+                e.file_checkpoint = (None if checkpoint is None else
+                                     (checkpoint.n_tokens, checkpoint.pos_min, len(checkpoint.state)))
+                if e.checkpoint is None:
+                    e.checkpoint = _on_file(e)
                 self.stats.disk_written += 1
                 self._fit_disk()
             else:
                 path.unlink(missing_ok=True)
 
-    def _store(self, e: Entry, state: bytearray) -> Path:
+    def _store(self, e: Entry, state: bytearray, checkpoint: Checkpoint | None) -> Path:
         assert self.directory is not None
         name = hashlib.blake2b(e.scope.encode() + array("i", e.tokens).tobytes(), digest_size=16).hexdigest()
         path = self.directory / (name + SUFFIX)
         tmp = path.with_name(path.name + ".tmp")
-        head = self._header(e, hashlib.sha256(state).hexdigest())
+        head = self._header(e, hashlib.sha256(state).hexdigest(), checkpoint)
         tokens = array("i", e.tokens).tobytes()
         with open(tmp, "wb") as f:
             f.write(MAGIC + self._seal(head, tokens) + head)
             f.write(tokens)
             f.write(state)
+            if checkpoint is not None:
+                f.write(checkpoint.state)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -555,11 +583,11 @@ class PromptCache:
     def _fit_disk(self) -> None:
         """Remove the least recently used files until the disk budget holds (called with ``_lock`` held)."""
         on_disk = sorted((e for e in self.entries if e.path is not None), key=lambda e: e.last_used)
-        total = sum(e.nbytes for e in on_disk)
+        total = sum(e.disk_nbytes for e in on_disk)
         for e in on_disk:
             if total <= self.disk_budget_bytes:
                 break
-            total -= e.nbytes
+            total -= e.disk_nbytes
             assert e.path is not None
             e.path.unlink(missing_ok=True)
             e.path = None
@@ -582,9 +610,10 @@ class PromptCache:
         try:
             head = json.loads(text)  # unsealed yet: read for the tokens' count only
             n_tokens, n_state = int(head["n_tokens"]), int(head["state_bytes"])
+            n_ckpt = int(head["checkpoint"]["bytes"]) if head.get("checkpoint") is not None else 0
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError("header unreadable") from exc
-        if n_tokens < 0 or n_state < 0 or f.tell() + 4 * n_tokens + n_state != size:
+        if min(n_tokens, n_state, n_ckpt) < 0 or f.tell() + 4 * n_tokens + n_state + n_ckpt != size:
             raise ValueError("length other than the header's")  # truncated, or more than was written
         tokens = f.read(4 * n_tokens)
         if not hmac.compare_digest(seal, self._seal(raw + text, tokens)):
@@ -600,8 +629,12 @@ class PromptCache:
         try:
             with open(path, "rb") as f:
                 head, tokens = self._open_sealed(f, os.fstat(f.fileno()).st_size)
-            return Entry(tokens=tokens, scope=str(head["scope"]), pos_min=int(head["pos_min"]),
-                         n_canon=int(head["n_canon"]), nbytes=int(head["state_bytes"]), path=path)
+            c = head.get("checkpoint")
+            e = Entry(tokens=tokens, scope=str(head["scope"]), pos_min=int(head["pos_min"]),
+                      n_canon=int(head["n_canon"]), nbytes=int(head["state_bytes"]), path=path,
+                      file_checkpoint=None if c is None else (int(c["n_tokens"]), int(c["pos_min"]), int(c["bytes"])))
+            e.checkpoint = _on_file(e)
+            return e
         except (OSError, KeyError, TypeError, ValueError) as exc:
             self.stats.rejected += 1
             log.warning("prompt cache: ignored %s (%s)", path, _why(exc))
@@ -649,7 +682,7 @@ class PromptCache:
                         (e.tokens, e.scope, e.pos_min, e.n_canon, e.nbytes):
                     raise ValueError("another entry's since it was indexed")
                 state = bytearray(e.nbytes)
-                if f.readinto(state) != e.nbytes or f.read(1):
+                if f.readinto(state) != e.nbytes:
                     raise ValueError("length other than the header's")
             if not hmac.compare_digest(hashlib.sha256(state).hexdigest(), str(head["state_sha256"])):
                 raise ValueError("state digest does not match")
@@ -658,6 +691,38 @@ class PromptCache:
             self.stats.rejected += 1
             log.warning("prompt cache: ignored %s (%s)", e.path, _why(exc))
             return None
+
+
+    def _read_checkpoint(self, e: Entry) -> Checkpoint | None:
+        """The checkpoint after the state in an entry's file, when the file is still sealed and holds what was
+        indexed (called with ``_io`` held); None otherwise (counted, logged: the entry's state may still serve)."""
+        if e.path is None or e.file_checkpoint is None:
+            return None
+        n_tokens, pos_min, nbytes = e.file_checkpoint
+        try:
+            with open(e.path, "rb") as f:
+                head, tokens = self._open_sealed(f, os.fstat(f.fileno()).st_size)
+                c = head.get("checkpoint") or {}
+                if (tokens, head["scope"], head["state_bytes"], c.get("n_tokens"), c.get("pos_min"), c.get("bytes")) \
+                        != (e.tokens, e.scope, e.nbytes, n_tokens, pos_min, nbytes):
+                    raise ValueError("another entry's since it was indexed")
+                f.seek(e.nbytes, os.SEEK_CUR)
+                state = bytearray(nbytes)
+                if f.readinto(state) != nbytes:
+                    raise ValueError("length other than the header's")
+            if not hmac.compare_digest(hashlib.sha256(state).hexdigest(), str(c["sha256"])):
+                raise ValueError("checkpoint digest does not match")
+            return Checkpoint(n_tokens, pos_min, state)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            self.stats.rejected += 1
+            log.warning("prompt cache: ignored the checkpoint in %s (%s)", e.path, _why(exc))
+            return None
+
+
+def _on_file(e: Entry) -> Checkpoint | None:
+    """What an entry's checkpoint is once host memory lets it go: its file's, state not read (empty), or none."""
+    c = e.file_checkpoint
+    return None if c is None or e.path is None else Checkpoint(c[0], c[1], bytearray())
 
 
 def _why(exc: Exception) -> str:

@@ -412,8 +412,8 @@ class SlotTable:
         import llama_cpp
 
         pc = self.pcache
-        ckpt = self._entry_reach(entry, r.tokens)[1]
-        kept = entry.checkpoint
+        needed = self._entry_reach(entry, r.tokens)[1] is not None
+        kept = pc.checkpoint_of(entry)  # read from its file where only the file holds it (after a restart)
         state = pc.take(entry)  # first: the slot's own prompt, kept next, may not evict it
         self.vacate(slot)
         if state is None:
@@ -442,7 +442,10 @@ class SlotTable:
         slot.logits, slot.logits_at = None, 0
         slot.scope = entry.scope
         slot.checkpoint = kept
-        if ckpt is not None and not self._put_back(slot, ckpt, r.pos(n_keep)):
+        if needed and kept is None:  # its file's checkpoint did not read back (counted): evaluated cold
+            self.clear(slot)
+            return False
+        if kept is not None and needed and not self._put_back(slot, kept, r.pos(n_keep)):
             return False
         pc.stats.hits += 1
         return True

@@ -155,6 +155,18 @@ def test_conversations_survive_an_unload_on_disk(embedded_model: str, tmp_path: 
         eng.unload()
 
 
+def _head(raw: bytes | bytearray) -> dict:
+    at = len(MAGIC) + SEAL_BYTES
+    n = struct.unpack("<I", raw[at:at + 4])[0]
+    return dict(json.loads(raw[at + 4:at + 4 + n]))
+
+
+def _state_at(raw: bytes | bytearray) -> int:
+    """Where a file's state begins: after its header and tokens."""
+    at = len(MAGIC) + SEAL_BYTES
+    return at + 4 + struct.unpack("<I", raw[at:at + 4])[0] + 4 * _head(raw)["n_tokens"]
+
+
 def _rewrite_header(path: Path, change: dict) -> None:
     """The file's binding changed in its header, its seal kept (tests/service/engine/test_prompt_cache_seal.py
     tampers with every other field)."""
@@ -186,7 +198,7 @@ def test_a_bad_file_is_ignored_counted_and_the_request_served_cold(embedded_mode
         a_file.write_bytes(os.urandom(a_file.stat().st_size))
     elif damage == "flipped":  # the header and length hold; a byte of the state does not
         raw = bytearray(a_file.read_bytes())
-        raw[-100] ^= 0xFF
+        raw[_state_at(raw) + _head(raw)["state_bytes"] - 100] ^= 0xFF
         a_file.write_bytes(bytes(raw))
     elif damage == "other-parameters":
         _rewrite_header(a_file, {"type_k": 8, "type_v": 8})
@@ -416,6 +428,39 @@ def test_a_client_written_turn_at_once_after_the_last_reuses_its_slot(embedded_m
         assert a2.cached_tokens == own_turn["cached"], a2.cached_tokens
         g = eng.prompt_cache_gauges
         assert g["hits"] == 0 and g["lookup_hit"] == 1 and g["held_unused"] == 0, g  # its own slot, not a restore
+        assert text == own_turn["cold"]
+    finally:
+        eng.unload()
+
+
+@pytest.mark.parametrize("damage", [None, "checkpoint flipped"])
+def test_a_client_written_turn_is_restored_from_disk_through_its_checkpoint(
+        embedded_model: str, tmp_path: Path, own_turn: dict[str, object], damage: str | None) -> None:
+    """A's slot kept on disk at unload, its checkpoint after its state in the file; a new engine (a restart) serves
+    A's next turn with the client's own assistant text, which cuts A back to its prompt's end, further than the
+    saved window reaches: through the checkpoint read from the file, only the new tokens are evaluated, with the
+    cold evaluation's text. A byte of the checkpoint flipped: the file's checkpoint is refused (counted), and the
+    turn is evaluated cold, never over a window with a hole."""
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        _run(eng, LONG_A)
+    finally:
+        eng.unload()
+    (a_file,) = _files(tmp_path)
+    raw = bytearray(a_file.read_bytes())
+    head = _head(raw)
+    assert head["checkpoint"]["bytes"] > 0 and len(raw) == _state_at(raw) + head["state_bytes"] + head["checkpoint"]["bytes"]
+    if damage:
+        raw[-100] ^= 0xFF
+        a_file.write_bytes(bytes(raw))
+    eng = _engine(embedded_model, tmp_path)
+    try:
+        text, a2 = _run(eng, LONG_A + OWN)
+        g = eng.prompt_cache_gauges
+        if damage:
+            assert a2.cached_tokens <= 1 and g["rejected"] == 1 and g["hits"] == 0, (a2.cached_tokens, g)
+        else:
+            assert a2.cached_tokens == own_turn["cached"] and g["hits"] == 1 and g["rejected"] == 0, g
         assert text == own_turn["cold"]
     finally:
         eng.unload()
