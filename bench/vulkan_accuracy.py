@@ -116,6 +116,30 @@ def run(model: str, cache: str, fa: str, url: str, log_path: Path, body: dict[st
         return m, rows_of(m, scratch), time.perf_counter() - t
 
 
+def markdown(collected: list[tuple[str, str, str, str, list[Row]]]) -> str:
+    """A line per device of each load: each part predicted / allocated in MiB (``=``: within 0.01 MiB; a scratch
+    buffer: allocated / its bound)."""
+    out = ["| arrangement | model | cache/FA | verdict | device | weights | KV | compute | output | scratch (alloc/bound) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for sname, key, pair, verdict, rows in collected:
+        by: dict[str, dict[str, Row]] = {}
+        for r in rows:
+            by.setdefault(r.device, {})[r.part] = r
+        for dev, parts in by.items():
+            def cell(part: str) -> str:
+                r = parts.get(part)
+                if r is None:
+                    return "-"
+                if r.bound:
+                    return f"{r.allocated_mib:.2f} / {r.predicted_mib:.2f}"
+                if r.status == "exact":
+                    return f"{r.allocated_mib:.2f} =" if r.allocated_mib else "0"
+                return f"{r.predicted_mib:.2f} / {r.allocated_mib:.2f} ({r.status})"
+            out.append(f"| {sname} | {key} | {pair} | {verdict} | {dev} | {cell('weights')} | {cell('kv')} | "
+                       f"{cell('compute')} | {cell('output')} | {cell('scratch')} |")
+    return "\n".join(out)
+
+
 def describe(m: dict[str, Any]) -> str:
     chosen = m["plan"]["chosen"]
     devs = {d["device"]: d for d in m["plan"]["estimate"]["devices"]}
@@ -130,6 +154,8 @@ def main() -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--no-generate", action="store_true", help="loads only: no scratch rows")
+    ap.add_argument("--markdown", action="store_true", help="then the table in short: a line per device, each part "
+                    "predicted / allocated (MiB)")
     ap.add_argument("--prompt-tokens", type=int, default=128,
                     help="the prompt evaluated for the scratch rows (n_ctx - 8 fills the context: the largest scratch)")
     args = ap.parse_args()
@@ -139,6 +165,7 @@ def main() -> int:
           f" {'error':>7}  status")
     runs = [(sname, key, cache, fa) for sname in args.scenarios.split(",") for key in args.models.split(",")
             for cache, fa in PAIRS]
+    collected: list[tuple[str, str, str, str, list[Row]]] = []
     with contextlib.ExitStack() as stack:
         current: dict[str, str] | None = None
         for sname, key, cache, fa in runs:
@@ -151,6 +178,7 @@ def main() -> int:
             m, rows, took = run(MODELS[key], cache, fa, url, log_path, scenario["body"],
                                 0 if args.no_generate else min(args.prompt_tokens, args.n_ctx - 8))
             print(f"# {sname} {key} {cache}/{fa}: {describe(m)} ({took:.0f} s)", flush=True)
+            collected.append((sname, key, f"{cache}/{fa}", m["plan"]["verdict"], rows))
             for row in rows:
                 total += 1
                 bad += not row.ok
@@ -159,6 +187,8 @@ def main() -> int:
                       f"{row.predicted_mib:>10.2f} {row.allocated_mib:>10.2f} {row.error_mib:>+7.2f}  {mark}",
                       flush=True)
     print(f"rows: {total}; not exact, not rounded up and not within their bound: {bad}")
+    if args.markdown:
+        print(markdown(collected))
     return 1 if bad else 0
 
 
