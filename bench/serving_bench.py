@@ -193,6 +193,9 @@ def main() -> int:
     ap.add_argument("--llama-server-args", default="", help="extra llama-server arguments (default: none)")
     ap.add_argument("--service-setting", action="append", default=[], metavar="GGUF_NAME=VALUE",
                     help="a setting for the service (default: none; e.g. GGUF_CACHE_TYPE=f16, llama-server's cache type)")
+    ap.add_argument("--versus", action="append", default=[], metavar="GGUF_NAME=VALUE",
+                    help="compare the service with itself under these settings instead of llama-server (the second "
+                    "side, 'versus'; repeat for several): a default's cost, paired and interleaved in one run")
     ap.add_argument("--in-process", action="store_true", help="also run 'one' on the engine in this process")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -200,14 +203,18 @@ def main() -> int:
 
     model = args.model or embedded_model_path()
     scenarios = set(args.scenarios.split(","))
-    binary = find_or_build(args.llama_server)
-    figures: dict[str, dict[str, Any]] = {"service": {}, "llama-server": {}}
+    versus = dict(kv.split("=", 1) for kv in args.versus)
+    other = "versus" if versus else "llama-server"
+    figures: dict[str, dict[str, Any]] = {"service": {}, other: {}}
     engine = InProcess(model) if args.in_process and "one" in scenarios else None
     settings = dict(kv.split("=", 1) for kv in args.service_setting)
-    print(f"model {Path(model).name}; {args.rounds} rounds; service settings {settings or 'defaults'}; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    with run_service(model, **settings) as svc_url, serve(binary, model, *args.llama_server_args.split()) as ls_url:
-        sides = {"service": svc_url, "llama-server": ls_url}
+    print(f"model {Path(model).name}; {args.rounds} rounds; service settings {settings or 'defaults'}"
+          + (f"; versus the service with {versus}" if versus else "") + f"; load average {os.getloadavg()[0]:.2f}",
+          flush=True)
+    second = (run_service(model, **{**settings, **versus}) if versus
+              else serve(find_or_build(args.llama_server), model, *args.llama_server_args.split()))
+    with run_service(model, **settings) as svc_url, second as ls_url:
+        sides = {"service": svc_url, other: ls_url}
         for url in sides.values():  # warm-up
             one_client(url, 8, True)
         acc: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
@@ -249,7 +256,7 @@ def main() -> int:
     for side in acc:
         figures[side] = {k: round(med(v), 2) for k, v in acc[side].items()}
         figures[side]["rounds"] = {k: [round(x, 1) for x in v] for k, v in acc[side].items()}
-    s, ls = figures["service"], figures["llama-server"]
+    s, ls = figures["service"], figures[other]
 
     def row(label: str, key: str, target: str = "", ratio: Callable[[float, float], float] = lambda a, b: a / b) -> None:
         if key in s and key in ls:
@@ -257,7 +264,7 @@ def main() -> int:
 
     print(f"\nmodel {Path(model).name}, {args.tokens} tokens per request, medians of {args.rounds} rounds, "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'':42s} {'service':>10s} {'llama-server':>14s} {'ratio':>8s}   target")
+    print(f"{'':42s} {'service':>10s} {other:>14s} {'ratio':>8s}   " + ("" if versus else "target"))
     row("one client, streamed tokens/s", "one_stream_tok_s", ">= 0.95")
     row("one client, not streamed tokens/s", "one_plain_tok_s", ">= 0.95")
     row("one client, time to first token ms", "one_ttft_ms", "overhead < 10 ms (difference)",
@@ -268,13 +275,13 @@ def main() -> int:
               f"{e['one_ttft_ms']:.1f} ms; service / engine = {s['one_stream_tok_s'] / e['one_stream_tok_s']:.3f}, "
               f"TTFT +{s['one_ttft_ms'] - e['one_ttft_ms']:.1f} ms")
     row("four clients, aggregate tokens/s", "four_tok_s", ">= 0.9")
-    for side, f in (("service", s), ("llama-server", ls)):
+    for side, f in (("service", s), (other, ls)):
         if "four_tok_s" in f and "one_stream_total_tok_s" in f:
             print(f"  {side}: four clients / one client = {f['four_tok_s'] / f['one_stream_total_tok_s']:.3f}"
                   + ("   (target >= 1.32)" if side == "service" else ""))
     row("next turn, time to first token ms", "turn_next_ttft_ms", "<= 1.5")
     row("cold prompt of that length, TTFT ms", "turn_cold_ttft_ms")
-    for side, f in (("service", s), ("llama-server", ls)):
+    for side, f in (("service", s), (other, ls)):
         if "turn_next_ttft_ms" in f:
             print(f"  {side}: next turn / cold = {f['turn_next_ttft_ms'] / f['turn_cold_ttft_ms']:.3f} "
                   f"({f['turn_prompt_tokens']:.0f} prompt tokens)" + ("   (target <= 0.15)" if side == "service" else ""))

@@ -145,11 +145,15 @@ class Settings(BaseSettings):
     )
     batch_invariant: bool = Field(
         False,
-        description="Outputs that do not depend on the requests batched beside them: the same seed (or greedy) gives "
-        "the same text alone or in a batch. llama.cpp's CPU kernels round by batch shape (repacked weights, tinyBLAS "
-        "row groups), so by default a batched request's tokens may differ from the same request alone "
-        "(docs/batching.md). On: no repacked weights, prompts fed one at a time and never in short last chunks "
-        "(slower prompts). Per model in the models file.",
+        description="Outputs that do not depend on how a request is batched or cached: the same greedy (or seeded) "
+        "request gives the same text cold, from a slot, from the prompt cache in memory or on disk, streamed or not, "
+        "alone or beside other requests. llama.cpp's CPU kernels round a token by the batch it is computed in "
+        "(repacked weights, row groups), its flash attention over an f16 cache by where the cells lie, and a shared "
+        "KV cache places a sequence's cells anywhere; by default the text can differ between those ways of sending "
+        "(docs/batching.md). On: no repacked weights, a quantized cache where attention runs on the CPU (auto picks "
+        "q8_0), a KV stream per slot (each request holds at most n_ctx / parallel tokens), prompts apart from "
+        "generating tokens, and drafts of a few tokens for one generating request only: slower prompts and "
+        "generation (docs/batching.md has the figures). Per model in the models file.",
     )
     runner_process: bool = Field(
         True,

@@ -100,7 +100,11 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         n_ubatch=settings.n_ubatch,
         n_batch=settings.n_batch,
         n_seq_max=o.parallel or settings.parallel,
-        kv_unified=bool(o.kv_unified),
+        # Batch-invariant outputs: a KV stream per slot. In one unified cache llama.cpp puts a sequence's new cells
+        # wherever cells are free, below its older ones too (src/llama-kv-cache.cpp ``find_slot`` starts from cell 0
+        # once more cells are free before its head than the batch needs twice), and CPU flash attention visits a
+        # sequence's cells in cell order (ggml-cpu/ops.cpp): the same request then rounded otherwise.
+        kv_unified=bool(o.kv_unified) and not o.batch_invariant,
         swa_full=bool(o.swa_full),
         allowance_bytes=settings.gpu_allowance_mib * MIB,
         backend_allowance_bytes=(("Vulkan", settings.vulkan_allowance_mib * MIB),),
@@ -113,8 +117,10 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
         cpu_cores=settings.n_threads or os.cpu_count() or 1,
         embedding_tokens=0 if settings.embeddings == "off" else settings.embedding_tokens,
         embedding_gpu=settings.embeddings == "on",
-        # The drafts' logits rows (self-speculation; not in batch-invariant mode, where the engine drafts nothing).
+        # The drafts' logits rows (self-speculation; not in batch-invariant mode, whose few drafts a step take idle
+        # slots' rows), and there a quantized cache where attention runs on the CPU (``quantized_cpu_cache``).
         draft_rows=settings.draft_max if settings.speculative != "off" and not o.batch_invariant else 0,
+        quantized_cpu_cache=bool(o.batch_invariant),
         draft=draft,
         draft_squeeze=bool(o.draft_squeeze),
         cpu_repack=repack.on if repack is not None else None,

@@ -315,7 +315,11 @@ def _make_plan(spec: ModelSpec, gpus: Sequence[Device], host: Device, req: PlanR
     )
     if auto:
         by_type = {o.cache_type: o for o in options}
-        chosen, type_reason = choose_cache_type([by_type[t] for t in AUTO_CACHE_TYPES], cap, bool(gpus))
+        quantized = req.quantized_cpu_cache and not gpus
+        among = [t for t in AUTO_CACHE_TYPES if t != "f16"] if quantized else AUTO_CACHE_TYPES
+        chosen, type_reason = choose_cache_type([by_type[t] for t in among], cap, bool(gpus))
+        if quantized:
+            type_reason += " (f16 left out: batch-invariant outputs need CPU attention over a quantized cache)"
     else:
         chosen = next(o for o in options if o.cache_type == req.cache_type)
         type_reason = f"cache type {chosen.cache_type}: as asked (not auto)"

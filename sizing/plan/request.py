@@ -79,6 +79,12 @@ class PlanRequest:
     service's planner always sets it (``GGUF_CPU_REPACK``)."""
     cpu_repack_reason: str = field(default="", compare=False)
     """Why ``cpu_repack`` is what it is (the load's log line and the dry run say it)."""
+    quantized_cpu_cache: bool = False
+    """``auto`` on a machine without cards chooses among the quantized types only (batch-invariant outputs):
+    llama.cpp's CPU flash attention over an f16 cache tiles a prompt's rows and splits a single row's keys by cell
+    index (ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_ext_f16``: ``use_tiled``, ``use_split_kv_path``), so
+    a token's output depends on where its cells lie and on the other sequences' cells; over a quantized cache it
+    runs one row at a time over the sequence's cells in order."""
     cpu_features: frozenset[str] = frozenset()
     """The CPU features llama.cpp reports on the host the plan runs on (``llama_print_system_info``): with the
     extra buffer types on, which weights they copy (``sizing.memory.repack``). Empty: unknown, none predicted."""

@@ -92,15 +92,16 @@ class LlamaEngine:
         also keep them on disk there, at most ``prompt_cache_disk_mib``.
 
         ``speculative``: draft up to ``draft_max`` tokens a step from each sequence's own tokens and keep those
-        the model chooses itself (``service.engine.speculation``; off in batch-invariant mode, whose point is
-        that a token's batch does not change it). Drafted rows fit in the logits rows llama.cpp reserves at
+        the model chooses itself (``service.engine.speculation``; in batch-invariant mode only n-gram drafts,
+        so few that the step stays a small batch, whose rows ggml-cpu computes as it computes a step of one row:
+        ``BatchStep.run``). Drafted rows fit in the logits rows llama.cpp reserves at
         context creation (one per sequence, ``output_reserve(n_seq_max)``) and in the rows the plan adds for them
         (``ContextConfig.draft_rows``, reserved at load): a step drafts at most the idle slots' rows and those."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._pooling_fallback = embedding_pooling
         self._batch_invariant = batch_invariant
-        self._speculative = speculative and not batch_invariant
+        self._speculative = speculative
         self._draft_max = max(0, draft_max)
         self._cache_prompt = cache_prompt
         self._similarity = slot_prompt_similarity

@@ -107,7 +107,9 @@ def declared_pooling(model: Any) -> int | None:
 def load(path: str, plan: Plan, *, n_threads: int | None, batch_invariant: bool, speculative: bool,
          pooling_fallback: str) -> Loaded:
     """The plan's llama.cpp objects. ``InsufficientMemory`` where llama.cpp could not allocate them,
-    ``EngineFailure`` where it failed otherwise; nothing is left open either way."""
+    ``EngineFailure`` where it failed otherwise; nothing is left open either way. ``batch_invariant``: without
+    repacked weights, and with no draft model or MTP head (n-gram drafts only, in steps small enough to leave a
+    row's rounding alone: ``step.BatchStep.run``)."""
     import llama_cpp
     from llama_cpp import _internals
 
@@ -132,10 +134,11 @@ def load(path: str, plan: Plan, *, n_threads: int | None, batch_invariant: bool,
         if eparams is not None:
             emb, ecp, emb_pieces = _embedding_context(model, eparams, n_threads, pooling_fallback)
         n_emb = len(lines)
-        if plan.draft is not None and speculative:
+        model_drafts = speculative and not batch_invariant
+        if plan.draft is not None and model_drafts:
             runner = _load_draft(plan, mparams.use_extra_bufts, model, n_threads)
         n_draft = len(lines)
-        if runner is None and plan.cfg.mtp and speculative:
+        if runner is None and plan.cfg.mtp and model_drafts:
             runner = _load_mtp(ctx, plan, model, os.path.basename(path), n_threads)
         n_mtp = len(lines)
         pm = plan.estimate.projector if plan.estimate is not None else None

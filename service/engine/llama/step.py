@@ -40,14 +40,21 @@ class BatchStep:
         self._watch: list["Sequence"] = []
         """The requests whose prompt the running ``llama_decode`` evaluates, while the abort callback is set."""
         self._abort_cb = abort_callback(lambda: bool(self._watch) and all(r.gone for r in self._watch))
+        self._prompt_turn = False
+        """Batch-invariant mode, prompts and generating sequences both waiting: the next step is a prompt's."""
 
     def run(self, active: list["Sequence"]) -> None:
         """One ``llama_decode`` of the active sequences (the caller's list, admission order).
 
-        In batch-invariant mode only one prompt is fed per step: with a non-unified cache llama.cpp splits a
-        batch into ubatches holding the same number of tokens of every sequence (``split_equal``,
-        src/llama-batch.cpp), so several prompts in one step are processed interleaved, token by token,
-        and their greedy outputs were seen to differ from one-at-a-time runs."""
+        In batch-invariant mode a step is either the generating sequences' tokens (and their drafts, fewer than
+        ``INVARIANT_MIN_ROWS`` rows in all) or one prompt's chunk (at least ``INVARIANT_MIN_ROWS`` rows where the
+        prompt has them), taking turns when both wait. ggml-cpu computes a row alike in every batch of fewer than
+        ``INVARIANT_MIN_ROWS`` rows and alike in every larger one, but not alike across the two (see
+        ``INVARIANT_MIN_ROWS``): a generated token beside another request's prompt chunk, or a drafted step of 8
+        rows, came out as neither a step alone nor a cold prompt computes it. Only one prompt is fed per step: with
+        a non-unified cache llama.cpp splits a batch into ubatches holding the same number of tokens of every
+        sequence (``split_equal``, src/llama-batch.cpp), so several prompts in one step are processed interleaved,
+        token by token, and their greedy outputs were seen to differ from one-at-a-time runs."""
         import llama_cpp
 
         members = self._members(active)
@@ -75,19 +82,46 @@ class BatchStep:
 
     def _members(self, active: list["Sequence"]) -> list["Sequence"]:
         """The sequences in this step and the rows each takes: every generating one's next token and guesses
-        first, then prompt chunks, oldest first, up to n_batch."""
+        first, then prompt chunks, oldest first, up to n_batch; in batch-invariant mode one kind or the other
+        (``run``)."""
         members: list["Sequence"] = []
         room = self._l.n_batch
+        for r in active:
+            r.batch_take, r.batch_logits_idx, r.draft = 0, -1, []
+        prompts_only = False
+        if self._batch_invariant:
+            generating = any(r.next_token is not None for r in active)
+            prompting = any(r.prompting for r in active)
+            prompts_only = prompting and (not generating or self._prompt_turn)
+            self._prompt_turn = not prompts_only  # both waiting: they alternate
+        if not prompts_only:
+            room = self._generating(active, members, room)
+        if not (self._batch_invariant and members):
+            self._prompting(active, members, room)
+        if prompts_only and not members:  # no prompt could go on (an image failed): the generating ones do
+            self._generating(active, members, room)
+        # Laid out in increasing sequence id. With a non-unified cache llama.cpp puts into one ubatch only a run
+        # of consecutive sequence ids in batch order (src/llama-batch.cpp ``split_equal``, ``sequential``): out
+        # of order, 4 generating sequences were decoded as up to 4 ubatches, each a full pass over the weights,
+        # and the graph was rebuilt every step (2x the step time measured with 8 slots). llama-server adds its
+        # slots in slot-id order (server-context.cpp ``update_slots``).
+        members.sort(key=lambda r: r.slot.id)  # type: ignore[union-attr]
+        return members
+
+    def _generating(self, active: list["Sequence"], members: list["Sequence"], room: int) -> int:
+        """Every generating sequence's next token and its guesses into ``members``; the rows left."""
         drafting = self._drafting
+        n_gen = sum(1 for r in active if r.next_token is not None)
         # Drafted tokens take logits rows beyond one per sequence: at most the rows of idle slots and those planned.
         spare = self._l.n_slots + drafting.rows - len(active) if drafting.on else 0
+        if self._batch_invariant:  # the step stays a small batch of one sequence's rows (``run``)
+            spare = min(spare, INVARIANT_MIN_ROWS - 2) if n_gen == 1 else 0
         if spare > 0 and self._l.unified:
             # A unified cache's free cells go first to the tokens that stay: every sequence's next token and
             # the prompt tokens this step may evaluate; drafts only where cells are left after those.
-            prompts = sum(len(r.tokens) - r.n_past for r in active if r.prompting)
+            prompts = 0 if self._batch_invariant else sum(len(r.tokens) - r.n_past for r in active if r.prompting)
             spare = min(spare, self._l.n_ctx - self._slots.cells.used - len(active) - min(prompts, room))
         for r in active:
-            r.batch_take, r.batch_logits_idx, r.draft = 0, -1, []
             if r.next_token is not None and room > 0:
                 r.batch_take = 1
                 room -= 1
@@ -97,8 +131,12 @@ class BatchStep:
                     r.batch_take += k
                     spare -= k
                     room -= k
-        room += drafting.run()
-        for r in list(active):  # oldest first: admission order (a copy: a failed image ends its request)
+        return room + drafting.run()
+
+    def _prompting(self, active: list["Sequence"], members: list["Sequence"], room: int) -> None:
+        """Prompt chunks into ``members``, oldest first (admission order), up to ``room`` rows; one prompt in
+        batch-invariant mode, never leaving it a last chunk shorter than ``INVARIANT_MIN_ROWS``."""
+        for r in list(active):  # a copy: a failed image ends its request
             if room <= 0:
                 break
             if r.prompting and r.images and not self._images_before(r):
@@ -113,14 +151,7 @@ class BatchStep:
                 room -= r.batch_take
                 members.append(r)
                 if self._batch_invariant:
-                    break  # one prompt per step: prompts never share a ubatch (see the docstring)
-        # Laid out in increasing sequence id. With a non-unified cache llama.cpp puts into one ubatch only a run
-        # of consecutive sequence ids in batch order (src/llama-batch.cpp ``split_equal``, ``sequential``): out
-        # of order, 4 generating sequences were decoded as up to 4 ubatches, each a full pass over the weights,
-        # and the graph was rebuilt every step (2x the step time measured with 8 slots). llama-server adds its
-        # slots in slot-id order (server-context.cpp ``update_slots``).
-        members.sort(key=lambda r: r.slot.id)  # type: ignore[union-attr]
-        return members
+                    break  # one prompt per step: prompts never share a ubatch (see ``run``)
 
     def _fill(self, members: list["Sequence"]) -> tuple[int, int, bool, list[Any]]:
         """The batch's rows for ``members``: (rows, prompt tokens fed, whether a long prompt is in it, the MTP

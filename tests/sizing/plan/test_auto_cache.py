@@ -204,3 +204,19 @@ def test_partial_offload_counts_only_when_no_type_is_whole() -> None:
     assert choose_cache_type(cpu_on_a_gpu_host[:1], 32768, False)[0].cache_type == "f16"
     with pytest.raises(ValueError):
         choose_cache_type([], 32768, True)
+
+
+def test_batch_invariant_outputs_get_a_quantized_cache_where_attention_runs_on_the_cpu(model_spec: Spec) -> None:
+    """``quantized_cpu_cache`` (``GGUF_BATCH_INVARIANT``): on a machine without cards auto passes f16 over, whose CPU
+    flash attention tiles and splits by cell index; with a card it chooses as always (the card's kernels are not
+    made batch-invariant by a quantized cache, which would only cost precision there)."""
+    spec = llama(model_spec)
+    cpu = make_plan(spec, [], HOST, PlanRequest(quantized_cpu_cache=True, context_length=8192))
+    assert rows(cpu)["f16"].n_ctx == 8192, "premise: f16 reaches the ceiling"
+    assert cpu.cfg.type_k == cpu.cfg.type_v == "q8_0"
+    assert cpu.cache_type_reason == ("cache type auto: q8_0 reaches the ceiling 8192 (f16 left out: batch-invariant "
+                                     "outputs need CPU attention over a quantized cache)")
+    assert make_plan(spec, [], HOST, PlanRequest(context_length=8192)).cfg.type_k == "f16"
+    assert make_plan(spec, [H200], HOST, PlanRequest(quantized_cpu_cache=True)).cfg.type_k == "f16"
+    asked = make_plan(spec, [], HOST, PlanRequest(quantized_cpu_cache=True, cache_type="f16", context_length=8192))
+    assert asked.cfg.type_k == "f16", "an explicit type wins"
