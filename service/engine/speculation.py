@@ -63,8 +63,11 @@ DECAY = 0.9
 MIN_GAIN = 1.05
 """A draft is made where the tokens it is expected to give per unit of step time are at least this many times a
 step's one token (the row cost is a model: what it leaves out should not make a draft a loss)."""
-POOL_ANSWERS = 8
-"""Finished answers a cache scope's n-gram pool keeps for later requests' drafts (``NgramPool``)."""
+POOL_ANSWERS = 64
+"""Finished answers a cache scope's n-gram pool keeps for later requests' drafts (``NgramPool``). 8 lost an answer
+asked again after 8 others (bench/speculative_bench.py's 15 workloads: its CSV table at 0.41x llama-server's
+ngram-mod, whose one hash pool keeps far more, 1.48x while the pool held it); an answer's index is a few thousand
+dictionary entries, and a draft looks the newest answers up first."""
 POOL_MIN_MATCH = 8
 """The shortest key looked up in the pool: two or three tokens shared with another answer say little about
 what follows here (sampled prose drafted from the pool on 2- and 3-grams kept 28 of 209 tokens and ran at 0.98x
