@@ -137,7 +137,9 @@ def test_clients_beyond_the_queue_get_their_own_answer_or_429(
 ) -> None:
     svc, alone = small_queue
     ok, busy = _load_round(svc, alone)
-    assert ok >= 5 and busy >= 1, (ok, busy)  # the queue (4) plus the running one were served; the rest 429
+    # The queue (4) was served, and the running one where the engine took it before the burst filled the queue (on
+    # a loaded machine all 24 arrived first once: 4 served); the rest 429.
+    assert ok >= 4 and busy >= 1 and ok + busy == len(alone), (ok, busy)
     assert len(set(alone.values())) > 1, "distinct prompts give distinct answers (else the check proves little)"
     figure(f"load: {len(alone)} concurrent clients, queue 4: {ok} answered (each equal to its prompt alone), "
            f"{busy} got 429, 0 errors")

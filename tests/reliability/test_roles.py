@@ -144,7 +144,7 @@ def test_ollama_semantics_for_everyone_when_the_operator_says_so(fake_factory: C
 
 
 def test_a_request_without_keep_alive_puts_the_configured_one_back(fake_factory: Callable[..., FakeService]) -> None:
-    svc = _keyed(fake_factory, keep_alive="1s")
+    svc = _keyed(fake_factory, keep_alive="60s")  # long enough that a loaded machine's pauses do not let it expire
     (name,) = _loaded(svc)
     body = {"prompt": "one", "max_tokens": 1}
     assert svc.client.post("/v1/completions", json={**body, "keep_alive": "1h"}, headers=H_USER).status_code == 200
@@ -152,7 +152,7 @@ def test_a_request_without_keep_alive_puts_the_configured_one_back(fake_factory:
     assert model["expires_in_s"] > 3000, "an ordinary key may lengthen the stay"
     assert svc.client.post("/v1/completions", json=body, headers=H_OTHER).status_code == 200
     model = next(m for m in svc.client.get("/api/models", headers=H_ADMIN).json()["models"] if m["name"] == name)
-    assert model["expires_in_s"] is not None and model["expires_in_s"] <= 1.0, model
+    assert model["expires_in_s"] is not None and model["expires_in_s"] <= 60.0, model
 
 
 def test_no_host_path_reaches_an_ordinary_key(fake_factory: Callable[..., FakeService], tmp_path: Path) -> None:
