@@ -128,7 +128,8 @@ def test_the_models_view_shows_what_is_loaded_and_loads_and_unloads_with_an_admi
     assert INSTRUCT_NAME in available(browser)
 
     # An ordinary key: the load is refused, and the page says why.
-    browser.find_element(By.CSS_SELECTOR, f'button[aria-label="Load {INSTRUCT_NAME}"]').click()
+    # The listing is redrawn every 2 s: a button found just before a redraw is gone by the click.
+    settled(lambda: browser.find_element(By.CSS_SELECTOR, f'button[aria-label="Load {INSTRUCT_NAME}"]').click())
     error = browser.find_element(By.ID, "models-error")
     wait_for(browser, lambda: error.is_displayed() and "admin key" in error.text, "the refusal")
     assert error.get_attribute("role") == "alert"
@@ -163,7 +164,7 @@ def test_the_models_view_shows_what_is_loaded_and_loads_and_unloads_with_an_admi
     assert INSTRUCT_NAME not in available(browser)
     screenshot(browser, shots / "20-models-loaded.png")
 
-    browser.find_element(By.CSS_SELECTOR, f'button[aria-label="Unload {INSTRUCT_NAME}"]').click()
+    settled(lambda: browser.find_element(By.CSS_SELECTOR, f'button[aria-label="Unload {INSTRUCT_NAME}"]').click())
     wait_for(browser, lambda: INSTRUCT_NAME in available(browser), "the model back among the available ones")
     assert INSTRUCT_NAME not in settled(lambda: rows(browser))
     with as_admin(keyed) as admin:
