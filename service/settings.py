@@ -197,7 +197,7 @@ class Settings(BaseSettings):
         "`speculative: false` turns it off for that request. off: one token a step.",
     )
     draft_max: int = Field(
-        48, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). "
+        64, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). "
         "The plan holds this many logits rows for drafts in host memory (n_vocab x 4 bytes each: 1 MiB for "
         "gemma-3's vocabulary) beside one per slot; drafts also use idle slots' rows.",
     )

@@ -22,7 +22,9 @@ guesses, which come with no such length.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from typing import Callable
 
 NGRAM_SIZES = (32, 16, 8, 4, 2)
 """The key lengths looked up, longest first: the first that occurred before gives the places compared
@@ -33,29 +35,35 @@ CHAIN_MAX = 8
 """The places of one key compared, latest first (``_Index.best``): on a text of few words a 2-token key's latest
 place agrees on 2 or 3 tokens where an earlier one agrees on 5."""
 MATCH_MAX = 64
-"""The longest agreement measured: as long as any draft (``GGUF_DRAFT_MAX`` 48), and llama-server's ngram-mod
-drafts at most 64."""
-DRAFT_MAX = 48
-"""The most tokens drafted for one sequence in one step (``GGUF_DRAFT_MAX``; llama-server's ngram-simple drafts
-up to 48 too). 32 against 16 took the bench's copy from 144 to 153 tokens/s and its JSON from 163 to 189; 48
-against 32, in one session alone: copy 159.1 against 155.7 (1.02x against 0.99x llama-server's), JSON 195.3
-against 186.0."""
+"""The longest agreement measured: as long as any draft (``GGUF_DRAFT_MAX`` 64, as llama-server's ngram-mod's)."""
+DRAFT_MAX = 64
+"""The most tokens drafted for one sequence in one step (``GGUF_DRAFT_MAX``; llama-server's ngram-mod drafts up to
+64, its ngram-simple 48). On the CPU a row costs less the more rows a step holds (``STEP_COST_PRIOR``: 48 rows
+13.9 one-row steps, 64 rows 16.7): a copy drafted whole from an earlier answer comes 10% faster in 64-token drafts
+than in 48 (simulated on bench/speculative_bench.py's answers; measured figures in docs/benchmarks.md)."""
 DRAFT_MIN = 1
 """Fewer tokens than this are not worth a draft."""
 DRAFT_START = 4
 """A draft model's first draft length (``DraftPolicy``); it doubles while drafts are kept whole and falls to what
 was kept (at least one) when one is not."""
-ROW_COST = 0.18
-"""A drafted row's cost, in one-token steps: gemma-3-270m on 2 cores, 21 ms for one row and +3.5 to 4 ms a row up
-to 24 (the output head alone is n_vocab x n_embd multiply-adds a row). ``NgramPolicy`` drafts the length that makes
-the most tokens per unit of step time for the acceptance it expects."""
+STEP_COST_PRIOR = ((1, 1.0), (2, 1.95), (3, 2.47), (4, 2.87), (8, 3.65), (16, 5.4), (32, 9.6), (48, 13.9),
+                   (64, 16.7))
+"""A step's decode time by the rows in its batch, in one-row steps, before a load has measured its own
+(``StepCosts``): gemma-3-270m Q4_K_M on 2 AVX2 cores, 11.6 ms for one row (bench/step_cost_bench.py). A second
+row doubles the step (ggml-cpu computes one row as a matrix-vector product, more as a matrix product), and each
+further row costs about a quarter of a one-row step, the output head (262,144 x 640) most of it. SmolLM2-135M's
+curve is steeper (64 rows: 27 one-row steps, against 16.7 here): each load learns its own."""
+COST_MEMORY = 0.25
+"""The weight of a step's measured time in its row count's running figure (``StepCosts.record``)."""
 MATCH_CLASSES = (2, 4, 8, 16, 32, MATCH_MAX)
 """The lower bounds of the agreement-length classes whose acceptance ``NgramPolicy`` measures apart."""
-PRIOR_KEPT = (0.4, 0.6, 0.8, 0.9, 0.95, 0.998)
-"""Each class's expected share of drafted tokens kept, one after the other, before a request has drafted from it:
+PRIOR_KEPT = (0.3, 0.5, 0.8, 0.9, 0.97, 0.998)
+"""Each class's expected share of drafted tokens kept, one after the other, before a request has drafted from it
 (measured on bench/speculative_bench.py's copies, greedy, the embedded model). A 64-token agreement starts at
-0.998, which drafts the whole ``GGUF_DRAFT_MAX`` (0.99 drafted 28: code 0.89x llama-server's ngram-mod, 1.02x
-with 0.998)."""
+0.998, which drafts the whole ``GGUF_DRAFT_MAX``; 2 to 7 agreeing tokens at 0.3 and 0.5 draft nothing until the
+request's own drafts of them are kept (a second row costs a step on the CPU). Replayed over the bench's 15
+answers at the measured step costs, against (0.4, 0.6, 0.8, 0.9, 0.95, 0.998): code 3.19x against 3.12x its speed
+without drafts, copy 2.55x against 2.46x, the others within 0.05x."""
 PRIOR_WEIGHT = 4.0
 """How many tokens of evidence the prior is worth."""
 DECAY = 0.9
@@ -204,13 +212,15 @@ class NgramDrafter:
     matched: int = 0
     """How many tokens the place the last draft copied agrees on with the sequence's end (0: none found; at most
     ``MATCH_MAX``)."""
+    pooled: bool = False
+    """The last draft copied an earlier answer of the pool, not the sequence's own tokens."""
     _own: _Index | None = None
 
     def draft(self, tokens: list[int], last: int, k: int) -> list[int]:
         """At most ``k`` tokens guessed to follow ``tokens`` then ``last`` (the sampled token not yet in
         ``tokens``); empty: no earlier occurrence of the last tokens."""
         n_tok = len(tokens)
-        self.matched = 0
+        self.matched, self.pooled = 0, False
         if k <= 0 or n_tok < 2:
             return []
         if self._own is None:
@@ -229,7 +239,7 @@ class NgramDrafter:
                 if m >= best and m:  # a tie: the model's own earlier answer, not the text it was given
                     best, src, at = m, answer, where
             if best:
-                self.matched = best
+                self.matched, self.pooled = best, src is not tokens
                 return _copy(src, at, k, seq if src is tokens else None)
         return []
 
@@ -306,21 +316,79 @@ def match_class(matched: int) -> int:
     return c
 
 
-def best_length(kept: float, cap: int, row_cost: float = ROW_COST, min_gain: float = MIN_GAIN) -> int:
-    """The draft length up to ``cap`` that gives the most tokens per unit of step time where each drafted token is
-    kept with probability ``kept`` once the ones before it were: ``(1 + kept + kept^2 + ... + kept^L) /
-    (1 + row_cost * L)``; 0 where no length gives ``min_gain`` times a step without a draft."""
+def best_length(kept: float, cap: int, cost: Callable[[int], float] | None = None, others: int = 0,
+                min_gain: float = MIN_GAIN) -> int:
+    """The draft length up to ``cap`` that gives the step the most tokens per unit of its time where each drafted
+    token is kept with probability ``kept`` once the ones before it were: ``(others + 1 + kept + kept^2 + ... +
+    kept^L) / ((others + 1) * cost(L))``, ``cost(L)`` the step's time with ``L`` rows more than without the draft
+    (``StepCosts.relative``; ``others``: the step's other generating rows); 0 where no length gives ``min_gain``
+    times the step without it."""
+    if cost is None:
+        cost = StepCosts().relative(1)
     best, length = min_gain, 0
-    q = tokens = 1.0
+    q, tokens = 1.0, 1.0 + others
     for n in range(1, cap + 1):
         q *= kept
         tokens += q
-        gain = tokens / (1.0 + row_cost * n)
+        gain = tokens / ((1.0 + others) * cost(n))
         if gain > best:
             best, length = gain, n
-        elif q * (1.0 + row_cost * n) < row_cost * tokens:
-            break  # each further token adds less than its row costs, and less each time: past the best
     return length
+
+
+@dataclass
+class StepCosts:
+    """A load's decode time by the rows of a step, measured on its own steps without prompt rows
+    (``BatchStep.run``), for ``best_length``: the draft that pays on one machine and model is a loss on another
+    (a second row costs a whole step here on the CPU, a few percent on a GPU). A row count not yet measured lies
+    on the line between the measured counts nearest it, or beyond them on ``STEP_COST_PRIOR``'s shape scaled to
+    the nearest."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    """Per row count, the running time of a step (``COST_MEMORY``)."""
+    _known: list[int] = field(default_factory=list)
+    """``seconds``' row counts, sorted."""
+
+    def record(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        was = self.seconds.get(rows)
+        if was is None:
+            bisect.insort(self._known, rows)
+            self.seconds[rows] = seconds
+        else:
+            self.seconds[rows] = was + COST_MEMORY * (seconds - was)
+
+    def time(self, rows: int) -> float:
+        """A step of ``rows`` rows, in seconds where measured near it, else in ``STEP_COST_PRIOR``'s units."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        prior = _prior(rows)
+        known = self._known
+        if not known:
+            return prior
+        i = bisect.bisect_left(known, rows)
+        if i == 0 or i == len(known):  # outside what was measured: the prior's shape from the nearest count
+            near = known[0] if i == 0 else known[-1]
+            return prior * self.seconds[near] / _prior(near)
+        lo, hi = known[i - 1], known[i]
+        w = (rows - lo) / (hi - lo)  # between two measured counts: on the line joining them
+        return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
+
+    def relative(self, base: int) -> Callable[[int], float]:
+        """A step of ``base`` rows with ``n`` more, in steps of ``base`` rows."""
+        t0 = self.time(base)
+        return lambda n: self.time(base + n) / t0
+
+
+def _prior(rows: int) -> float:
+    """``STEP_COST_PRIOR`` at ``rows`` (linear between its points, and on from its last two)."""
+    pts = STEP_COST_PRIOR
+    for (a, ca), (b, cb) in zip(pts, pts[1:]):
+        if rows <= b:
+            return ca + (cb - ca) * (max(rows, a) - a) / (b - a)
+    (a, ca), (b, cb) = pts[-2], pts[-1]
+    return cb + (cb - ca) * (rows - b) / (b - a)
 
 
 @dataclass
@@ -328,20 +396,24 @@ class NgramPolicy(DraftPolicy):
     """How many tokens an n-gram draft verifies, from how long the place it copies agrees with the sequence's end
     and what this request's drafts of that agreement class kept (one per request).
 
-    Each class (``MATCH_CLASSES``) holds the tokens its drafts kept and the drafts cut short, the older evidence
-    weighed down by ``DECAY`` at each draft and ``PRIOR_KEPT`` worth ``PRIOR_WEIGHT`` tokens before any: their
-    ratio is the chance that a drafted token is kept once those before it were, and the draft is as long as that
-    chance makes worth its rows (``best_length``). A copy agreeing for 64 tokens drafts the whole ``draft_max``;
-    on a text of few words, where 2 to 8 tokens agree with many places, short agreements whose drafts are cut
-    at once stop drafting (the key is lengthened by what the request measures, not set once for all texts), and
-    they draft again where they are kept, e.g. a copy resumed after an edit. llama-server's ngram-mod drafts 48
-    to 64 tokens from 24-token keys only, and empties its pool after 5 drafts in a row kept under a quarter
-    (common/speculative.cpp ``common_speculative_impl_ngram_mod::accept``)."""
+    Each class (``MATCH_CLASSES``), apart for places in the sequence's own tokens and in its scope's earlier answers
+    (an answer asked again comes out otherwise from the first token that the rounding of another batch shape tips:
+    a pool draft cut at its second token had shrunk the next own copies of 64 agreeing tokens to 5), holds the
+    tokens its drafts kept and the drafts cut short, the older evidence weighed down by ``DECAY`` at each draft
+    and ``PRIOR_KEPT`` worth ``PRIOR_WEIGHT`` tokens before any: their ratio is the chance that a drafted token is
+    kept once those before it were, and the draft is as long as that chance makes worth its rows at the load's
+    measured step costs (``best_length``, ``StepCosts``). A copy agreeing for 64 tokens drafts the whole
+    ``draft_max``; on a text of few words, where 2 to 8 tokens agree with many places, short agreements whose
+    drafts are cut at once stop drafting (the key is lengthened by what the request measures, not set once for
+    all texts), and they draft again where they are kept, e.g. a copy resumed after an edit. llama-server's
+    ngram-mod drafts 48 to 64 tokens from 24-token keys only, and empties its pool after 5 drafts in a row kept
+    under a quarter (common/speculative.cpp ``common_speculative_impl_ngram_mod::accept``)."""
 
-    row_cost: float = ROW_COST
-    kept: list[float] = field(default_factory=lambda: [p * PRIOR_WEIGHT for p in PRIOR_KEPT])
-    """Per class: tokens kept (decayed, the prior's included)."""
-    cut: list[float] = field(default_factory=lambda: [(1.0 - p) * PRIOR_WEIGHT for p in PRIOR_KEPT])
+    costs: StepCosts | None = None
+    """The load's step costs (None: ``STEP_COST_PRIOR``)."""
+    kept: list[float] = field(default_factory=lambda: [p * PRIOR_WEIGHT for p in PRIOR_KEPT * 2])
+    """Per class, own places then pool places: tokens kept (decayed, the prior's included)."""
+    cut: list[float] = field(default_factory=lambda: [(1.0 - p) * PRIOR_WEIGHT for p in PRIOR_KEPT * 2])
     """Per class: drafts cut short, each the token that was not kept (decayed, the prior's included)."""
     _class: int = -1
     """The class of the draft ``budget`` last sized (-1: none), which ``record`` is told about."""
@@ -350,12 +422,15 @@ class NgramPolicy(DraftPolicy):
         """The chance that a drafted token of class ``c`` is kept once the ones before it were."""
         return self.kept[c] / (self.kept[c] + self.cut[c])
 
-    def budget(self, n_out: int, matched: int = 0) -> int:
-        """The most tokens to draft now from a place agreeing on ``matched`` tokens (0: do not draft)."""
-        self._class = match_class(matched)
-        if self._class < 0:
+    def budget(self, n_out: int, matched: int = 0, *, pooled: bool = False, base: int = 1) -> int:
+        """The most tokens to draft now from a place agreeing on ``matched`` tokens, in an earlier answer of the
+        pool where ``pooled``, into a step of ``base`` rows without the draft (0: do not draft)."""
+        c = match_class(matched)
+        self._class = c if c < 0 or not pooled else c + len(MATCH_CLASSES)
+        if c < 0:
             return 0
-        return best_length(self.chance(self._class), self.draft_max, self.row_cost)
+        costs = self.costs or StepCosts()
+        return best_length(self.chance(self._class), self.draft_max, costs.relative(base), base - 1)
 
     def record(self, n_out: int, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -368,4 +443,4 @@ class NgramPolicy(DraftPolicy):
 
 
 __all__ = ["DRAFT_MAX", "DRAFT_MIN", "DRAFT_START", "MATCH_CLASSES", "MATCH_MAX", "NGRAM_SIZES", "POOL_ANSWERS",
-           "DraftPolicy", "NgramDrafter", "NgramPolicy", "NgramPool", "best_length", "match_class"]
+           "DraftPolicy", "NgramDrafter", "NgramPolicy", "NgramPool", "StepCosts", "best_length", "match_class"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 from ..base import GenerationParams
 from ..draft import DraftJob, DraftModelRunner
 from ..mtp import MtpRunner
-from ..speculation import DRAFT_MIN, POOL_ANSWERS, DraftPolicy, NgramDrafter, NgramPolicy, NgramPool
+from ..speculation import DRAFT_MIN, POOL_ANSWERS, DraftPolicy, NgramDrafter, NgramPolicy, NgramPool, StepCosts
 
 if TYPE_CHECKING:
     from .state import Sequence
@@ -29,6 +29,8 @@ class Drafting:
         """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
         self.answers = NgramPool(POOL_ANSWERS)
         """Finished answers per cache scope, for the n-gram drafts of later requests."""
+        self.costs = StepCosts()
+        """The load's decode time by a step's rows (``BatchStep.run`` records them), which sizes n-gram drafts."""
         self._jobs: list[tuple["Sequence", DraftJob]] = []
 
     @property
@@ -47,12 +49,13 @@ class Drafting:
         pool = self.answers if reqs and reqs[0].greedy else None
         for r in reqs:
             r.drafter = (self.runner if not images else None) or NgramDrafter(pool=pool, scope=params.cache_scope)
-            r.policy = (NgramPolicy(draft_max=self._draft_max) if isinstance(r.drafter, NgramDrafter)
+            r.policy = (NgramPolicy(draft_max=self._draft_max, costs=self.costs) if isinstance(r.drafter, NgramDrafter)
                         else DraftPolicy(draft_max=self._draft_max))
 
-    def reserve(self, r: "Sequence", spare: int, room: int) -> int:
-        """Rows of this step for ``r``'s guesses (at most ``spare`` and ``room``): the n-gram drafter's now, a draft
-        model's held for ``run`` (all of the step's at once)."""
+    def reserve(self, r: "Sequence", spare: int, room: int, base: int = 1) -> int:
+        """Rows of this step for ``r``'s guesses (at most ``spare`` and ``room``; ``base``: the step's generating
+        rows without them): the n-gram drafter's now, a draft model's held for ``run`` (all of the step's at
+        once)."""
         assert r.policy is not None and r.slot is not None and r.next_token is not None
         k = min(spare, room, r.max_new_tokens - r.n_out - 1)
         if isinstance(r.drafter, NgramDrafter):
@@ -60,7 +63,10 @@ class Drafting:
             if k < DRAFT_MIN:
                 return 0
             draft = r.drafter.draft(r.slot.tokens, r.next_token, k)
-            r.draft = draft[:r.policy.budget(r.n_out, r.drafter.matched)] if draft else []
+            if draft:
+                assert isinstance(r.policy, NgramPolicy)
+                draft = draft[:r.policy.budget(r.n_out, r.drafter.matched, pooled=r.drafter.pooled, base=base)]
+            r.draft = draft
             return len(r.draft)
         if (k := min(k, r.policy.budget(r.n_out))) < DRAFT_MIN:
             return 0

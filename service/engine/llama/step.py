@@ -5,6 +5,7 @@ then each sequence's rows handed to its sampling (``Sequences``), or a failed de
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from ...errors import EngineFailure, InsufficientMemory
@@ -67,6 +68,7 @@ class BatchStep:
         if watch:
             self._watch = [r for r in members if r.next_token is None]
             llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
+        t0 = time.perf_counter()
         try:
             ret = int(llama_cpp.llama_decode(ctx, self._l.batch))
         finally:
@@ -76,6 +78,8 @@ class BatchStep:
         if ret != 0:
             self._failed(ret, members, active)
             return
+        if not n_prompt_fed:  # a step of generated tokens and drafts alone: what a draft's rows cost here
+            self._drafting.costs.record(n, time.perf_counter() - t0)
         self._drafting.observe(runs, n)
         self.evaluated += n_prompt_fed
         self._after(members, ctx, canon=n >= INVARIANT_MIN_ROWS)
@@ -121,13 +125,15 @@ class BatchStep:
             # the prompt tokens this step may evaluate; drafts only where cells are left after those.
             prompts = 0 if self._batch_invariant else sum(len(r.tokens) - r.n_past for r in active if r.prompting)
             spare = min(spare, self._l.n_ctx - self._slots.cells.used - len(active) - min(prompts, room))
+        drafted = 0
         for r in active:
             if r.next_token is not None and room > 0:
                 r.batch_take = 1
                 room -= 1
                 members.append(r)
                 if spare > 0 and r.drafter is not None and not r.gone:
-                    k = drafting.reserve(r, spare, room)
+                    k = drafting.reserve(r, spare, room, n_gen + drafted)
+                    drafted += k
                     r.batch_take += k
                     spare -= k
                     room -= k

@@ -136,7 +136,7 @@ def test_greedy_answers_with_drafts_are_the_answers_without(engine: LlamaEngine)
 @pytest.mark.slow
 def test_seeded_samples_with_drafts_are_the_samples_without(engine: LlamaEngine) -> None:
     """One draw of the sampler per kept token, in the same order: the seed gives the same answer."""
-    params = replace(GREEDY, temperature=0.8, top_p=0.95, seed=11)
+    params = replace(GREEDY, temperature=0.3, top_p=0.95, seed=11)  # at 0.8 the copy was left too soon to draft
     (text_off, _), (text_on, last_on) = _both(engine, COPY, params)
     assert text_on == text_off and last_on.drafted_tokens > 0
     pen = replace(GREEDY, frequency_penalty=0.3, presence_penalty=0.2)  # the penalty sampler sees each kept token
@@ -320,27 +320,34 @@ def test_the_pools_answer_is_copied_where_it_agrees_longer_than_the_sequences_ow
     assert own.draft(prompt[:-1], prompt[-1], 6) != answer[:6] and own.matched < 20
 
 
-def test_short_agreements_stop_drafting_where_their_drafts_are_cut_long_ones_do_not() -> None:
-    """On a text of few words 2 to 7 agreeing tokens say little: their drafts are cut at once, and after a few the
-    request drafts none from them, while places agreeing on 32 tokens and more draft the whole ``draft_max``
-    (an old policy's pause stopped both)."""
+def test_short_agreements_draft_where_they_are_kept_and_stop_where_they_are_cut() -> None:
+    """On the CPU a second row costs a step (``STEP_COST_PRIOR``): 2 to 7 agreeing tokens, which on a text of few
+    words agree with many places, draft nothing untried; 8 to 15 draft a few, and stop once cut at once; places
+    agreeing on 64 tokens draft the whole ``draft_max``."""
     p = NgramPolicy(draft_max=48)
-    first = p.budget(0, 3)
-    assert 0 < first < 8
-    for i in range(6):
-        if (n := p.budget(i, 3)) == 0:
-            break
-        p.record(i, n, 0)
-    assert p.budget(10, 3) == 0 and p.budget(10, 2) == 0 and p.budget(10, 5) > 0  # one class learnt, not the others
-    long = p.budget(10, MATCH_MAX)
-    assert long >= 24
-    p.record(10, long, long)  # kept whole: the whole draft_max next
-    assert p.budget(60, MATCH_MAX) == 48 and p.budget(60, 0) == 0
+    assert p.budget(0, 2) == 0 and p.budget(0, 5) == 0
+    first = p.budget(0, 12)
+    assert 0 < first < 12
+    p.record(0, first, 0)
+    assert p.budget(1, 12) == 0 and p.budget(1, 20) > 0  # one class learnt, not the others
+    assert p.budget(1, MATCH_MAX) == 48 and p.budget(1, 0) == 0
+
+
+def test_a_cut_pool_draft_leaves_the_sequences_own_copies_whole() -> None:
+    """An answer asked again comes out otherwise from the first token another batch shape's rounding tips: its
+    cut says nothing of the copies from the sequence's own text, whose class is kept apart (one class for both
+    had shrunk the next own drafts of 64 agreeing tokens from 48 to 5 on the bench's prose)."""
+    p = NgramPolicy(draft_max=48)
+    n = p.budget(0, MATCH_MAX, pooled=True)
+    assert n == 48
+    p.record(0, n, 1)
+    assert p.budget(2, MATCH_MAX, pooled=True) < 24 and p.budget(2, MATCH_MAX) == 48
 
 
 def test_a_class_whose_drafts_are_kept_drafts_longer_and_one_cut_at_a_field_shorter() -> None:
     """Table rows agree with the row above on 12 to 20 tokens and part at the next number: drafts of that class
-    shrink to what they keep; a copy whose drafts of that class are kept whole grows them."""
+    shrink to what they keep, none where that is not worth a step's second row; a copy whose drafts of that class
+    are kept whole grows them."""
     cut = NgramPolicy(draft_max=48)
     kept = NgramPolicy(draft_max=48)
     start = cut.budget(0, 12)
@@ -350,15 +357,42 @@ def test_a_class_whose_drafts_are_kept_drafts_longer_and_one_cut_at_a_field_shor
         m = kept.budget(i, 12)
         kept.record(i, m, m)
     assert cut.budget(9, 12) < start < kept.budget(9, 12) == 48
-    assert 2 <= cut.budget(9, 12) <= 3  # the 2 kept, or one more to try
+    assert cut.budget(9, 12) <= 2
 
 
-def _replay(tokens: list[int], start: int, draft_max: int = 48) -> tuple[int, int, int]:
+def test_the_step_costs_measured_size_the_drafts() -> None:
+    """Where a step's rows cost little (a GPU: 64 rows barely more than one) short agreements draft and a doubtful
+    class drafts long; where a second row costs a step they do not. A row count not measured is read from the
+    prior's shape between the measured ones."""
+    from service.engine.speculation import STEP_COST_PRIOR, StepCosts, best_length
+
+    cpu, gpu = StepCosts(), StepCosts()
+    for rows in (1, 2, 8, 32, 64):
+        cpu.record(rows, 0.0116 * dict(STEP_COST_PRIOR)[rows])
+        gpu.record(rows, 0.010 + 0.0001 * rows)
+    assert NgramPolicy(draft_max=48, costs=gpu).budget(0, 2) > 0
+    assert NgramPolicy(draft_max=48, costs=cpu).budget(0, 2) == 0
+    assert best_length(0.8, 48, gpu.relative(1)) > best_length(0.8, 48, cpu.relative(1)) > 0
+    assert best_length(0.97, 48, gpu.relative(1)) == 48 > best_length(0.97, 48, cpu.relative(1))
+    assert gpu.time(16) == pytest.approx(0.0116)  # between measured counts: on their line
+    assert StepCosts().time(16) / StepCosts().time(1) == dict(STEP_COST_PRIOR)[16]  # none measured: the prior
+    only = StepCosts()
+    only.record(1, 0.02)
+    assert only.time(48) == pytest.approx(0.02 * dict(STEP_COST_PRIOR)[48])  # beyond: the prior's shape, scaled
+    gpu.record(2, 0.030)  # measured again: the running figure moves a quarter of the way
+    assert gpu.time(2) == pytest.approx(0.0102 + 0.25 * (0.030 - 0.0102))
+    # Another sequence in the step: the draft must pay for the time it adds to both.
+    assert best_length(0.9, 48, cpu.relative(2), others=1) <= best_length(0.9, 48, cpu.relative(1))
+
+
+def _replay(tokens: list[int], start: int, draft_max: int = 48) -> tuple[int, int, int, float]:
     """A known answer ``tokens[start:]`` decoded with the n-gram drafter and policy as the engine uses them
     (``Drafting.reserve``, a greedy verification keeping the drafted tokens that are the answer's): (steps, tokens
-    drafted, tokens kept)."""
+    drafted, tokens kept, its speed against one token a step at ``STEP_COST_PRIOR``'s costs)."""
+    from service.engine.speculation import StepCosts
+
     d, p = NgramDrafter(), NgramPolicy(draft_max=draft_max)
-    pos, steps, drafted, kept = start, 0, 0, 0
+    pos, steps, drafted, kept, time = start, 0, 0, 0, 0.0
     while pos < len(tokens) - 1:
         k = min(draft_max, len(tokens) - 1 - pos)
         guess = d.draft(tokens[:pos], tokens[pos], k) if k else []
@@ -368,18 +402,20 @@ def _replay(tokens: list[int], start: int, draft_max: int = 48) -> tuple[int, in
             a += 1
         if guess:
             p.record(pos - start, len(guess), a)
+        time += StepCosts().time(1 + len(guess))
         steps, drafted, kept, pos = steps + 1, drafted + len(guess), kept + a, pos + 1 + a
-    return steps, drafted, kept
+    return steps, drafted, kept, (len(tokens) - 1 - start) / time
 
 
 def test_a_copy_of_a_small_vocabulary_drafts_what_it_keeps() -> None:
     """350 words drawn from 24 (one token each), copied with a word left out every 40: most tokens come in drafts,
-    and few drafted rows are wasted (the 12/6/3/2-gram drafter with its doubling length before issue 55 kept 289
-    of the 604 tokens it drafted here, this one 293 of 340; a wasted row costs a sixth of a step on the CPU)."""
+    few drafted rows are wasted, and the copy runs at twice one token a step at the CPU's step costs (the policy
+    of a fixed row cost before them kept 293 of 340 drafted tokens here in 49 steps, 2.02x; this one 253 of 291 in
+    89, 1.98x: it drafts less at 2 to 7 agreeing tokens, which on the bench's real answers was faster)."""
     import random
 
     rng = random.Random(7)
     text = [rng.randrange(24) for _ in range(350)]
     answer = [t for i, t in enumerate(text) if i % 40 != 39]
-    steps, drafted, kept = _replay([100, *text, 101, *answer], len(text) + 2)
-    assert kept >= 0.8 * len(answer) and kept >= 0.8 * drafted and steps < len(answer) / 5
+    steps, drafted, kept, speed = _replay([100, *text, 101, *answer], len(text) + 2)
+    assert kept >= 0.7 * len(answer) and kept >= 0.85 * drafted and speed >= 1.8 and steps < len(answer) / 3
