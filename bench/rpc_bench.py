@@ -113,8 +113,12 @@ def predictions(model: str, gpus: list[Device], threads: int) -> dict[str, float
     from sizing.plan.speed import Tiers
     from sizing.probe import host_memory, probe_path
 
+    from service.engine.cpu import host_repack
+    from service.engine.cpu_speed import decode_flops_per_core
+
     spec = probe_path(model)
-    req = PlanRequest(n_ctx=512, host_bandwidth_bytes_per_s=host_bandwidth(), cpu_cores=threads)
+    req = PlanRequest(n_ctx=512, host_bandwidth_bytes_per_s=host_bandwidth(), cpu_cores=threads,
+                      cpu_flops_per_core=decode_flops_per_core(threads, host_repack("auto").on))
     full = spec.n_layer_all + 1
     sides = {"host": Placement(), "one worker": Placement(gpus=(0,), n_gpu_layers=full, tensor_split=(1.0,)),
              "two workers": Placement(gpus=(0, 1), n_gpu_layers=full, tensor_split=(1.0, 1.0))}

@@ -340,6 +340,10 @@ class Settings(BaseSettings):
     host_bandwidth_gbps: float | None = Field(
         None, gt=0, description="Host memory read bandwidth for the offload speed model, GB/s (default: measured at start)."
     )
+    cpu_gflops_per_core: float | None = Field(
+        None, gt=0, description="The CPU's decode speed per thread for the offload speed model, GFLOP/s (default: "
+        "measured once per machine with the embedded model, kept in ~/.cache/gguf-fit-server/cpu-speed.json).",
+    )
     disk_bandwidth_gbps: float = Field(2.0, gt=0, description="Model file read bandwidth for weights beyond host memory, GB/s.")
     log_level: str = Field("info", description="Log level.")
     api_keys: SecretStr | None = Field(

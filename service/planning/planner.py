@@ -76,7 +76,8 @@ know or a file it cannot read."""
 
 
 def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per_s: float | None = None,
-                 repack: RepackChoice | None = None, drafts: DraftResolver | None = None) -> PlanRequest:
+                 repack: RepackChoice | None = None, drafts: DraftResolver | None = None,
+                 cpu_flops_per_core: float | None = None) -> PlanRequest:
     """The load options, merged over the settings (``service.options.merged``), as a ``PlanRequest``; ``repack``:
     this host's choice of llama.cpp's extra CPU buffer types (``service.engine.cpu``; None: decided where llama.cpp
     loads it); ``drafts`` finds the draft model the options name (without: a draft model named is an error)."""
@@ -115,6 +116,8 @@ def plan_request(settings: Settings, opts: LoadOptions, host_bandwidth_bytes_per
                                     else host_bandwidth_bytes_per_s or 40e9),
         disk_bandwidth_bytes_per_s=settings.disk_bandwidth_gbps * 1e9,
         cpu_cores=settings.n_threads or os.cpu_count() or 1,
+        cpu_flops_per_core=(settings.cpu_gflops_per_core * 1e9 if settings.cpu_gflops_per_core
+                            else cpu_flops_per_core),
         embedding_tokens=0 if settings.embeddings == "off" else settings.embedding_tokens,
         embedding_gpu=settings.embeddings == "on",
         # The drafts' logits rows (self-speculation; not in batch-invariant mode, whose few drafts a step take idle
@@ -256,6 +259,8 @@ class Planner:
         self._devices = devices
         self.calibrator = calibrator
         self.host_bandwidth_bytes_per_s = host_bandwidth_bytes_per_s
+        self.cpu_flops_per_core: float | None = None
+        """The host's decode FLOP/s per thread as measured (``service.engine.cpu_speed``; None: the constant)."""
         self.live = not (settings.gpus_file or settings.gpus_json) if live is None else live
         """Whether the cards' figures are live (NVML: they already exclude the residents) or declared."""
         self.absent_workers: Sequence[Absent] = ()
@@ -277,7 +282,8 @@ class Planner:
     def request(self, opts: LoadOptions, spec: ModelSpec | None = None, path: str | None = None) -> PlanRequest:
         """The plan request for ``opts``; with the model (``spec``, its file ``path``), its vision projector too
         (``service.catalog.projectors``: the file ``mmproj`` names or one beside the model, mtmd's figures for it)."""
-        req = plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack, self.drafts)
+        req = plan_request(self.settings, opts, self.host_bandwidth_bytes_per_s, self.repack, self.drafts,
+                           self.cpu_flops_per_core)
         if spec is None:
             return req
         o = merged(self.settings, None, opts)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence, Union
@@ -128,6 +129,11 @@ class ModelManager:
             self.host_bandwidth_bytes_per_s = measure_host_bandwidth()
         self.planner = Planner(settings, lambda: self._devices(), Calibrator(timeout_s=settings.calibrate_timeout_s),
                                self.host_bandwidth_bytes_per_s, live=live)
+        if settings.cpu_gflops_per_core is None:
+            from service.engine.cpu_speed import decode_flops_per_core
+
+            self.planner.cpu_flops_per_core = decode_flops_per_core(settings.n_threads or os.cpu_count() or 1,
+                                                                    self.planner.repack.on)
         self.placing = Placing(settings, registry, self.planner, self.max_models)
         self.planner.drafts = self.placing.draft_model
         self.downloads = Downloads(settings, registry, self.planner, self._kept_estimates)

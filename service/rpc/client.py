@@ -176,7 +176,9 @@ def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0, *, measure_
                                   link_bandwidth_bytes_per_s=rate,
                                   bandwidth_bytes_per_s=float(row["bandwidth_bytes_per_s"])
                                   if isinstance(row.get("bandwidth_bytes_per_s"), (int, float)) else None,
-                                  cpu_threads=int(row["threads"]) if isinstance(row.get("threads"), int) else 0))
+                                  cpu_threads=int(row["threads"]) if isinstance(row.get("threads"), int) else 0,
+                                  cpu_flops_per_core=float(row["decode_flops_per_core"])
+                                  if isinstance(row.get("decode_flops_per_core"), (int, float)) else None))
     return devices, absent
 
 

@@ -310,6 +310,11 @@ class Worker:
         self.devices = lib.serving_devices()
         self.bandwidth = measure_host_bandwidth()
         """This machine's memory read speed (bytes/s), measured once at start: the speed model's figure for its CPU."""
+        from service.engine.cpu import host_repack
+        from service.engine.cpu_speed import decode_flops_per_core
+
+        self.flops_per_core = decode_flops_per_core(threads, host_repack("auto").on)
+        """This machine's decode FLOP/s per thread (``service.engine.cpu_speed``, measured once per machine)."""
         self._rss_at_start = _rss_bytes()
         self.thread = threading.Thread(target=self._serve, name="ggml-rpc", daemon=True)
 
@@ -334,6 +339,8 @@ class Worker:
                 row["held_bytes"] = held
                 row["bandwidth_bytes_per_s"] = self.bandwidth
                 row["threads"] = self.threads  # the CPU threads a graph runs on here (--threads)
+                if self.flops_per_core:
+                    row["decode_flops_per_core"] = self.flops_per_core
             row["free_bytes"] = free
             out.append(row)
         st: dict[str, Any] = {"endpoint": self.endpoint, "protocol": PROTOCOL,

@@ -70,6 +70,9 @@ class Device:
     cpu_threads: int = 0
     """A worker's CPU device: the threads its graphs run on (its ``/status``); its share of a token is computed at
     the CPU's speed per thread, as the host's is (0: not reported, only its memory bandwidth counts)."""
+    cpu_flops_per_core: float | None = None
+    """A worker's CPU device: its decode FLOP/s per thread, as it measured them (its ``/status``); None:
+    ``sizing.plan.speed.CPU_FLOPS_PER_CORE``."""
     backend: Backend = CUDA
     """A card's ggml backend (its label's prefix, whether it reports free memory, its host buffer)."""
     ordinal: int | None = None

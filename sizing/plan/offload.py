@@ -98,7 +98,8 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
         dev = sz.gpus[i]
         stream_s = b / gpu_bandwidth(dev.name, dev.bandwidth_bytes_per_s)
         # A worker's CPU computes its share as the host computes its own: the slower of reading and computing.
-        compute_s = 2.0 * b * params_per_byte / (dev.cpu_threads * CPU_FLOPS_PER_CORE) if _cpu_worker(dev) else 0.0
+        per_core = dev.cpu_flops_per_core or CPU_FLOPS_PER_CORE
+        compute_s = 2.0 * b * params_per_byte / (dev.cpu_threads * per_core) if _cpu_worker(dev) else 0.0
         gpu_s += max(stream_s, compute_s)
         if b and dev.kind == "rpc":
             # A worker's device adds its link: a round trip, the bytes a token moves over it, and the graph ggml-rpc

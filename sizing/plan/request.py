@@ -54,6 +54,9 @@ class PlanRequest:
     """Model file read bandwidth for weights past MemAvailable."""
     cpu_cores: int = 8
     """CPU cores for the host's share of the work (the service passes the machine's count)."""
+    cpu_flops_per_core: float | None = None
+    """Decode FLOP/s per core of the host's CPU, measured (``service.engine.cpu_speed``); None:
+    ``sizing.plan.speed.CPU_FLOPS_PER_CORE``."""
     embedding_tokens: int = 0
     """Tokens of one /v1/embeddings batch: the plan sizes an embedding context of this many (0: none)."""
     embedding_gpu: bool = False

@@ -26,6 +26,9 @@ class PlanRequestLike(Protocol):
     @property
     def cpu_cores(self) -> int: ...
 
+    @property
+    def cpu_flops_per_core(self) -> float | None: ...
+
 GB = 1e9
 
 # Memory bandwidth by GPU name (vendor figures, bytes/s); matched by substring, longest first.
@@ -44,7 +47,9 @@ DEFAULT_GPU_FLOPS = 40e12
 
 
 CPU_FLOPS_PER_CORE = 15e9
-"""Decode (matrix-vector) FLOP/s per core: ~25-30 GFLOP/s measured for gemma-3-270m Q4_K_M on 2 cores here."""
+"""Decode (matrix-vector) FLOP/s per core where none was measured: ~25-30 GFLOP/s for gemma-3-270m Q4_K_M on the
+2 cores of the AMX host; the AVX2 EPYC host measured 31.5 per core (``service.engine.cpu_speed``, which the service
+and its workers measure once per machine)."""
 CPU_GEMM_FLOPS_PER_CORE = 60e9
 """Prompt (matrix-matrix) FLOP/s per core: ~130 GFLOP/s measured on the same 2 cores."""
 
@@ -71,7 +76,7 @@ class Tiers:
         return cls(
             host=req.host_bandwidth_bytes_per_s,
             disk=req.disk_bandwidth_bytes_per_s,
-            cpu_flops=req.cpu_cores * CPU_FLOPS_PER_CORE,
+            cpu_flops=req.cpu_cores * (req.cpu_flops_per_core or CPU_FLOPS_PER_CORE),
             cpu_gemm_flops=req.cpu_cores * CPU_GEMM_FLOPS_PER_CORE,
         )
 

@@ -158,7 +158,7 @@ def test_a_cpu_workers_share_of_a_token_is_computed_at_a_cpus_speed(tmp_path: Pa
     from dataclasses import replace
 
     from sizing.plan.offload import speed
-    from sizing.plan.speed import Tiers
+    from sizing.plan.speed import CPU_FLOPS_PER_CORE, Tiers
 
     spec = probe_path(str(write_fixture("tiny", tmp_path, shape=TINY_LLAMA)))
     host = Device(index=0, name="host memory", free_bytes=8000 * MIB, total_bytes=8000 * MIB, kind="host")
@@ -174,5 +174,7 @@ def test_a_cpu_workers_share_of_a_token_is_computed_at_a_cpus_speed(tmp_path: Pa
     unknown, two, four = on(fast), on(replace(fast, cpu_threads=2)), on(replace(fast, cpu_threads=4))
     card = on(Device(index=0, name="card", free_bytes=8000 * MIB, total_bytes=8000 * MIB, bandwidth_bytes_per_s=1e13))
     assert two[0] < four[0] < unknown[0]  # compute-bound, faster with more threads; unknown threads: bandwidth only
+    measured = on(replace(fast, cpu_threads=2, cpu_flops_per_core=2 * CPU_FLOPS_PER_CORE))  # its /status's figure
+    assert measured[0] == pytest.approx(four[0])  # twice the speed per thread: as twice the threads
     assert abs(four[1] / two[1] - 2.0) < 1e-9  # the whole prompt on the worker's CPU: linear in its threads
     assert card[1] > 100 * four[1] and unknown[1] == card[1]

@@ -58,6 +58,7 @@ def test_status_reports_the_budget_not_the_whole_ram() -> None:
     assert cpu["free_bytes"] + cpu["held_bytes"] == 64 * MIB
     assert cpu["total_bytes"] > 64 * MIB  # ggml-rpc's own figure: the whole RAM, which the planner must not trust
     assert cpu["threads"] == 1  # worker_process's --threads: what the planner computes its share of a token with
+    assert 1e9 < cpu["decode_flops_per_core"] < 1e12  # measured once per machine (service.engine.cpu_speed)
     with worker(port):
         unbounded = [d for d in status(port)["devices"] if d["kind"] == "cpu"][0]
     assert "budget_bytes" not in unbounded
