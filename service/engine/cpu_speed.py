@@ -91,22 +91,11 @@ def decode_flops_per_core(threads: int, repack: bool, *, timeout_s: float = 120.
 
 def flops_for_step(path: str, step_s: float, threads: int) -> float:
     """The FLOP/s per thread with which the speed model predicts ``step_s`` a token for the model at ``path``
-    decoding alone on the host (it is linear in 1 / flops: read at one figure, solved for the measured one)."""
-    from sizing.memory import Placement
-    from sizing.plan import PlanRequest
-    from sizing.plan.offload import speed
-    from sizing.plan.sizer import Sizer
-    from sizing.plan.speed import Tiers
-    from sizing.probe import host_memory, probe_path
+    decoding alone on the host (``sizing.plan.cpu_flops_for_step``)."""
+    from sizing.plan import cpu_flops_for_step
+    from sizing.probe import probe_path
 
-    spec = probe_path(path)
-    req = PlanRequest(n_ctx=512, cpu_cores=threads)
-    sz = Sizer(spec, [], host_memory(), req, "f16")
-    probe = 1e12
-    tiers = Tiers(host=1e18, disk=1e18, cpu_flops=probe)
-    overhead = tiers.token_overhead_s
-    work = (1.0 / speed(sz, Placement(), sz.estimate(Placement(), 512), 512, tiers)[0] - overhead) * probe
-    return work / max(step_s - overhead, 1e-4) / threads
+    return cpu_flops_for_step(probe_path(path), step_s, threads)
 
 
 def _measure(threads: int, repack: bool) -> dict[str, float]:

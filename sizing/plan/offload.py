@@ -24,6 +24,7 @@ from ..memory.estimate import MemoryEstimate
 from ..memory.placement import Placement
 from .sizer import CacheTypeOption, Candidate, Sizer
 from .device import Device
+from ..model.spec import ModelSpec
 from .speed import (CPU_FLOPS_PER_CORE, CPU_GEMM_FLOPS_PER_CORE, TokenBytes, Tiers, gpu_bandwidth,
                     prompt_tokens_per_s, rpc_link_bytes, rpc_token_s)
 
@@ -130,6 +131,23 @@ def speed(sz: Sizer, pl: Placement, est: MemoryEstimate, n_ctx: int, tiers: Tier
         prompt = prompt_tokens_per_s(active_params, min(cards_w / total_w, 1.0), host_w, sz.req.n_ubatch, tiers,
                                      op_offload=local_card, workers=workers)
     return decode, prompt, tb
+
+
+def cpu_flops_for_step(spec: ModelSpec, step_s: float, threads: int, n_ctx: int = 512) -> float:
+    """The decode FLOP/s per thread with which ``speed`` predicts ``step_s`` a token for ``spec`` decoding alone on
+    the host at ``n_ctx`` (the prediction is linear in 1 / flops: read at one figure, solved for the measured
+    step; ``service.engine.cpu_speed`` measures the step)."""
+    from .request import PlanRequest
+
+    req = PlanRequest(n_ctx=n_ctx, cpu_cores=threads)
+    room = 1 << 50
+    sz = Sizer(spec, [], Device(index=0, name="host memory", free_bytes=room, total_bytes=room, kind="host"), req,
+               "f16")
+    probe = 1e12
+    tiers = Tiers(host=1e18, disk=1e18, cpu_flops=probe)
+    work = (1.0 / speed(sz, Placement(), sz.estimate(Placement(), n_ctx), n_ctx, tiers)[0]
+            - tiers.token_overhead_s) * probe
+    return work / max(step_s - tiers.token_overhead_s, 1e-4) / threads
 
 
 def _cpu_worker(dev: Device) -> bool:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import EMBEDDED_NAME, INSTRUCT_NAME
-from tests.prom import series, value
+from tests.prom import samples, series, value
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +126,9 @@ def test_drafted_tokens_are_in_the_usage_and_the_metrics(served):  # type: ignor
     prompt = f"Original text:\n{text}\n\nThe same text, copied exactly:\n{text[:30]}"
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
 
-    def kept_so_far() -> float:  # the counter has no series for the model before its first draft
-        m = served.client.get("/metrics").text
-        return value(m, "gguf_draft_accepted_tokens_total", model=EMBEDDED_NAME) if "gguf_draft_accepted" in m else 0.0
+    def kept_so_far() -> float:  # the counter has no series for the model before its first kept draft
+        got = samples(served.client.get("/metrics").text)
+        return got.get(("gguf_draft_accepted_tokens_total", frozenset({("model", EMBEDDED_NAME)})), 0.0)
 
     before = kept_so_far()
     on = client.completions.create(model=EMBEDDED_NAME, prompt=prompt, max_tokens=32, temperature=0)
