@@ -3,7 +3,7 @@
     .venv/bin/python bench/step_cost_bench.py [--model PATH] [--rounds 3] [--rows 1,2,3,4,8,16,32,48,64]
 
 The model (default: the embedded one) is loaded through llama-cpp-python alone, with the service's CPU defaults
-(2 threads, flash attention, n_ubatch 512), a 1,000-token context in its KV cache; each step decodes that many
+(2 threads, flash attention, n_ubatch 512: ``service.engine.cpu_speed.Scratch``), a 1,000-token context in its KV cache; each step decodes that many
 rows after it with logits for every row, as a drafted step does, then samples each row greedily, and is undone
 (``llama_memory_seq_rm``). Printed per row count: the median decode and sampling time and the step's time in
 one-row steps. ``service.engine.speculation.STEP_COST_PRIOR`` is this table for the embedded model on the 2-core
@@ -20,6 +20,7 @@ import time
 import llama_cpp
 
 from service.catalog.embedded import embedded_model_path
+from service.engine.cpu_speed import Scratch
 
 
 def main() -> None:
@@ -30,28 +31,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     path = args.model or str(embedded_model_path())
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = 4096, 512, 512
-    cp.n_threads = cp.n_threads_batch = 2
-    cp.flash_attn_type = 1
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    batch = llama_cpp.llama_batch_init(512, 0, 1)
-
-    def decode(tokens: list[int], pos0: int, every: bool) -> None:
-        batch.n_tokens = len(tokens)
-        for i, t in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = every or i == len(tokens) - 1
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise SystemExit("llama_decode failed")
-
+    scratch = Scratch(path, 2, n_ctx=4096)
     context = [100 + (i * 7) % 5000 for i in range(1000)]
-    decode(context[:500], 0, False)
-    decode(context[500:], 500, False)
-    memory = llama_cpp.llama_get_memory(ctx)
+    scratch.decode(context[:500], 0)
+    scratch.decode(context[500:], 500)
     sampler = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     llama_cpp.llama_sampler_chain_add(sampler, llama_cpp.llama_sampler_init_greedy())
     times: dict[int, list[tuple[float, float]]] = {n: [] for n in rows}
@@ -59,12 +42,12 @@ def main() -> None:
         for n in rows:  # the row counts interleaved: each round sees the same machine
             for _ in range(5):
                 t0 = time.perf_counter()
-                decode([200 + j for j in range(n)], 1000, True)
+                scratch.decode([200 + j for j in range(n)], 1000, every=True)
                 t1 = time.perf_counter()
                 for i in range(n):
-                    llama_cpp.llama_sampler_sample(sampler, ctx, i)
+                    llama_cpp.llama_sampler_sample(sampler, scratch.ctx, i)
                 times[n].append((t1 - t0, time.perf_counter() - t1))
-                llama_cpp.llama_memory_seq_rm(memory, 0, 1000, -1)
+                scratch.undo(1000)
     one = statistics.median(d + s for d, s in times[rows[0]])
     print(f"{path}: a decode step after 1,000 tokens, median of {args.rounds} x 5")
     for n in rows:

@@ -8,7 +8,7 @@ once per machine: the embedded model (always on the machine: it is the default) 
 service's threads, in a process of its own (llama.cpp's OpenMP team is not the server's), and the flops per core
 are what make the speed model's own prediction for that model equal the measured step. Kept in
 ``~/.cache/gguf-fit-server/cpu-speed.json`` by CPU name, threads, llama-cpp-python version and weight layout
-(about 2 s the first time; ``GGUF_CPU_GFLOPS_PER_CORE`` sets it instead). A worker measures its own for its
+(about 1 s the first time; ``GGUF_CPU_GFLOPS_PER_CORE`` sets it instead). A worker measures its own for its
 ``/status`` (``service.rpc.worker``).
 """
 
@@ -98,42 +98,56 @@ def flops_for_step(path: str, step_s: float, threads: int) -> float:
     return cpu_flops_for_step(probe_path(path), step_s, threads)
 
 
-def _measure(threads: int, repack: bool) -> dict[str, float]:
-    import llama_cpp
+class Scratch:
+    """One sequence of a model in a context of its own, on the CPU, for timing decode steps (this module's
+    measurement and bench/step_cost_bench.py): decode tokens at positions, then take them back."""
 
-    from service.catalog.embedded import embedded_model_path
+    def __init__(self, path: str, threads: int, *, repack: bool = True, n_ctx: int = 512, n_batch: int = 512) -> None:
+        import llama_cpp
 
-    path = str(embedded_model_path())
-    llama_cpp.llama_backend_init()
-    mp = llama_cpp.llama_model_default_params()
-    mp.use_extra_bufts = repack
-    model = llama_cpp.llama_model_load_from_file(path.encode(), mp)
-    if not model:
-        raise SystemExit(f"could not load {path}")
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 512, 512
-    cp.n_threads = cp.n_threads_batch = threads
-    cp.flash_attn_type = 1
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    batch = llama_cpp.llama_batch_init(CONTEXT_TOKENS, 0, 1)
+        self._llama = llama_cpp
+        llama_cpp.llama_backend_init()
+        mp = llama_cpp.llama_model_default_params()
+        mp.use_extra_bufts = repack
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), mp)
+        if not self.model:
+            raise SystemExit(f"could not load {path}")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = 1
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._memory = llama_cpp.llama_get_memory(self.ctx)
 
-    def decode(tokens: list[int], pos0: int) -> None:
+    def decode(self, tokens: list[int], pos0: int, *, every: bool = False) -> None:
+        """``tokens`` at ``pos0`` on, with logits for the last row (``every``: for each row, as a drafted step)."""
+        batch = self._batch
         batch.n_tokens = len(tokens)
         for i, t in enumerate(tokens):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
             batch.seq_id[i][0] = 0
-            batch.logits[i] = i == len(tokens) - 1
-        if llama_cpp.llama_decode(ctx, batch) != 0:
+            batch.logits[i] = every or i == len(tokens) - 1
+        if self._llama.llama_decode(self.ctx, batch) != 0:
             raise SystemExit("llama_decode failed")
 
-    decode([100 + i for i in range(CONTEXT_TOKENS)], 0)
-    memory = llama_cpp.llama_get_memory(ctx)
+    def undo(self, pos: int) -> None:
+        """The positions from ``pos`` on taken back."""
+        self._llama.llama_memory_seq_rm(self._memory, 0, pos, -1)
+
+
+def _measure(threads: int, repack: bool) -> dict[str, float]:
+    from service.catalog.embedded import embedded_model_path
+
+    path = str(embedded_model_path())
+    scratch = Scratch(path, threads, repack=repack)
+    scratch.decode([100 + i for i in range(CONTEXT_TOKENS)], 0)
     times = []
     for i in range(STEPS + 2):
         t0 = time.perf_counter()
-        decode([200 + i], CONTEXT_TOKENS)
+        scratch.decode([200 + i], CONTEXT_TOKENS)
         times.append(time.perf_counter() - t0)
-        llama_cpp.llama_memory_seq_rm(memory, 0, CONTEXT_TOKENS, -1)
+        scratch.undo(CONTEXT_TOKENS)
     step = statistics.median(times[2:])
     return {"step_s": step, "flops_per_core": flops_for_step(path, step, threads)}
 
