@@ -174,12 +174,19 @@ def worker_devices(endpoints: Sequence[str], timeout_s: float = 2.0, *, measure_
                                   total_bytes=max(0, int(row.get("total_bytes", 0))),
                                   remote_kind=str(row.get("kind", "cpu")), link_latency_s=rtt,
                                   link_bandwidth_bytes_per_s=rate,
-                                  bandwidth_bytes_per_s=float(row["bandwidth_bytes_per_s"])
-                                  if isinstance(row.get("bandwidth_bytes_per_s"), (int, float)) else None,
+                                  bandwidth_bytes_per_s=_rate(row, "bandwidth_bytes_per_s"),
                                   cpu_threads=int(row["threads"]) if isinstance(row.get("threads"), int) else 0,
-                                  cpu_flops_per_core=float(row["decode_flops_per_core"])
-                                  if isinstance(row.get("decode_flops_per_core"), (int, float)) else None))
+                                  cpu_flops_per_core=_rate(row, "decode_flops_per_core")))
     return devices, absent
+
+
+def _rate(row: dict[str, object], key: str) -> float | None:
+    """A speed a worker's ``/status`` row gives (a positive, finite number), else None: not reported, and the speed
+    model falls back to its own figure (a negative or infinite one would make a share of a token cost nothing)."""
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        return None
+    return float(v)
 
 
 def plan_workers_ready(plan: "Plan") -> str | None:

@@ -178,3 +178,19 @@ def test_a_cpu_workers_share_of_a_token_is_computed_at_a_cpus_speed(tmp_path: Pa
     assert measured[0] == pytest.approx(four[0])  # twice the speed per thread: as twice the threads
     assert abs(four[1] / two[1] - 2.0) < 1e-9  # the whole prompt on the worker's CPU: linear in its threads
     assert card[1] > 100 * four[1] and unknown[1] == card[1]
+
+
+def test_a_workers_speeds_are_taken_only_as_positive_finite_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a worker's /status reports of its speeds sizes the plan's predicted speed: a negative, infinite, NaN or
+    non-numeric figure is taken as not reported (the speed model's own figure), never as a share that costs
+    nothing."""
+    from service.rpc import client
+    from service.rpc.worker import PROTOCOL
+
+    rows = [{"index": i, "kind": "cpu", "free_bytes": 1 << 30, "total_bytes": 1 << 30, "threads": 2,
+             "bandwidth_bytes_per_s": v, "decode_flops_per_core": v}
+            for i, v in enumerate([3e10, -1.0, 0, float("inf"), float("nan"), "3e10", True, None])]
+    monkeypatch.setattr(client, "read_status", lambda ep, timeout_s: {"protocol": PROTOCOL, "devices": rows})
+    devices, absent = client.worker_devices(["127.0.0.1:50052"], measure_links=False)
+    assert not absent
+    assert [(d.bandwidth_bytes_per_s, d.cpu_flops_per_core) for d in devices] == [(3e10, 3e10)] + [(None, None)] * 7
