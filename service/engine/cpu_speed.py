@@ -72,8 +72,8 @@ def decode_flops_per_core(threads: int, repack: bool, *, timeout_s: float = 120.
         log.warning("the CPU's decode speed could not be measured (%s): the planner's constant is used", exc)
         return None
     if not got:
-        log.warning("the CPU's decode speed could not be measured (%s): the planner's constant is used",
-                    (r.stderr or "").strip()[-300:])
+        log.warning("the CPU's decode speed could not be measured (exit %s: %s): the planner's constant is used",
+                    r.returncode, (r.stderr or "").strip()[-300:])
         return None
     flops = float(got["flops_per_core"])
     log.info("measured the CPU's decode speed in %.1f s: %.1f ms a token of the embedded model on %d threads, "

@@ -80,3 +80,20 @@ def test_the_service_plans_with_the_measured_speed_unless_one_is_set(tmp_path: P
     manager = ModelManager(fixed, Registry(fixed), lambda s: FakeEngine())
     assert manager.planner.cpu_flops_per_core is None and not cache.exists()  # nothing measured
     assert plan_request(fixed, LoadOptions(), cpu_flops_per_core=2.5e10).cpu_flops_per_core == 7e9
+
+
+def test_a_measurement_that_crashes_leaves_the_constant_and_keeps_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The measuring process killed by a signal (SIGSEGV, as a broken llama.cpp build would): the caller gets None
+    (the planner's constant), a warning says why, nothing is kept, and the next start measures again."""
+    import sys
+
+    cache = tmp_path / "cpu-speed.json"
+    monkeypatch.setattr(cpu_speed, "CACHE", cache)
+    crash = tmp_path / "crash"
+    crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(crash))
+    with caplog.at_level("WARNING", logger="service.engine.cpu_speed"):
+        assert cpu_speed.decode_flops_per_core(2, False) is None
+    assert "could not be measured (exit -11" in caplog.text and not cache.exists()
