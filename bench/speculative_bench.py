@@ -3,6 +3,7 @@ modes.
 
     python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--peers ngram-mod,ngram-simple]
                                       [--workloads copy,vocab,...] [--no-llama-server] [--draft-max N]
+                                      [--versus GGUF_NAME=VALUE]
                                       [--model PATH] [--draft-model PATH]
 
 One client at a time, ``ignore_eos`` (every answer the same length on every side). The sides, one request each
@@ -186,6 +187,9 @@ def main() -> None:
                     help=f"the workloads to run (comma-separated; default all: {', '.join(WORKLOADS)})")
     ap.add_argument("--draft-max", type=int, default=None, help="GGUF_DRAFT_MAX for the service (default its own)")
     ap.add_argument("--draft-model", default=None, help="a draft model's file (bench/make_draft.py writes one)")
+    ap.add_argument("--versus", action="append", default=[], metavar="GGUF_NAME=VALUE",
+                    help="a second service with these settings beside the first, as a side of its own ('versus'; "
+                    "repeat for several): a default's effect, paired and interleaved in one run")
     args = ap.parse_args()
     from service.catalog.embedded import embedded_model_path
 
@@ -204,6 +208,11 @@ def main() -> None:
         url = stack.enter_context(run_service(model, beside=beside, **settings))
         sides["service"] = lambda p, t: _run(url, p, args.tokens, {}, t)
         sides["service, no drafts"] = lambda p, t: _run(url, p, args.tokens, {"speculative": False}, t)
+        if args.versus:
+            versus = dict(kv.split("=", 1) for kv in args.versus)
+            vurl = stack.enter_context(run_service(model, beside=beside, **{**settings, **versus}))
+            sides["versus"] = lambda p, t: _run(vurl, p, args.tokens, {}, t)
+            print(f"versus: the service with {versus}", flush=True)
         if not args.no_llama_server:
             binary = find_or_build()
             for name, peer_args in peers.items():
@@ -241,6 +250,11 @@ def main() -> None:
             if peers_run:
                 line += f" | service/best {med['service'] / max(med[n] for n in peers_run):.2f}x"
             line += f" | service kept {k}/{d} drafted tokens"
+            if "versus" in med:
+                vd = sum(x for x, _ in drafts[(w, "versus")])
+                vk = sum(y for _, y in drafts[(w, "versus")])
+                line += (f" | versus/service {med['versus'] / med['service']:.2f}x (kept {vk}/{vd})"
+                         + "".join(f", versus/{p} {med['versus'] / med[p]:.2f}x" for p in peers_run))
             print(line, flush=True)
 
 

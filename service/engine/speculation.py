@@ -64,6 +64,17 @@ PRIOR_KEPT = (0.3, 0.5, 0.8, 0.9, 0.97, 0.998)
 request's own drafts of them are kept (a second row costs a step on the CPU). Replayed over the bench's 15
 answers at the measured step costs, against (0.4, 0.6, 0.8, 0.9, 0.95, 0.998): code 3.19x against 3.12x its speed
 without drafts, copy 2.55x against 2.46x, the others within 0.05x."""
+WHOLE_DRAFT = 0.5
+"""Where a class's drafts are expected kept whole at least this often (an earlier answer agreeing on 64 tokens,
+0.998 a token: 0.88 for 64 tokens), the draft is as long as allowed, not what the measured step costs make best.
+Rows computed in other shapes round otherwise (ggml-cpu: a row of a 4-row block of a matrix product is not the
+row of a vector product), and a step's measured time is noisy on shared cores: an answer asked again was drafted
+in 55-, 50- then 32-token pieces as one slow step or another moved the best length, came out otherwise each
+time, and its next drafts from the pool were cut. Drafted whole, it is drafted in the same shapes each time
+(bench/speculative_bench.py's json text, asked 4 times: 64, 64, 60 and kept whole each time; its prose text still
+came out otherwise, where the unified cache placed its prompt elsewhere: docs/batching.md, kernel by kernel); for
+a token kept 0.99 of the time 64 tokens give the step as much as the best length does at the CPU's measured
+costs (2.9 against 3.0 tokens a one-row step's time)."""
 PRIOR_WEIGHT = 4.0
 """How many tokens of evidence the prior is worth."""
 DECAY = 0.9
@@ -120,19 +131,22 @@ class _Index:
                 latest[key] = i
         self.indexed = len(tokens)
 
-    def best(self, tokens: list[int], n: int, key: int, seq: list[int]) -> tuple[int, int]:
+    def best(self, tokens: list[int], n: int, key: int, seq: list[int], want: int = 0) -> tuple[int, int]:
         """Of the ``CHAIN_MAX`` latest places the ``n``-token key ``key`` occurred in ``tokens``, the one agreeing
-        longest with ``seq``'s end (the latest on a tie): (agreement, position after it); (0, -1): none."""
+        longest with ``seq``'s end, on a tie the one followed by more tokens (up to ``want``: an answer repeating
+        its opening at its end agreed as long there as at its start, where 3 tokens were left to copy instead of
+        64), then the latest: (agreement, position after it); (0, -1): none."""
         at = self.latest.get(n, {}).get(key, -1)
         chain = self.chain.get(n, [])
-        best, where = 0, -1
+        best, room, where = 0, 0, -1
         for _ in range(CHAIN_MAX):
             if at < 0:
                 break
             m = _agreement(tokens, at, seq, MATCH_MAX)
-            if m > best:
-                best, where = m, at
-                if m >= MATCH_MAX:
+            r = min(len(tokens) - at, want)
+            if (m, r) > (best, room):
+                best, room, where = m, r, at
+                if m >= MATCH_MAX and r >= want:
                     break
             at = chain[at]
         return (best, where) if best >= n else (0, -1)  # below n: a hash collision
@@ -180,11 +194,12 @@ class NgramPool:
         kept.append(_Answer(held, index))
         del kept[:-self.answers]
 
-    def find(self, scope: str, n: int, key: int, seq: list[int]) -> tuple[int, list[int], int]:
+    def find(self, scope: str, n: int, key: int, seq: list[int], want: int = 0) -> tuple[int, list[int], int]:
         """Of the newest answer of ``scope`` holding the ``n``-token key ``key`` (hashed), the place agreeing
-        longest with ``seq``'s end: (agreement, the answer's tokens, the position after it); agreement 0: none."""
+        longest with ``seq``'s end (``_Index.best``: then followed by up to ``want`` tokens): (agreement, the
+        answer's tokens, the position after it); agreement 0: none."""
         for a in reversed(self._scopes.get(scope, ())):
-            m, at = a.index.best(a.tokens, n, key, seq)
+            m, at = a.index.best(a.tokens, n, key, seq, want)
             if m:
                 return m, a.tokens, at
         return 0, [], -1
@@ -235,8 +250,10 @@ class NgramDrafter:
             best, at = own.best(tokens, n, key, seq)
             src = tokens
             if self.pool and n >= POOL_MIN_MATCH:
-                m, answer, where = self.pool.find(self.scope, n, key, seq)
-                if m >= best and m:  # a tie: the model's own earlier answer, not the text it was given
+                m, answer, where = self.pool.find(self.scope, n, key, seq, k)
+                # A tie: the model's own earlier answer, not the text it was given, where it has as much to copy
+                # (the sequence's own copy runs on into itself).
+                if m and (m > best or (m == best and len(answer) - where >= k)):
                     best, src, at = m, answer, where
             if best:
                 self.matched, self.pooled = best, src is not tokens
@@ -322,7 +339,10 @@ def best_length(kept: float, cap: int, cost: Callable[[int], float] | None = Non
     token is kept with probability ``kept`` once the ones before it were: ``(others + 1 + kept + kept^2 + ... +
     kept^L) / ((others + 1) * cost(L))``, ``cost(L)`` the step's time with ``L`` rows more than without the draft
     (``StepCosts.relative``; ``others``: the step's other generating rows); 0 where no length gives ``min_gain``
-    times the step without it."""
+    times the step without it; ``cap`` itself where the whole of it is expected kept at least ``WHOLE_DRAFT`` of
+    the time, whatever the costs say."""
+    if kept ** cap >= WHOLE_DRAFT:
+        return cap
     if cost is None:
         cost = StepCosts().relative(1)
     best, length = min_gain, 0

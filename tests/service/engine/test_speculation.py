@@ -320,6 +320,40 @@ def test_the_pools_answer_is_copied_where_it_agrees_longer_than_the_sequences_ow
     assert own.draft(prompt[:-1], prompt[-1], 6) != answer[:6] and own.matched < 20
 
 
+def test_an_answer_that_repeats_its_opening_is_drafted_from_its_opening() -> None:
+    """An earlier answer that ends by repeating its opening agrees with a new request's start at both places; the
+    one with the answer's tokens after it is copied (the latest had 3 left: a 3-token draft instead of 64)."""
+    rng = __import__("random").Random(9)
+    context = [rng.randrange(100, 200) for _ in range(MATCH_MAX)]
+    body = [rng.randrange(200, 300) for _ in range(80)]
+    answer = body + context + body[:3]  # it ends by writing the context and its opening again
+    pool = NgramPool(answers=4)
+    pool.add("", context + answer, len(context))
+    d = NgramDrafter(pool=pool)
+    assert d.draft(context[:-1], context[-1], 40) == body[:40] and d.pooled and d.matched == MATCH_MAX
+    tail = NgramPool(answers=4)
+    tail.add("", context + body[:5], len(context))  # an answer with less to copy than the request's own loop
+    own = NgramDrafter(pool=tail)
+    seq = context + body[:5] + context  # its own tokens agree as long and run on into themselves
+    assert own.draft(seq[:-1], seq[-1], 12) == (body[:5] + context)[:12] and not own.pooled
+
+
+def test_a_draft_expected_kept_whole_is_as_long_as_allowed_whatever_the_costs_measured() -> None:
+    """Rows computed in other shapes round otherwise, and a step's time measured on shared cores is noisy: a class
+    whose whole draft is expected kept (``WHOLE_DRAFT``) drafts the cap, the same shape each time, even where one
+    slow long step made a shorter draft look best; below it the measured costs size the draft."""
+    from service.engine.speculation import WHOLE_DRAFT, StepCosts, best_length
+
+    noisy = StepCosts()
+    for rows in (1, 2, 4, 8, 16, 32, 48, 64):
+        noisy.record(rows, 0.0116 * rows ** 0.6)
+    noisy.record(63, 0.0116 * 63)  # one step slowed by other work on the cores
+    kept = WHOLE_DRAFT ** (1 / 62) + 1e-6
+    assert best_length(kept, 62, noisy.relative(1)) == 62
+    assert 0 < best_length(0.97, 62, noisy.relative(1)) < 62
+    assert NgramPolicy(draft_max=62, costs=noisy).budget(0, MATCH_MAX) == 62  # 64 agreeing tokens: 0.998 a token
+
+
 def test_short_agreements_draft_where_they_are_kept_and_stop_where_they_are_cut() -> None:
     """On the CPU a second row costs a step (``STEP_COST_PRIOR``): 2 to 7 agreeing tokens, which on a text of few
     words agree with many places, draft nothing untried; 8 to 15 draft a few, and stop once cut at once; places
@@ -410,12 +444,13 @@ def _replay(tokens: list[int], start: int, draft_max: int = 48) -> tuple[int, in
 def test_a_copy_of_a_small_vocabulary_drafts_what_it_keeps() -> None:
     """350 words drawn from 24 (one token each), copied with a word left out every 40: most tokens come in drafts,
     few drafted rows are wasted, and the copy runs at twice one token a step at the CPU's step costs (the policy
-    of a fixed row cost before them kept 293 of 340 drafted tokens here in 49 steps, 2.02x; this one 253 of 291 in
-    89, 1.98x: it drafts less at 2 to 7 agreeing tokens, which on the bench's real answers was faster)."""
+    of a fixed row cost before them kept 293 of 340 drafted tokens here in 49 steps, 2.02x; sized by the costs
+    alone 253 of 291 in 89, 1.98x: it drafts less at 2 to 7 agreeing tokens, which on the bench's real answers was
+    faster; with whole drafts where 64 tokens agree, ``WHOLE_DRAFT``, 262 of 326 in 80, 1.95x)."""
     import random
 
     rng = random.Random(7)
     text = [rng.randrange(24) for _ in range(350)]
     answer = [t for i, t in enumerate(text) if i % 40 != 39]
     steps, drafted, kept, speed = _replay([100, *text, 101, *answer], len(text) + 2)
-    assert kept >= 0.7 * len(answer) and kept >= 0.85 * drafted and speed >= 1.8 and steps < len(answer) / 3
+    assert kept >= 0.7 * len(answer) and kept >= 0.8 * drafted and speed >= 1.8 and steps < len(answer) / 3
