@@ -43,81 +43,65 @@ def measure(model_path: str, repack: bool, tk: str, tv: str) -> str:
     import llama_cpp as L
     import numpy as np
 
+    from service.engine.cpu_speed import Scratch
     from speculative_bench import COPIES
 
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.use_extra_bufts = repack
-    model = L.llama_model_load_from_file(model_path.encode(), mp)
-    cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 4096, 512, 512, 4
-    cp.n_threads = cp.n_threads_batch = min(2, os.cpu_count() or 1)
-    cp.flash_attn_type = 1
-    cp.type_k, cp.type_v = TYPES[tk], TYPES[tv]
-    cp.kv_unified = True
-    ctx = L.llama_init_from_model(model, cp)
-    vocab = L.llama_model_get_vocab(model)
+    scratch = Scratch(model_path, min(2, os.cpu_count() or 1), repack=repack, n_ctx=4096,
+                      cache_types=(TYPES[tk], TYPES[tv]), seqs=4)
+    vocab = L.llama_model_get_vocab(scratch.model)
     n_vocab = L.llama_vocab_n_tokens(vocab)
-    mem = L.llama_get_memory(ctx)
     text = "".join(COPIES.values()).encode()
     buf = (L.llama_token * 8192)()
     toks = list(buf[:L.llama_tokenize(vocab, text, len(text), buf, 8192, True, False)])
     prompt, cont = toks[:700], toks[700:770]
 
-    def decode(batch: list[int], pos0: int, seq: int, want: bool) -> list[Any]:
-        b = L.llama_batch_init(len(batch), 0, 1)
-        for i, t in enumerate(batch):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, want
-            b.seq_id[i][0] = seq
-        b.n_tokens = len(batch)
-        assert L.llama_decode(ctx, b) == 0
-        rows = [np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
-                for i in range(len(batch))] if want else []
-        L.llama_batch_free(b)
-        return rows
+    def decode(batch: list[int], pos0: int, seq: int = 0) -> list[Any]:
+        """The batch's logits rows, copied (every row's)."""
+        scratch.decode(batch, pos0, every=True, seq=seq)
+        return [np.ctypeslib.as_array(L.llama_get_logits_ith(scratch.ctx, i), shape=(n_vocab,)).copy()
+                for i in range(len(batch))]
+
+    def fill(filler: int = 0, upto: int = len(prompt)) -> None:
+        """A clear cache, ``filler`` cells of sequence 1, then the prompt's first ``upto`` tokens."""
+        scratch.undo(0, seq=-1)
+        for i in range(0, filler, 512):
+            scratch.decode([prompt[j % len(prompt)] for j in range(i, min(filler, i + 512))], i, seq=1)
+        for i in range(0, upto, 512):
+            scratch.decode(prompt[i:min(upto, i + 512)], i)
 
     def run(shape: list[int], filler: int = 0) -> Any:
-        L.llama_memory_clear(mem, True)
-        for i in range(0, filler, 512):
-            decode([prompt[j % len(prompt)] for j in range(i, min(filler, i + 512))], i, 1, False)
-        for i in range(0, len(prompt), 512):
-            decode(prompt[i:i + 512], i, 0, False)
+        fill(filler)
         rows, at = [], 0
         for s in shape:
-            rows += decode(cont[at:at + s], len(prompt) + at, 0, True)
+            rows += decode(cont[at:at + s], len(prompt) + at)
             at += s
-        return np.stack(rows) if rows else None
+        return np.stack(rows)
 
     base = run([1] * 70)
     out = []
     for name, shape in [*SHAPES.items(), ("F1", [1] * 70), ("F8", [8] * 8 + [6])]:
         r = run(shape, filler=600 if name.startswith("F") else 0)
         out.append(f"{name} {int((r == base).all(axis=1).sum())}")
-    L.llama_memory_clear(mem, True)
-    decode(prompt[:512], 0, 0, False)
-    last = decode(prompt[512:700], 512, 0, True)[-1]
-    L.llama_memory_clear(mem, True)
-    decode(prompt[:512], 0, 0, False)
-    decode(prompt[512:699], 512, 0, False)
-    alone = decode(prompt[699:700], 699, 0, True)[0]
+    fill(upto=512)
+    last = decode(prompt[512:700], 512)[-1]
+    fill(upto=699)
+    alone = decode(prompt[699:700], 699)[0]
     out.append(f"last {'same' if (last == alone).all() else 'differs'}")
 
     def step_ms(rows: int, reps: int) -> float:
-        run([])
+        fill()
         t, at = time.perf_counter(), len(prompt)
         for _ in range(reps):
-            decode(cont[:rows], at, 0, True)
+            decode(cont[:rows], at)
             at += rows
         return (time.perf_counter() - t) / reps * 1000
 
     t1, t8, t64 = step_ms(1, 40), step_ms(8, 10), step_ms(64, 3)
-    L.llama_memory_clear(mem, True)
+    scratch.undo(0, seq=-1)
     t = time.perf_counter()
     for i in range(0, 2048, 512):
-        decode((toks * 2)[i:i + 512], i, 0, False)
+        scratch.decode((toks * 2)[i:i + 512], i)
     prompt_tps = 2048 / (time.perf_counter() - t)
-    L.llama_free(ctx)
-    L.llama_model_free(model)
     return (f"rows equal of 70: {', '.join(out)} | step ms: 1 row {t1:.1f}, 8 rows {t8:.1f}, 64 rows {t64:.1f} | "
             f"prompt {prompt_tps:.0f} tokens/s")
 

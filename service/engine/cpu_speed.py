@@ -99,10 +99,13 @@ def flops_for_step(path: str, step_s: float, threads: int) -> float:
 
 
 class Scratch:
-    """One sequence of a model in a context of its own, on the CPU, for timing decode steps (this module's
-    measurement and bench/step_cost_bench.py): decode tokens at positions, then take them back."""
+    """A model's sequences in a context of their own, on the CPU, for timing decode steps (this module's
+    measurement, bench/step_cost_bench.py, bench/kernel_invariance.py): decode tokens at positions, then take them
+    back. ``cache_types``: ggml's type numbers for K and V (None: llama.cpp's f16); ``seqs`` more than one: that
+    many sequences in one unified cache."""
 
-    def __init__(self, path: str, threads: int, *, repack: bool = True, n_ctx: int = 512, n_batch: int = 512) -> None:
+    def __init__(self, path: str, threads: int, *, repack: bool = True, n_ctx: int = 512, n_batch: int = 512,
+                 cache_types: tuple[int, int] | None = None, seqs: int = 1) -> None:
         import llama_cpp
 
         self._llama = llama_cpp
@@ -116,24 +119,29 @@ class Scratch:
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = 1
+        if cache_types is not None:
+            cp.type_k, cp.type_v = cache_types
+        if seqs > 1:
+            cp.n_seq_max, cp.kv_unified = seqs, True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx)
 
-    def decode(self, tokens: list[int], pos0: int, *, every: bool = False) -> None:
-        """``tokens`` at ``pos0`` on, with logits for the last row (``every``: for each row, as a drafted step)."""
+    def decode(self, tokens: list[int], pos0: int, *, every: bool = False, seq: int = 0) -> None:
+        """``tokens`` of sequence ``seq`` at ``pos0`` on, with logits for the last row (``every``: for each row, as
+        a drafted step)."""
         batch = self._batch
         batch.n_tokens = len(tokens)
         for i, t in enumerate(tokens):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
-            batch.seq_id[i][0] = 0
+            batch.seq_id[i][0] = seq
             batch.logits[i] = every or i == len(tokens) - 1
         if self._llama.llama_decode(self.ctx, batch) != 0:
             raise SystemExit("llama_decode failed")
 
-    def undo(self, pos: int) -> None:
-        """The positions from ``pos`` on taken back."""
-        self._llama.llama_memory_seq_rm(self._memory, 0, pos, -1)
+    def undo(self, pos: int, seq: int = 0) -> None:
+        """The positions from ``pos`` on of sequence ``seq`` taken back (-1: of every sequence)."""
+        self._llama.llama_memory_seq_rm(self._memory, seq, pos, -1)
 
 
 def _measure(threads: int, repack: bool) -> dict[str, float]:
