@@ -42,15 +42,19 @@ class Drafting:
         a prompt with one drafts from its own tokens."""
         if not (self.on and params.speculative):
             return
-        # Only a greedy request without a grammar drafts from the pool: a draft's rows are computed in one batch,
-        # whose rounding can move a sampled token or a grammar's pick between near-equal logits, and a request asked
-        # twice must answer the same (the second would draft from the first's answer where the first drafted
-        # nothing: seeded and JSON stream-against-whole checks failed so).
-        pool = self.answers if reqs and reqs[0].greedy else None
+        # Only a greedy request without a grammar drafts from the pool and sizes its drafts by the load's measured
+        # step costs. A draft's rows are computed in one batch, whose rounding can move a sampled token or a
+        # grammar's pick between near-equal logits, and a request asked twice must answer the same: the second
+        # would draft from the first's answer where the first drafted nothing (seeded and JSON stream-against-whole
+        # checks failed so), and the measured costs move with every step timed on shared cores, so the same draft
+        # was cut at other lengths each time (a seeded tool call asked 8 times on a busy machine: 2 answers). The
+        # others size their drafts by ``STEP_COST_PRIOR`` and what their own drafts kept: the same shapes each time.
+        exact = bool(reqs) and reqs[0].greedy
+        pool = self.answers if exact else None
         for r in reqs:
             r.drafter = (self.runner if not images else None) or NgramDrafter(pool=pool, scope=params.cache_scope)
-            r.policy = (NgramPolicy(draft_max=self._draft_max, costs=self.costs) if isinstance(r.drafter, NgramDrafter)
-                        else DraftPolicy(draft_max=self._draft_max))
+            r.policy = (NgramPolicy(draft_max=self._draft_max, costs=self.costs if exact else StepCosts())
+                        if isinstance(r.drafter, NgramDrafter) else DraftPolicy(draft_max=self._draft_max))
 
     def reserve(self, r: "Sequence", spare: int, room: int, base: int = 1) -> int:
         """Rows of this step for ``r``'s guesses (at most ``spare`` and ``room``; ``base``: the step's generating

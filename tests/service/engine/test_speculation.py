@@ -454,3 +454,33 @@ def test_a_copy_of_a_small_vocabulary_drafts_what_it_keeps() -> None:
     answer = [t for i, t in enumerate(text) if i % 40 != 39]
     steps, drafted, kept, speed = _replay([100, *text, 101, *answer], len(text) + 2)
     assert kept >= 0.7 * len(answer) and kept >= 0.8 * drafted and speed >= 1.8 and steps < len(answer) / 3
+
+
+@pytest.mark.parametrize("temperature,grammar", [(0.7, None), (0.0, "a grammar")])
+def test_a_request_whose_rounding_matters_sizes_its_drafts_from_its_tokens_only(temperature: float,
+                                                                                grammar: str | None) -> None:
+    """A sampled request, or one with a grammar, drafts the same lengths however the load's measured step costs
+    moved (a seeded tool call asked 8 times on a busy machine came out 2 ways while they did), and from its own
+    tokens only; a greedy one follows the measured costs and drafts from the pool."""
+    from service.engine.llama.drafting import Drafting
+    from service.engine.llama.state import Sequence
+    from service.engine.speculation import NgramPolicy, StepCosts
+
+    def budgets(d: Drafting, greedy: bool) -> tuple[NgramDrafter, list[int]]:
+        params = GenerationParams(temperature=0.0 if greedy else temperature, max_tokens=64)
+        r = Sequence(tokens=[1, 2, 3], params=params, cancel=Cancel(), max_new_tokens=64,
+                     grammar=None if greedy else grammar, greedy=greedy)
+        d.assign([r], params, images=False)
+        assert isinstance(r.drafter, NgramDrafter) and isinstance(r.policy, NgramPolicy)
+        return r.drafter, [r.policy.budget(0, m) for m in (2, 4, 8, 16, 32)]
+
+    calm, busy = Drafting(None, on=True, draft_max=64), Drafting(None, on=True, draft_max=64)
+    for rows in range(1, 65):
+        calm.costs.record(rows, 0.01 * StepCosts().time(rows))
+        busy.costs.record(rows, 0.01 * StepCosts().time(rows) * (3.0 if rows % 2 else 1.0))  # odd row counts slowed
+    drafter, calm_budgets = budgets(calm, greedy=False)
+    assert drafter.pool is None
+    assert budgets(busy, greedy=False)[1] == calm_budgets
+    drafter, calm_greedy = budgets(calm, greedy=True)
+    assert drafter.pool is calm.answers
+    assert budgets(busy, greedy=True)[1] != calm_greedy  # the control: the measured costs do size a greedy draft
