@@ -132,6 +132,7 @@ class Sequences:
         idx = r.batch_logits_idx
         kept = 0
         for i in range(len(draft) + 1):
+            r.checking = (len(draft), kept)
             self.on_logits(r, idx + i, ctx)
             chosen = r.next_token
             if r.slot is None or i == len(draft) or chosen is None or chosen != draft[i]:
@@ -139,6 +140,7 @@ class Sequences:
             kept += 1
             self._slots.grow(slot, [chosen])  # already in the KV: its row is the next one
             r.next_token = None
+        r.checking = (0, 0)
         r.policy.record(r.n_out, len(draft), kept)
         if r.unverified:
             self._slots.drop_tail(slot, r.pos(len(slot.tokens)))
@@ -190,7 +192,10 @@ class Sequences:
         self._release(r)
         self._send(r, Chunk(
             finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,
-            drafted_tokens=r.policy.drafted if r.policy else 0, accepted_tokens=r.policy.accepted if r.policy else 0,
+            # An answer that ends inside a draft (its limit, a stop) counts the draft being verified: its tokens
+            # up to the end were kept (a copy's last 60-token draft was left out of the usage before).
+            drafted_tokens=(r.policy.drafted if r.policy else 0) + r.checking[0],
+            accepted_tokens=(r.policy.accepted if r.policy else 0) + r.checking[1],
             prompt_seconds=(r.t_first - r.t_start) if r.t_first else 0.0,
             decode_seconds=(r.t_last - r.t_first) if r.n_out > 1 else 0.0,
         ))

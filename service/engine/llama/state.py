@@ -100,6 +100,9 @@ class Sequence:
     policy: DraftPolicy | None = None
     draft: list[int] = field(default_factory=list)
     """Tokens drafted into this step's batch after ``next_token``, each with its logits row."""
+    checking: tuple[int, int] = (0, 0)
+    """While a draft is verified (``Sequences.verify``): its tokens, and those kept so far, not yet in ``policy``'s
+    count; an answer that ends inside it reports them."""
     unverified: bool = False
     """The sequence's KV holds drafted positions past ``slot.tokens`` (dropped when it ends: ``release``)."""
     images: dict[int, ImageChunk] = field(default_factory=dict)

@@ -134,6 +134,20 @@ def test_greedy_answers_with_drafts_are_the_answers_without(engine: LlamaEngine)
 
 
 @pytest.mark.slow
+def test_an_answer_asked_again_is_drafted_whole_and_its_usage_counts_every_draft(
+        engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked again, the answer comes in drafts kept whole, each as long as the rows allow, and the usage counts
+    every drafted row, the draft the limit fell in included (it was left out: 27 of 29 reported)."""
+    params = replace(GREEDY, max_tokens=40, ignore_eos=True, cache_prompt=True)
+    first, _ = _run(engine.complete(COPY + " Then", params, Cancel()))
+    rows = _rows_per_decode(monkeypatch)
+    again, last = _run(engine.complete(COPY + " Then", params, Cancel()))
+    assert again == first and last.completion_tokens == 40 and len(rows) > 1
+    drafted = sum(n - 1 for n in rows)  # the prompt and its logits were cached: every decode is a step
+    assert last.drafted_tokens == last.accepted_tokens == drafted == 40 - 1 - len(rows)
+
+
+@pytest.mark.slow
 def test_seeded_samples_with_drafts_are_the_samples_without(engine: LlamaEngine) -> None:
     """One draw of the sampler per kept token, in the same order: the seed gives the same answer."""
     params = replace(GREEDY, temperature=0.3, top_p=0.95, seed=11)  # at 0.8 the copy was left too soon to draft
