@@ -196,6 +196,12 @@ class Settings(BaseSettings):
         "build can turn a greedy answer; docs/batching.md; batch_invariant turns drafting off); a request's "
         "`speculative: false` turns it off for that request. off: one token a step.",
     )
+    replay_tolerance: float = Field(
+        1.0, ge=0.0, le=10.0, description="A greedy request asked again (the same prompt, the same API key or "
+        "cache_salt) answers what it answered before: the earlier answer's token is taken wherever its logit is within "
+        "this many of the row's largest (the rounding of rows computed in other batch shapes, cold or cached, moved "
+        "one by up to 0.78 on the CPU), and drafts the answer whole. 0: off, every token the row's argmax.",
+    )
     draft_max: int = Field(
         64, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). "
         "The plan holds this many logits rows for drafts in host memory (n_vocab x 4 bytes each: 1 MiB for "

@@ -77,6 +77,11 @@ KEY_BYTES = 32
 MIN_TOKENS = 32
 """Slots holding fewer tokens are not kept: evaluating them again costs less than a restore is worth."""
 SUFFIX = ".kv"
+REPLAYS_FILE = "replays"
+"""In a binding's folder: the greedy answers by prompt (``service.engine.replay``), one file for all scopes:
+``REPLAYS_MAGIC``, its seal (an HMAC-SHA256 under the install's key of the magic, the binding and the payload),
+the payload (JSON)."""
+REPLAYS_MAGIC = b"GGUFRP1\n"
 WARM_S = 1.0
 """At most this long of a load reads cached prompts back from disk into memory (a 12 MiB file, gemma-3-270m's
 1,800-token f16 state, took 26-36 ms to read and check; 7 ms on an AMD EPYC with SHA extensions, page cache warm,
@@ -285,6 +290,8 @@ class PromptCache:
     """Writes queued and not yet done."""
     _key: bytes = b""
     """The install's key (``install_key``), which seals the files."""
+    _replays_due: Callable[[], bytes] | None = None
+    """The replays' payload to write next (``put_replays``): only the latest is written."""
 
     # -- what it holds ------------------------------------------------------
 
@@ -497,6 +504,64 @@ class PromptCache:
             self._writes.put(done)
             done.wait()
 
+    # -- the greedy answers by prompt (service.engine.replay) --------------------
+
+    def put_replays(self, payload: Callable[[], bytes]) -> None:
+        """Write the replays' payload (computed on the writer thread) into this binding's folder, sealed; a write
+        still queued is replaced by this one. Nothing without a folder."""
+        if self._writes is None:
+            return
+        with self._lock:
+            queued = self._replays_due is not None
+            self._replays_due = payload
+            if not queued:
+                self._backlog += 1
+        if not queued:
+            self._writes.put(REPLAYS_FILE)
+
+    def replays(self) -> bytes | None:
+        """The replays' payload this binding's folder holds, once its seal holds (else None, counted, logged)."""
+        if self.directory is None:
+            return None
+        path = self.directory / REPLAYS_FILE
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("prompt cache: ignored %s (%s)", path, _why(exc))
+            return None
+        head = len(REPLAYS_MAGIC) + SEAL_BYTES
+        if raw[:len(REPLAYS_MAGIC)] != REPLAYS_MAGIC or len(raw) < head or not hmac.compare_digest(
+                raw[len(REPLAYS_MAGIC):head], self._replays_seal(raw[head:])):
+            self.stats.rejected += 1
+            log.warning("prompt cache: ignored %s (seal does not match)", path)
+            return None
+        return raw[head:]
+
+    def _replays_seal(self, payload: bytes) -> bytes:
+        mac = hmac.new(self._key, REPLAYS_MAGIC, hashlib.sha256)
+        mac.update(json.dumps(self._fields, sort_keys=True).encode())
+        mac.update(payload)
+        return mac.digest()
+
+    def _write_replays(self) -> None:
+        with self._lock:
+            make, self._replays_due = self._replays_due, None
+        if make is None or self.directory is None:
+            return
+        path = self.directory / REPLAYS_FILE
+        payload = make()
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(REPLAYS_MAGIC + self._replays_seal(payload) + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("prompt cache: could not write %s: %s", path, exc)
+
     def _header(self, e: Entry, digest: str, checkpoint: Checkpoint | None) -> bytes:
         """The header's length and the header: everything that gives the entry its meaning but its tokens."""
         fields: dict[str, Any] = {"binding": self._fields, "scope": e.scope, "n_tokens": len(e.tokens),
@@ -530,6 +595,13 @@ class PromptCache:
                 return
             if isinstance(item, threading.Event):
                 item.set()
+                continue
+            if item == REPLAYS_FILE:
+                try:
+                    self._write_replays()
+                finally:
+                    with self._lock:
+                        self._backlog -= 1
                 continue
             e, state, checkpoint = item
             try:

@@ -26,7 +26,8 @@ def default_engine(settings: Settings) -> Engine:
                                   batch_invariant=settings.batch_invariant, prompt_cache_mib=settings.prompt_cache_mib,
                                   prompt_cache_dir=settings.prompt_cache_dir,
                                   prompt_cache_disk_mib=settings.prompt_cache_disk_mib,
-                                  speculative=settings.speculative != "off", draft_max=settings.draft_max)
+                                  speculative=settings.speculative != "off", draft_max=settings.draft_max,
+                                  replay_tolerance=settings.replay_tolerance)
     if settings.runner_process:
         from ..runner.process import ProcessEngine
 

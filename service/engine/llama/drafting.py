@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 from ..base import GenerationParams
 from ..draft import DraftJob, DraftModelRunner
 from ..mtp import MtpRunner
+from ..replay import TOLERANCE, Replays
 from ..speculation import DRAFT_MIN, POOL_ANSWERS, DraftPolicy, NgramDrafter, NgramPolicy, NgramPool, StepCosts
 
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 class Drafting:
     """One load's drafting: its source, its pool of answers, the step's draft-model jobs."""
 
-    def __init__(self, runner: DraftModelRunner | MtpRunner | None, *, on: bool, draft_max: int) -> None:
+    def __init__(self, runner: DraftModelRunner | MtpRunner | None, *, on: bool, draft_max: int,
+                 replay_tolerance: float = TOLERANCE) -> None:
         self.runner = runner
         self.on = on and draft_max >= DRAFT_MIN
         """Sequences draft (speculation on, a model without recurrent state)."""
@@ -29,6 +31,9 @@ class Drafting:
         """Logits rows beyond one per sequence held for drafts (the plan's ``draft_rows``, reserved at load)."""
         self.answers = NgramPool(POOL_ANSWERS)
         """Finished answers per cache scope, for the n-gram drafts of later requests."""
+        self.replays = Replays(tolerance=replay_tolerance)
+        """Greedy answers by their prompt, per cache scope: a request asked again takes them (``Sequences``), and
+        drafts from them whole (``reserve``), whether or not speculation is on."""
         self.costs = StepCosts()
         """The load's decode time by a step's rows (``BatchStep.run`` records them), which sizes n-gram drafts."""
         self._jobs: list[tuple["Sequence", DraftJob]] = []
@@ -62,6 +67,10 @@ class Drafting:
         once)."""
         assert r.policy is not None and r.slot is not None and r.next_token is not None
         k = min(spare, room, r.max_new_tokens - r.n_out - 1)
+        if r.replay is not None and r.n_out < len(r.replay):
+            # The earlier answer to this prompt, as long as allowed: it is taken to within the rounding.
+            r.draft = r.replay[r.n_out:r.n_out + min(k, self._draft_max)]
+            return len(r.draft)
         if isinstance(r.drafter, NgramDrafter):
             k = min(k, r.policy.draft_max)
             if k < DRAFT_MIN:
@@ -100,12 +109,16 @@ class Drafting:
             mtp.observe(runs, n_rows)
 
     def answer_ended(self, r: "Sequence", tokens: list[int]) -> None:
-        """An answer that ended (not cancelled): into its scope's pool, for later drafts."""
+        """An answer that ended (not cancelled): into its scope's pool, for later drafts, and a greedy one by its
+        prompt, for the same prompt again."""
+        if r.greedy and not r.images:
+            self.replays.add(r.params.cache_scope, r.tokens, r.answer)
         if isinstance(r.drafter, NgramDrafter):
             self.answers.add(r.params.cache_scope, tokens, len(r.tokens))
 
     def forget(self) -> None:
         self.answers.clear()
+        self.replays.clear()
 
     def close(self) -> Any:
         """The draft model or MTP head to close with the load (it holds llama.cpp objects)."""

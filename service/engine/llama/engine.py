@@ -28,6 +28,7 @@ from ..mtp import MtpRunner
 from ..native import cuda_order
 from ..params import repack_of
 from ..prompt_cache import PromptCache, model_fingerprint, plan_budget
+from ..replay import TOLERANCE
 from ..slots import SLOT_PROMPT_SIMILARITY
 from ..speculation import DRAFT_MAX
 from ..vision import ImageChunk
@@ -51,7 +52,11 @@ class _Load:
         self.loaded = loaded
         self.slots = SlotTable(loaded, pcache, cache_prompt=engine._cache_prompt, similarity=engine._similarity,
                                batch_invariant=engine._batch_invariant)
-        self.drafting = Drafting(loaded.runner, on=loaded.drafts, draft_max=engine._draft_max)
+        self.drafting = Drafting(loaded.runner, on=loaded.drafts, draft_max=engine._draft_max,
+                                 replay_tolerance=engine._replay_tolerance)
+        if pcache.directory is not None:  # the greedy answers by prompt, as they were before a restart or reload
+            self.drafting.replays.load(pcache.replays())
+            self.drafting.replays.persist = pcache.put_replays
         self.seqs = Sequences(loaded, self.slots, self.drafting, cache_prompt=engine._cache_prompt)
         self.step = BatchStep(loaded, self.slots, self.seqs, self.drafting, batch_invariant=engine._batch_invariant)
         self.scheduler: Scheduler
@@ -71,7 +76,8 @@ class LlamaEngine:
     def __init__(self, *, n_threads: int | None = None, batch_invariant: bool = False, cache_prompt: bool = True,
                  slot_prompt_similarity: float = SLOT_PROMPT_SIMILARITY, embedding_pooling: str = "mean",
                  prompt_cache_mib: int = 0, prompt_cache_dir: str | None = None,
-                 prompt_cache_disk_mib: int = 0, speculative: bool = True, draft_max: int = DRAFT_MAX) -> None:
+                 prompt_cache_disk_mib: int = 0, speculative: bool = True, draft_max: int = DRAFT_MAX,
+                 replay_tolerance: float = TOLERANCE) -> None:
         """``n_threads``: default the physical cores (``params.physical_cores``), as llama.cpp's tools.
 
         ``cache_prompt``: keep each slot's KV after a request and reuse its common prefix with the next
@@ -96,13 +102,18 @@ class LlamaEngine:
         so few that the step stays a small batch, whose rows ggml-cpu computes as it computes a step of one row:
         ``BatchStep.run``). Drafted rows fit in the logits rows llama.cpp reserves at
         context creation (one per sequence, ``output_reserve(n_seq_max)``) and in the rows the plan adds for them
-        (``ContextConfig.draft_rows``, reserved at load): a step drafts at most the idle slots' rows and those."""
+        (``ContextConfig.draft_rows``, reserved at load): a step drafts at most the idle slots' rows and those.
+
+        ``replay_tolerance``: a greedy request whose prompt was answered before in its cache scope takes that
+        answer's token wherever it is within this many logits of the argmax, and drafts it whole
+        (``service.engine.replay``); 0: off."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._pooling_fallback = embedding_pooling
         self._batch_invariant = batch_invariant
         self._speculative = speculative
         self._draft_max = max(0, draft_max)
+        self._replay_tolerance = max(0.0, replay_tolerance)
         self._cache_prompt = cache_prompt
         self._similarity = slot_prompt_similarity
         self._pc_ceiling = max(0, prompt_cache_mib) * MIB
@@ -336,6 +347,10 @@ class LlamaEngine:
             for i in range(max(1, params.n))
         ]
         current.drafting.assign(reqs, params, images=bool(images))
+        if greedy and not images:
+            earlier = current.drafting.replays.find(params.cache_scope, tokens)
+            for r in reqs:
+                r.replay = earlier
         shifts: list[tuple[int, int]] = []
         total = 0
         for start in sorted(images):

@@ -100,6 +100,11 @@ class Sequence:
     policy: DraftPolicy | None = None
     draft: list[int] = field(default_factory=list)
     """Tokens drafted into this step's batch after ``next_token``, each with its logits row."""
+    replay: list[int] | None = None
+    """A greedy request's earlier answer to the same prompt (``service.engine.replay``): taken where its token is
+    within the rounding of the row's argmax, drafted whole; None once the answer leaves it."""
+    answer: list[int] = field(default_factory=list)
+    """The tokens sent, the end-of-generation token last where it ended the answer (for ``Replays``)."""
     checking: tuple[int, int] = (0, 0)
     """While a draft is verified (``Sequences.verify``): its tokens, and those kept so far, not yet in ``policy``'s
     count; an answer that ends inside it reports them."""

@@ -498,3 +498,34 @@ def test_a_request_whose_rounding_matters_sizes_its_drafts_from_its_tokens_only(
     drafter, calm_greedy = budgets(calm, greedy=True)
     assert drafter.pool is calm.answers
     assert budgets(busy, greedy=True)[1] != calm_greedy  # the control: the measured costs do size a greedy draft
+
+
+@pytest.mark.slow
+def test_a_greedy_request_asked_again_takes_its_earlier_answer_within_the_rounding(engine: LlamaEngine) -> None:
+    """The kept answer's token is taken where it trails the row's argmax by no more than the tolerance, and the
+    argmax stands where it leads by more (``service.engine.replay``): a kept answer with the runner-up put at the
+    first answer's closest place comes back with it; put where the argmax leads by 2 logits more, it does not."""
+    prompt = "The history of the printing press begins"
+    params = replace(GREEDY, max_tokens=24, ignore_eos=True, logprobs=2, cache_prompt=True)
+    key = engine.prompt_tokens(prompt)
+    raw = engine.engine  # the engine's own chunks: token ids and their scores
+    chunks = [c for c in raw.generate(key, params, Cancel()) if c.tokens]
+    tokens = [c.tokens[0] for c in chunks]
+    gaps = [c.scores[0].top[0][1] - c.scores[0].top[1][1] for c in chunks]
+    runner_up = [c.scores[0].top[1][0] for c in chunks]
+    assert [c.scores[0].top[0][0] for c in chunks] == tokens
+    close = min(range(1, len(tokens)), key=gaps.__getitem__)
+    far = next(i for i in range(1, len(tokens)) if gaps[i] > gaps[close] + 2.0)
+    replays = raw._now().drafting.replays
+    was = replays.tolerance
+    replays.tolerance = gaps[close] + 1.0
+    try:
+        for at, taken in ((close, True), (far, False)):
+            replays.add("", key, [*tokens[:at], runner_up[at], *tokens[at + 1:]])
+            again = [c.tokens[0] for c in raw.generate(key, params, Cancel()) if c.tokens]
+            assert again[:at] == tokens[:at]
+            assert again[at] == (runner_up[at] if taken else tokens[at]), (at, gaps[at], replays.tolerance)
+        assert again == tokens  # the argmax stood, and the answer went on as the first
+    finally:
+        replays.tolerance = was
+        replays.clear()
