@@ -51,7 +51,8 @@ class Replays:
     answers: int = ANSWERS
     persist: Callable[[Callable[[], bytes]], None] | None = None
     """Given what to write (run on the prompt cache's writer thread) after every change (``PromptCache.put_replays``)."""
-    _scopes: dict[str, "OrderedDict[str, tuple[int, ...]]"] = field(default_factory=dict)
+    _scopes: dict[str, "OrderedDict[str, array[int]]"] = field(default_factory=dict)
+    """Per scope, by ``prompt_key``, the answer's tokens (4 bytes each: 256 answers of 4,096 tokens are 4 MiB)."""
 
     def find(self, scope: str, prompt: Sequence[int]) -> list[int] | None:
         """The answer last given to ``prompt`` in ``scope`` (its tokens, an end-of-generation token last where it
@@ -71,11 +72,12 @@ class Replays:
         kept = self._scopes.setdefault(scope, OrderedDict())
         key = prompt_key(prompt)
         was = kept.get(key)
+        tokens = array("i", answer)
         # An answer cut shorter (a smaller max_tokens) that agrees with the kept one keeps the longer.
-        if was is not None and tuple(answer) == was[:len(answer)]:
+        if was is not None and tokens == was[:len(tokens)]:
             kept.move_to_end(key)
             return
-        kept[key] = tuple(answer)
+        kept[key] = tokens
         while len(kept) > self.answers:
             kept.popitem(last=False)
         self._changed()
@@ -86,8 +88,9 @@ class Replays:
 
     def _changed(self) -> None:
         if self.persist is not None:
-            snapshot = {scope: list(kept.items()) for scope, kept in self._scopes.items()}
-            self.persist(lambda: json.dumps(snapshot, separators=(",", ":")).encode())
+            snapshot = {scope: list(kept.items()) for scope, kept in self._scopes.items()}  # arrays not changed later
+            self.persist(lambda: json.dumps({scope: [(k, v.tolist()) for k, v in items]
+                                             for scope, items in snapshot.items()}, separators=(",", ":")).encode())
 
     def load(self, payload: bytes | None) -> None:
         """What ``persist`` wrote (checked by its writer: sealed, this model's); a payload of another shape is
@@ -96,9 +99,9 @@ class Replays:
             return
         try:
             data: Any = json.loads(payload)
-            scopes = {str(scope): OrderedDict((str(k), tuple(int(t) for t in v)) for k, v in items)
+            scopes = {str(scope): OrderedDict((str(k), array("i", v)) for k, v in items)
                       for scope, items in data.items()}
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, OverflowError):
             return
         self._scopes = scopes
 
