@@ -108,12 +108,13 @@ class Drafting:
         if mtp is not None:
             mtp.observe(runs, n_rows)
 
-    def answer_ended(self, r: "Sequence", tokens: list[int]) -> None:
-        """An answer that ended (not cancelled): into its scope's pool, for later drafts, and a greedy one by its
-        prompt, for the same prompt again."""
+    def answer_ended(self, r: "Sequence", tokens: list[int], *, whole: bool = True) -> None:
+        """An answer that ended: a greedy one by its prompt, for the same prompt again, even cut short (a stop
+        string seen by the client's side ends it so: what it sent is still the answer's start); a whole one
+        (not cancelled) into its scope's pool, for later drafts."""
         if r.greedy and not r.images:
             self.replays.add(r.params.cache_scope, r.tokens, r.answer)
-        if isinstance(r.drafter, NgramDrafter):
+        if whole and isinstance(r.drafter, NgramDrafter):
             self.answers.add(r.params.cache_scope, tokens, len(r.tokens))
 
     def forget(self) -> None:

@@ -203,8 +203,8 @@ class Sequences:
         followers, r.followers = r.followers, []
         for f in followers:  # choices that never forked (cancelled during the prompt) end with it
             self.finish(f, finish)
-        if finish != "cancelled" and r.slot is not None:
-            self._drafting.answer_ended(r, r.slot.tokens)
+        if r.slot is not None:
+            self._drafting.answer_ended(r, r.slot.tokens, whole=finish != "cancelled")
         self._release(r)
         self._send(r, Chunk(
             finish_reason=finish, prompt_tokens=len(r.tokens), completion_tokens=r.n_out, cached_tokens=r.n_cached,

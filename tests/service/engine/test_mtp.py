@@ -84,7 +84,8 @@ def test_a_head_that_guesses_wrong_changes_no_answer(loaded: tuple[LlamaEngine, 
     real_add = runner._add
     try:
         runner._add = lambda seq, tok, pos, h, *, output: real_add(seq, (tok * 7 + 3) % 512, pos, h, output=output)
-        on = _run(eng.complete("Another text, then", GREEDY, Cancel()))
+        # Another cache scope: in this one the answer just given would be replayed, not guessed by the head.
+        on = _run(eng.complete("Another text, then", replace(GREEDY, cache_scope="wrong-guesses"), Cancel()))
     finally:
         runner._add = real_add  # type: ignore[method-assign]
         runner.p_min = keep

@@ -529,3 +529,25 @@ def test_a_greedy_request_asked_again_takes_its_earlier_answer_within_the_roundi
     finally:
         replays.tolerance = was
         replays.clear()
+
+
+@pytest.mark.slow
+def test_a_greedy_answer_cut_short_by_its_client_is_kept_for_the_same_prompt(engine: LlamaEngine) -> None:
+    """A client that stops reading (a stop string seen on its side, a disconnect) cancels the answer: what was
+    generated is still its start, kept for the same prompt again (``Replays``), the pool's whole answers apart."""
+    import time
+
+    raw = engine.engine
+    key = engine.prompt_tokens("A list of rivers of Europe:")
+    params = replace(GREEDY, max_tokens=32, ignore_eos=True, cache_scope="cut-short")
+    replays = raw._now().drafting.replays
+    whole = [c.tokens[0] for c in raw.generate(key, params, Cancel()) if c.tokens]
+    replays.clear()
+    it = raw.generate(key, params, Cancel())
+    got = [c.tokens[0] for c, _ in zip((c for c in it if c.tokens), range(6))]
+    it.close()  # the client goes: the engine cancels the sequence
+    deadline = time.monotonic() + 10
+    while (kept := replays.find("cut-short", key)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kept is not None and got == whole[:6] and len(kept) >= 6 and kept == whole[:len(kept)]
+    assert len(raw._now().drafting.answers._scopes["cut-short"]) == 1  # the pool: the whole answer only
