@@ -7,8 +7,8 @@ other requests or not (docs/batching.md, "kernel by kernel"). The same request t
 first token where two candidates were within that rounding of each other: asked again and drafted from its first
 answer, the embedded gemma-3-270m answer was cut at a token whose logit the earlier answer's token trailed by
 0.08, 0.13 and 0.17 (bench/speculative_bench.py's prose and code, traced), and of 20 chats sent cold, again,
-streamed, beside others, from host memory and from disk after a restart, 9 gave more than one text
-(bench/repeatability_bench.py, gemma-3-270m and SmolLM2-135M alike; 0 of 20 with the replay).
+streamed, beside others, from host memory and from disk after a restart, 16 gave more than one text on
+gemma-3-270m and 9 on SmolLM2-135M (bench/repeatability_bench.py; 0 of 20 on each with the replay).
 
 ``Replays`` keeps, per cache scope, the last answers of greedy requests by their prompt; a request with the same
 prompt takes the earlier answer's token wherever its logit is within ``TOLERANCE`` of the row's largest (the two

@@ -29,7 +29,7 @@ def test_greedy_text_is_the_same_however_the_request_is_sent(tmp_path: Path, mod
     four other chats took the slots, and after a restart restored from disk (``GGUF_PROMPT_CACHE_DIR``): one text.
     ``batch-invariant``: every row computed as alone; ``default``: the rows round by their batch's shape, and the
     same prompt asked again takes its earlier answer wherever that is within the rounding (``service.engine.replay``;
-    without it, 9 of these 20 had more than one text, bench/repeatability_bench.py)."""
+    without it, 16 of these 20 had more than one text, bench/repeatability_bench.py)."""
     models = tmp_path / "models"
     models.mkdir()
     env = {"GGUF_MODELS_DIR": str(models), "GGUF_CONFIRM_LOADS": "false",
