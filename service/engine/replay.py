@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,40 +54,46 @@ class Replays:
     """Given what to write (run on the prompt cache's writer thread) after every change (``PromptCache.put_replays``)."""
     _scopes: dict[str, "OrderedDict[str, array[int]]"] = field(default_factory=dict)
     """Per scope, by ``prompt_key``, the answer's tokens (4 bytes each: 256 answers of 4,096 tokens are 4 MiB)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Requests find on their own threads while the scheduler's thread adds (``LlamaEngine.generate``)."""
 
     def find(self, scope: str, prompt: Sequence[int]) -> list[int] | None:
         """The answer last given to ``prompt`` in ``scope`` (its tokens, an end-of-generation token last where it
         ended so), or None."""
-        kept = self._scopes.get(scope)
-        if kept is None or self.tolerance <= 0:
+        if self.tolerance <= 0:
             return None
         key = prompt_key(prompt)
-        if key not in kept:
-            return None
-        kept.move_to_end(key)
-        return list(kept[key])
+        with self._lock:
+            kept = self._scopes.get(scope)
+            if kept is None or key not in kept:
+                return None
+            kept.move_to_end(key)
+            return kept[key].tolist()
 
     def add(self, scope: str, prompt: Sequence[int], answer: Sequence[int]) -> None:
         if self.answers <= 0 or self.tolerance <= 0 or not prompt or not answer:
             return
-        kept = self._scopes.setdefault(scope, OrderedDict())
         key = prompt_key(prompt)
-        was = kept.get(key)
         tokens = array("i", answer)
-        # An answer cut shorter (a smaller max_tokens) that agrees with the kept one keeps the longer.
-        if was is not None and tokens == was[:len(tokens)]:
-            kept.move_to_end(key)
-            return
-        kept[key] = tokens
-        while len(kept) > self.answers:
-            kept.popitem(last=False)
-        self._changed()
+        with self._lock:
+            kept = self._scopes.setdefault(scope, OrderedDict())
+            was = kept.get(key)
+            # An answer cut shorter (a smaller max_tokens) that agrees with the kept one keeps the longer.
+            if was is not None and tokens == was[:len(tokens)]:
+                kept.move_to_end(key)
+                return
+            kept[key] = tokens
+            while len(kept) > self.answers:
+                kept.popitem(last=False)
+            self._changed()
 
     def clear(self) -> None:
-        self._scopes.clear()
-        self._changed()
+        with self._lock:
+            self._scopes.clear()
+            self._changed()
 
     def _changed(self) -> None:
+        """Called with ``_lock`` held."""
         if self.persist is not None:
             snapshot = {scope: list(kept.items()) for scope, kept in self._scopes.items()}  # arrays not changed later
             self.persist(lambda: json.dumps({scope: [(k, v.tolist()) for k, v in items]
@@ -103,7 +110,8 @@ class Replays:
                       for scope, items in data.items()}
         except (ValueError, TypeError, AttributeError, OverflowError):
             return
-        self._scopes = scopes
+        with self._lock:
+            self._scopes = scopes
 
 
 def prefer(row: Any, chosen: int, earlier: int, tolerance: float = TOLERANCE) -> int:
