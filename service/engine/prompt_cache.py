@@ -553,12 +553,7 @@ class PromptCache:
         path = self.directory / REPLAYS_FILE
         payload = make()
         try:
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(REPLAYS_MAGIC + self._replays_seal(payload) + payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            _write_whole(path, REPLAYS_MAGIC + self._replays_seal(payload), payload)
         except OSError as exc:
             log.warning("prompt cache: could not write %s: %s", path, exc)
 
@@ -638,18 +633,10 @@ class PromptCache:
         assert self.directory is not None
         name = hashlib.blake2b(e.scope.encode() + array("i", e.tokens).tobytes(), digest_size=16).hexdigest()
         path = self.directory / (name + SUFFIX)
-        tmp = path.with_name(path.name + ".tmp")
         head = self._header(e, hashlib.sha256(state).hexdigest(), checkpoint)
         tokens = array("i", e.tokens).tobytes()
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + self._seal(head, tokens) + head)
-            f.write(tokens)
-            f.write(state)
-            if checkpoint is not None:
-                f.write(checkpoint.state)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write_whole(path, MAGIC + self._seal(head, tokens) + head, tokens, state,
+                     checkpoint.state if checkpoint is not None else b"")
         return path
 
     def _fit_disk(self) -> None:
@@ -789,6 +776,18 @@ class PromptCache:
             self.stats.rejected += 1
             log.warning("prompt cache: ignored the checkpoint in %s (%s)", e.path, _why(exc))
             return None
+
+
+def _write_whole(path: Path, *parts: bytes | bytearray) -> None:
+    """``parts`` into ``path`` whole or not at all: a temporary file beside it (``<name>.tmp``, which
+    ``open_disk`` removes where a write did not finish), fsynced, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for part in parts:
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _on_file(e: Entry) -> Checkpoint | None:
