@@ -55,7 +55,8 @@ class Replays:
     _scopes: dict[str, "OrderedDict[str, array[int]]"] = field(default_factory=dict)
     """Per scope, by ``prompt_key``, the answer's tokens (4 bytes each: 256 answers of 4,096 tokens are 4 MiB)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    """Requests find on their own threads while the scheduler's thread adds (``LlamaEngine.generate``)."""
+    """Requests find on their own threads while the scheduler's thread adds (``LlamaEngine.generate``) and the
+    prompt cache's writer reads them (``_payload``); taken before the cache's own lock, never while holding it."""
 
     def find(self, scope: str, prompt: Sequence[int]) -> list[int] | None:
         """The answer last given to ``prompt`` in ``scope`` (its tokens, an end-of-generation token last where it
@@ -93,11 +94,17 @@ class Replays:
             self._changed()
 
     def _changed(self) -> None:
-        """Called with ``_lock`` held."""
         if self.persist is not None:
+            self.persist(self._payload)
+
+    def _payload(self) -> bytes:
+        """What ``persist`` writes, as the answers are when it runs: on the prompt cache's writer thread, once for
+        all the changes queued meanwhile (``PromptCache.put_replays``), not on the scheduler's at every answer.
+        The writer holds none of the cache's locks while it runs this."""
+        with self._lock:
             snapshot = {scope: list(kept.items()) for scope, kept in self._scopes.items()}  # arrays not changed later
-            self.persist(lambda: json.dumps({scope: [(k, v.tolist()) for k, v in items]
-                                             for scope, items in snapshot.items()}, separators=(",", ":")).encode())
+        return json.dumps({scope: [(k, v.tolist()) for k, v in items] for scope, items in snapshot.items()},
+                          separators=(",", ":")).encode()
 
     def load(self, payload: bytes | None) -> None:
         """What ``persist`` wrote (checked by its writer: sealed, this model's); a payload of another shape is
