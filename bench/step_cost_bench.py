@@ -1,6 +1,6 @@
 """A decode step's time by the rows in its batch: what a drafted token's row costs on this host (issue 55).
 
-    .venv/bin/python bench/step_cost_bench.py [--model PATH] [--rounds 3] [--rows 1,2,3,4,8,16,32,48,64]
+    .venv/bin/python bench/step_cost_bench.py [--model PATH] [--rounds 3] [--rows 1,2,3,4,8,16,32,48,64] [--no-repack]
 
 The model (default: the embedded one) is loaded through llama-cpp-python alone, with the service's CPU defaults
 (2 threads, flash attention, n_ubatch 512: ``service.engine.cpu_speed.Scratch``), a 1,000-token context in its KV cache; each step decodes that many
@@ -28,10 +28,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default="1,2,3,4,8,16,32,48,64")
+    ap.add_argument("--no-repack", action="store_true", help="the weights as the file has them (GGUF_CPU_REPACK=off)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     path = args.model or str(embedded_model_path())
-    scratch = Scratch(path, 2, n_ctx=4096)
+    scratch = Scratch(path, 2, n_ctx=4096, repack=not args.no_repack)
     context = [100 + (i * 7) % 5000 for i in range(1000)]
     scratch.decode(context[:500], 0)
     scratch.decode(context[500:], 500)

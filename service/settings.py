@@ -203,7 +203,8 @@ class Settings(BaseSettings):
         "one by up to 0.78 on the CPU), and drafts the answer whole. 0: off, every token the row's argmax.",
     )
     draft_max: int = Field(
-        64, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). "
+        63, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). 63: "
+        "with the sequence's next token a step of 64 rows, which ggml-cpu computes faster than 65 (docs/batching.md). "
         "The plan holds this many logits rows for drafts in host memory (n_vocab x 4 bytes each: 1 MiB for "
         "gemma-3's vocabulary) beside one per slot; drafts also use idle slots' rows.",
     )

@@ -159,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="tokens of the /v1/embeddings context (default 512, the service's; 0: none)")
     pl.add_argument("--embedding-gpu", action="store_true",
                     help="size the embedding context on GPU plans too (the service's GGUF_EMBEDDINGS=on)")
-    pl.add_argument("--draft-rows", type=int, default=64,
-                    help="logits rows for self-speculation's drafts (default 64, the service's GGUF_DRAFT_MAX with "
+    pl.add_argument("--draft-rows", type=int, default=63,
+                    help="logits rows for self-speculation's drafts (default 63, the service's GGUF_DRAFT_MAX with "
                     "GGUF_SPECULATIVE=ngram; 0: none)")
     pl.add_argument("--draft-model", metavar="PATH_OR_URL", help="a draft model for speculative decoding, sized beside "
                     "the model (whole on the card of its output layer, or the host; the same context)")

@@ -35,12 +35,17 @@ CHAIN_MAX = 8
 """The places of one key compared, latest first (``_Index.best``): on a text of few words a 2-token key's latest
 place agrees on 2 or 3 tokens where an earlier one agrees on 5."""
 MATCH_MAX = 64
-"""The longest agreement measured: as long as any draft (``GGUF_DRAFT_MAX`` 64, as llama-server's ngram-mod's)."""
-DRAFT_MAX = 64
+"""The longest agreement measured: as long as any draft (``GGUF_DRAFT_MAX``, 63 by default)."""
+DRAFT_MAX = 63
 """The most tokens drafted for one sequence in one step (``GGUF_DRAFT_MAX``; llama-server's ngram-mod drafts up to
 64, its ngram-simple 48). On the CPU a row costs less the more rows a step holds (``STEP_COST_PRIOR``: 48 rows
-13.9 one-row steps, 64 rows 16.7): a copy drafted whole from an earlier answer comes 10% faster in 64-token drafts
-than in 48 (simulated on bench/speculative_bench.py's answers; measured figures in docs/benchmarks.md)."""
+13.9 one-row steps, 64 rows 16.7): a copy drafted whole from an earlier answer comes 10% faster in 64-row steps
+than in 48 (simulated on bench/speculative_bench.py's answers; measured figures in docs/benchmarks.md). 63, not
+64: a whole draft and the sequence's next token make a step of 64 rows, a multiple of the blocks ggml-cpu takes
+rows in (4 in the matrix products of repacked weights, ggml-cpu/repack.cpp ``forward_mul_mat_one_chunk``, which
+takes the rows beyond a multiple of 4 one by one, each a pass over the weights; 16 in the others' chunks). On
+the 2-core AVX2 host, gemma-3-270m, interleaved: 64 rows 431 ms, 65 rows 497 (6.7 against 7.6 ms a token); 60
+rows 433, 63 rows 466, 68 rows 457 (bench/step_cost_bench.py --rows 60,63,64,65,68)."""
 DRAFT_MIN = 1
 """Fewer tokens than this are not worth a draft."""
 DRAFT_START = 4
