@@ -94,6 +94,7 @@ class Replays:
             self._changed()
 
     def _changed(self) -> None:
+        """Called with ``_lock`` held: ``persist`` only queues ``_payload``, which takes the lock on the writer."""
         if self.persist is not None:
             self.persist(self._payload)
 

@@ -45,7 +45,7 @@ than in 48 (simulated on bench/speculative_bench.py's answers; measured figures 
 rows in (4 in the matrix products of repacked weights, ggml-cpu/repack.cpp ``forward_mul_mat_one_chunk``, which
 takes the rows beyond a multiple of 4 one by one, each a pass over the weights; 16 in the others' chunks). On
 the 2-core AVX2 host, gemma-3-270m, interleaved: 64 rows 431 ms, 65 rows 497 (6.7 against 7.6 ms a token); 60
-rows 433, 63 rows 466, 68 rows 457 (bench/step_cost_bench.py --rows 60,63,64,65,68)."""
+rows 433, 63 rows 466, 68 rows 457 (bench/step_cost_bench.py --rows 60,63,64,65,68 --rounds 6)."""
 DRAFT_MIN = 1
 """Fewer tokens than this are not worth a draft."""
 DRAFT_START = 4

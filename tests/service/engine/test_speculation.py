@@ -551,3 +551,18 @@ def test_a_greedy_answer_cut_short_by_its_client_is_kept_for_the_same_prompt(eng
         time.sleep(0.05)
     assert kept is not None and got == whole[:6] and len(kept) >= 6 and kept == whole[:len(kept)]
     assert len(raw._now().drafting.answers._scopes["cut-short"]) == 1  # the pool: the whole answer only
+
+
+def test_the_draft_max_default_is_one_number_in_the_settings_the_engine_and_the_sizing_cli(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GGUF_DRAFT_MAX``'s default, the engine's (``DRAFT_MAX``) and ``python -m sizing plan --draft-rows``'s are
+    written apart (the sizing package does not import the service, nor the settings the engine): a plan that holds
+    other logits rows than the service drafts into would be sized for another step."""
+    import sizing.__main__ as cli
+    from service.engine.speculation import DRAFT_MAX
+    from service.settings import Settings
+
+    seen: list[int] = []
+    monkeypatch.setattr(cli, "_plan", lambda args: seen.append(args.draft_rows) or 0)
+    assert cli.main(["plan", "model.gguf"]) == 0
+    assert Settings.model_fields["draft_max"].default == DRAFT_MAX == seen[0]
