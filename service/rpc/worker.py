@@ -133,7 +133,7 @@ def cut_reason(*, connected_s: float, idle_s: float, answered: bool, unread_byte
             return f"no HELLO within {hello_timeout_s:g} s"
         return None
     if idle_timeout_s > 0 and idle_s >= idle_timeout_s:
-        return f"idle for {idle_s:.0f} s (--idle-timeout-s {idle_timeout_s:g})"
+        return f"idle for {idle_s:.1f} s (--idle-timeout-s {idle_timeout_s:g})"
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -184,7 +185,9 @@ def test_a_silent_client_is_cut_whatever_it_sent_and_what_it_held_is_freed() -> 
     peer = {s: "127.0.0.1:%d" % s.getsockname()[1] for s in (nothing, half_hello, holder, half_command)}
     assert after["connection"]["cut_connections"] == 4
     assert "no HELLO within 1 s" in reasons[peer[nothing]] and "no HELLO" in reasons[peer[half_hello]]
-    assert "idle for 2 s" in reasons[peer[holder]] and "idle for 2 s" in reasons[peer[half_command]]
+    for sock in (holder, half_command):  # cut by the idle bound, never before it (how late depends on the load)
+        idle_s = re.search(r"idle for ([0-9.]+) s \(--idle-timeout-s 2\)", reasons[peer[sock]])
+        assert idle_s and float(idle_s.group(1)) >= 2, reasons[peer[sock]]
     for sock in (nothing, half_hello, holder, half_command):
         sock.close()
 
@@ -259,7 +262,7 @@ def test_the_cut_rule() -> None:
     assert rule(connected_s=10, idle_s=10, answered=False) == "no HELLO within 10 s"
     assert rule(connected_s=600, idle_s=600, answered=False, unread_bytes=1) is None
     assert rule(connected_s=600, idle_s=119.9) is None
-    assert rule(connected_s=600, idle_s=120) == "idle for 120 s (--idle-timeout-s 120)"
+    assert rule(connected_s=600, idle_s=120) == "idle for 120.0 s (--idle-timeout-s 120)"
     assert rule(connected_s=600, idle_s=600, unread_bytes=9) is None
     assert rule(connected_s=600, idle_s=600, idle_timeout_s=0) is None
     assert rule(connected_s=600, idle_s=600, answered=False, hello_timeout_s=0, idle_timeout_s=0) is None
