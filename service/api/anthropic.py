@@ -356,7 +356,7 @@ async def _stream(request: Request, started: Started, mid: str) -> AsyncIterator
         yield _event("ping", {"type": "ping"})
         async for c in started.results:
             if c.text or c.logprobs:
-                timer.tick()
+                timer.tick(len(c.tokens))
             for e in started.choices.feed(c):
                 answer.add(e)
                 for data in on(e):

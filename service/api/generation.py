@@ -90,13 +90,17 @@ class Timer:
         self.last = t0
         self.first = True
 
-    def tick(self) -> None:
+    def tick(self, tokens: int = 1) -> None:
+        """A chunk of ``tokens`` tokens came (a drafted step's together): the first waited since the last, the
+        others none."""
         now = time.perf_counter()
         if self.first:
             self.metrics.first_token(now - self.last, self.model)
             self.first = False
         else:
             self.metrics.token(now - self.last, self.model)
+        for _ in range(tokens - 1):
+            self.metrics.token(0.0, self.model)
         self.last = now
 
     def generation(self, last: Chunk, index: int = 0) -> None:
@@ -354,7 +358,7 @@ async def collect(request: Request, metrics: Metrics, started: Started) -> dict[
     try:
         async for c in started.results:
             if c.text or c.logprobs:
-                started.timer.tick()
+                started.timer.tick(len(c.tokens))
             for e in started.choices.feed(c):
                 answers.setdefault(e.index, Answer()).add(e)
     except ServiceError as exc:

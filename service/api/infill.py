@@ -146,7 +146,7 @@ async def _stream(request: Request, started: Started) -> AsyncIterator[bytes]:
     try:
         async for c in started.results:
             if c.text:
-                started.timer.tick()
+                started.timer.tick(len(c.tokens))
             for e in started.choices.feed(c):
                 answer.add(e)
                 if e.kind == "content" and e.text:

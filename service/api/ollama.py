@@ -405,7 +405,7 @@ async def _stream(request: Request, manager: ModelManager, started: Started, kin
     try:
         async for c in started.results:
             if c.text or c.logprobs:
-                timer.tick()
+                timer.tick(len(c.tokens))
             for e in started.choices.feed(c):
                 answer.add(e)
                 data = piece(e)

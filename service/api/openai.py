@@ -168,7 +168,7 @@ async def _stream(request: Request, started: Started, rid: str, created: int, in
                             "finish_reason": None})
         async for c in started.results:
             if c.text or c.logprobs:
-                timer.tick()
+                timer.tick(len(c.tokens))
             for e in started.choices.feed(c):
                 answers.setdefault(e.index, Answer()).add(e)
                 data = event(e)

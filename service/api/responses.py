@@ -636,7 +636,7 @@ async def _stream(request: Request, started: Started, conv: Conversation, out: O
         yield events.event("response.in_progress", response=out.object("in_progress"))
         async for c in started.results:
             if c.text or c.logprobs:
-                timer.tick()
+                timer.tick(len(c.tokens))
             for e in started.choices.feed(c):
                 answer.add(e)
                 for data in events.on(e):

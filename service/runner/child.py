@@ -20,7 +20,8 @@ style of vLLM's engine-core client and Ollama's runner (the house style's proces
 Calls and generations run on a thread pool; a generation's chunks are handed over by the engine's scheduler thread
 as it makes them (``base.direct_delivery``), and the scheduler writes a step's chunks of every slot in one message
 before its next ``llama_decode`` (``Child._flush_step``): crossing the process costs one pickle and one write per
-step, and no other thread of the runner wakes for it. A sender thread writes the rest (calls' answers, ends).
+step, and no other thread of the runner wakes for it. A slot's tokens of one step (a drafted step's, up to
+``GGUF_DRAFT_MAX`` + 1) travel as one chunk (``base.joined``), which the API process turns into one text chunk. A sender thread writes the rest (calls' answers, ends).
 Errors cross as the service's own (``ServiceError``); anything else becomes an ``EngineFailure`` naming it. When
 the parent goes away (its end of the socket closes: it exited or was killed) the child exits at once, so a runner
 never outlives its server.
@@ -39,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..engine.base import Cancel, Chunk, direct_delivery
+from ..engine.base import Cancel, Chunk, direct_delivery, joined, one_step
 from ..errors import EngineFailure, ServiceError
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,23 @@ def portable(exc: BaseException) -> ServiceError:
             pass
     err = EngineFailure(f"{type(exc).__name__}: {exc}")
     return err
+
+
+def one_per_step(msgs: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """A step's messages with each generation's run of token chunks as one (``base.one_step``), in order."""
+    out: list[tuple[Any, ...]] = []
+    run: list[Chunk] = []
+    for m in msgs:
+        if run and m[0] == "chunk" and m[1] == out[-1][1] and one_step(run[-1], m[2]):
+            run.append(m[2])
+            continue
+        if len(run) > 1:
+            out[-1] = ("chunk", out[-1][1], joined(run))
+        out.append(m)
+        run = [m[2]] if m[0] == "chunk" else []
+    if len(run) > 1:
+        out[-1] = ("chunk", out[-1][1], joined(run))
+    return out
 
 
 class Child:
@@ -102,7 +120,7 @@ class Child:
         with self._step_lock:
             msgs, self._step = self._step, []
             if msgs:
-                self._write_all(msgs)
+                self._write_all(one_per_step(msgs))
 
     def _write_all(self, msgs: list[tuple[Any, ...]]) -> None:
         """``msgs`` in one message, in order."""

@@ -4,7 +4,10 @@ probabilities spelt, the final chunk's reason.
 The engine sends the tokens it sampled (``Chunk.tokens``, their ``scores``) and a final chunk per choice. Here each
 token's text is added to the choice's text (an incremental decoder: a character split over two tokens waits for the
 second), and what may be the start of a stop string is held back until the next token says whether it is
-(``stops.split_stop``, llama-server's ``find_stopping_strings`` with partial matches). A stop string found ends
+(``stops.split_stop``, llama-server's ``find_stopping_strings`` with partial matches). The tokens of one engine
+chunk (a drafted step's, up to 64) go out as one text chunk, with the ids and log probabilities of its text: one
+event a step, as vLLM streams, instead of one a token (each costs the API process its encoding and write, on
+the cores that compute the next step). A stop string found ends
 the choice: the text before it goes out, the engine is told (``Cancel.end``: it stops that choice at its next step,
 and its final chunk, ``cancelled``, becomes ``stop`` here with the stop string and the tokens up to it); what the
 engine sampled meanwhile is dropped.
@@ -24,7 +27,10 @@ from .stops import first_stop, split_stop
 class _Choice:
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     pending: str = ""
+    """Text held back: a character's first bytes, what may begin a stop string."""
     pending_lp: list[TokenLogprob] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
+    """The tokens of the text not sent yet, and their log probabilities."""
     n_tokens: int = 0
     stop_sequence: str | None = None
 
@@ -41,23 +47,38 @@ class TextStream:
         self._choices: dict[int, _Choice] = {}
 
     def feed(self, chunk: Chunk) -> list[Chunk]:
+        """The text of ``chunk``'s tokens as one chunk (a drafted step's tokens, one event), and the choice's end."""
         st = self._choices.get(chunk.index)
         if st is None:
             st = self._choices[chunk.index] = _Choice()
         out: list[Chunk] = []
-        if st.stop_sequence is None:
+        if st.stop_sequence is None and chunk.tokens:
+            text: list[str] = []
+            sent_ids = sent_lp = 0  # of the pending tokens, those whose text is in ``text``
             for i, tok in enumerate(chunk.tokens):
                 score = chunk.scores[i] if i < len(chunk.scores) else None
-                if self._token(st, tok, score, chunk.index, out):
+                emit, stopped = self._token(st, tok, score)
+                if emit:
+                    text.append(emit)
+                    sent_ids, sent_lp = len(st.pending_ids), len(st.pending_lp)
+                if stopped:
                     break
+            if text:
+                out.append(Chunk(text="".join(text), tokens=tuple(st.pending_ids[:sent_ids]),
+                                 logprobs=tuple(st.pending_lp[:sent_lp]), index=chunk.index))
+                del st.pending_ids[:sent_ids], st.pending_lp[:sent_lp]
+            if st.stop_sequence is not None:
+                self._cancel.end(chunk.index)
         if chunk.finish_reason is not None:
             out += self._end(st, chunk)
         return out
 
-    def _token(self, st: _Choice, tok: int, score: TokenScore | None, index: int, out: list[Chunk]) -> bool:
-        """One token of a choice: its text, held back or sent; True when it completed a stop string."""
+    def _token(self, st: _Choice, tok: int, score: TokenScore | None) -> tuple[str, bool]:
+        """One token of a choice: the text it lets go out (none while held back), and whether it completed a stop
+        string."""
         st.n_tokens += 1
         piece = self._bytes(tok)
+        st.pending_ids.append(tok)
         if score is not None:
             st.pending_lp.append(self._spelt(piece, score))
         st.pending += st.decoder.decode(piece)
@@ -69,12 +90,7 @@ class TextStream:
                 st.stop_sequence = first_stop(text, self._stops)
         else:
             emit, st.pending = st.pending, ""
-        if emit:
-            out.append(Chunk(text=emit, logprobs=tuple(st.pending_lp), index=index))
-            st.pending_lp = []
-        if stopped:
-            self._cancel.end(index)
-        return stopped
+        return emit, stopped
 
     def _spelt(self, piece: bytes, score: TokenScore) -> TokenLogprob:
         top = tuple((self._bytes(t).decode("utf-8", "replace"), lp) for t, lp in score.top)
@@ -86,7 +102,7 @@ class TextStream:
             return [replace(last, finish_reason="stop", stop_sequence=st.stop_sequence, completion_tokens=st.n_tokens,
                             tokens=(), scores=())]
         st.pending += st.decoder.decode(b"", final=True)
-        rest, lps = st.pending, st.pending_lp
-        st.pending, st.pending_lp = "", []
+        rest, lps, ids = st.pending, st.pending_lp, st.pending_ids
+        st.pending, st.pending_lp, st.pending_ids = "", [], []
         end = replace(last, tokens=(), scores=())
-        return [Chunk(text=rest, logprobs=tuple(lps), index=last.index), end] if rest or lps else [end]
+        return [Chunk(text=rest, tokens=tuple(ids), logprobs=tuple(lps), index=last.index), end] if rest or lps else [end]

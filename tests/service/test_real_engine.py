@@ -145,6 +145,32 @@ def test_drafted_tokens_are_in_the_usage_and_the_metrics(served):  # type: ignor
     assert value(served.client.get("/metrics").text, "gguf_draft_tokens_total", model=EMBEDDED_NAME) >= kept
 
 
+def test_a_drafted_step_streams_as_one_event_with_every_token_counted(served):  # type: ignore[no-untyped-def]
+    """A step's kept drafts go out as one event (a delta of several tokens, as vLLM streams a step), the same text
+    as the answer not streamed, one log probability per token, and each token in the latency histogram."""
+    text = ("The keeper of the lighthouse wrote in his log every evening: the wind, the height of the waves, the "
+            "ships that passed and the birds that rested on the gallery.")
+    prompt = f"Original text:\n{text}\n\nThe same text, copied exactly:\n{text[:30]}"
+    body = {"model": EMBEDDED_NAME, "prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": 1}
+    whole = served.client.post("/v1/completions", json=body).json()
+
+    def latencies() -> float:
+        return value(served.client.get("/metrics").text, "gguf_token_latency_seconds_count", model=EMBEDDED_NAME)
+
+    before = latencies()
+    with served.client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(e) for e in _events(r) if e != "[DONE]"]
+    texts = [c["text"] for e in events for c in e["choices"] if c["text"]]
+    tokens = [t for e in events for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+    n = events[-1]["usage"]["completion_tokens"]
+    kept = events[-1]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+    assert n == whole["usage"]["completion_tokens"] == len(tokens) and kept > 0
+    assert "".join(texts) == whole["choices"][0]["text"] == "".join(tokens)
+    assert len(texts) <= n - kept  # at most one event a step: the kept drafts came with the steps that drafted them
+    assert latencies() - before == n - 1
+
+
 def test_metrics_show_allocated_beside_predicted(served):  # type: ignore[no-untyped-def]
     served.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     text = served.client.get("/metrics").text

@@ -14,7 +14,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
-from service.engine.base import Cancel, Chunk, GenerationParams, current_delivery
+from service.engine.base import Cancel, Chunk, GenerationParams, TokenScore, current_delivery
 from service.runner.child import Child
 from service.errors import EngineFailure, NotReady
 
@@ -94,3 +94,24 @@ def test_a_delivered_error_and_a_raised_one_keep_their_place() -> None:
     got = _generation([Chunk(text="a"), Chunk(text="b")], flush=False, raises=RuntimeError("boom"))
     assert [m[0] for _, m in got] == ["chunk", "chunk", "err", "end"]
     assert isinstance(got[2][1][2], EngineFailure) and "RuntimeError: boom" in str(got[2][1][2])
+
+
+def test_a_steps_tokens_of_one_choice_go_out_as_one_chunk_and_nothing_else_is_joined() -> None:
+    """A drafted step delivers a chunk per token; they cross the process as one, in order (``one_per_step``). Not
+    joined: another choice's tokens, a chunk with text or a reason, tokens past an error, scored with unscored."""
+    score = TokenScore(7, -0.5)
+    items: list[Any] = [Chunk(tokens=(5,)), Chunk(tokens=(6,)), Chunk(tokens=(7, 8)),
+                        Chunk(tokens=(9,), index=1), Chunk(tokens=(10,), index=1),
+                        Chunk(tokens=(11,)), Chunk(tokens=(12,), scores=(score,)),
+                        NotReady("gone"), Chunk(tokens=(13,)), Chunk(finish_reason="length", completion_tokens=9)]
+    got = [m for _, m in _generation(items)]
+    assert [m[0] for m in got] == ["chunk"] * 4 + ["err", "chunk", "chunk", "end"]
+    assert [(m[2].tokens, m[2].scores, m[2].index) for m in got[:4]] == [
+        ((5, 6, 7, 8), (), 0), ((9, 10), (), 1), ((11,), (), 0), ((12,), (score,), 0)]
+    assert got[5][2] == Chunk(tokens=(13,)) and got[6][2] == items[-1]
+
+
+def test_a_steps_joined_chunk_keeps_every_score_beside_its_token() -> None:
+    scores = [TokenScore(t, -t / 10, ((t, -t / 10), (t + 1, -3.0))) for t in (3, 4, 5)]
+    got = [m for _, m in _generation([Chunk(tokens=(s.token,), scores=(s,)) for s in scores])]
+    assert got[0] == ("chunk", 1, Chunk(tokens=(3, 4, 5), scores=tuple(scores))) and got[1] == ("end", 1)
