@@ -264,8 +264,6 @@ def one_step(a: Chunk, b: Chunk) -> bool:
 
 def joined(chunks: list[Chunk]) -> Chunk:
     """Chunks that ``one_step`` joins, as one: their tokens and scores in order."""
-    if len(chunks) == 1:
-        return chunks[0]
     return Chunk(tokens=tuple(t for c in chunks for t in c.tokens), scores=tuple(s for c in chunks for s in c.scores),
                  index=chunks[0].index)
 

@@ -21,7 +21,8 @@ Calls and generations run on a thread pool; a generation's chunks are handed ove
 as it makes them (``base.direct_delivery``), and the scheduler writes a step's chunks of every slot in one message
 before its next ``llama_decode`` (``Child._flush_step``): crossing the process costs one pickle and one write per
 step, and no other thread of the runner wakes for it. A slot's tokens of one step (a drafted step's, up to
-``GGUF_DRAFT_MAX`` + 1) travel as one chunk (``base.joined``), which the API process turns into one text chunk. A sender thread writes the rest (calls' answers, ends).
+``GGUF_DRAFT_MAX`` + 1) travel as one chunk (``one_per_step``), which the API process turns into one text chunk.
+A sender thread writes the rest (calls' answers, ends).
 Errors cross as the service's own (``ServiceError``); anything else becomes an ``EngineFailure`` naming it. When
 the parent goes away (its end of the socket closes: it exited or was killed) the child exits at once, so a runner
 never outlives its server.
