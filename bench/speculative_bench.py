@@ -3,6 +3,7 @@ modes.
 
     python bench/speculative_bench.py [--rounds 3] [--tokens 192] [--peers ngram-mod,ngram-simple]
                                       [--workloads copy,vocab,...] [--no-llama-server] [--draft-max N]
+                                      [--fresh-seeds]
                                       [--versus GGUF_NAME=VALUE]
                                       [--model PATH] [--draft-model PATH]
 
@@ -23,9 +24,14 @@ Workloads, the copy-heavy ones greedy and sampled (``NAME-s``, temperature 0.7, 
 - ``csv``: a sales table of a few regions and products to copy;
 - ``events``: a JSON array of log events with three keys of few values to copy;
 - ``prose``: a paragraph of natural prose to copy word for word;
-- ``plain``: free text on a topic, sampled (temperature 1, a fixed seed: the same text on both of the service's
-  sides), which repeats little: what drafting costs where it does not help. Greedy, the embedded base model
-  soon repeats its own sentences, which drafting then copies.
+- ``plain``: free text on a topic, sampled (temperature 1, a seed never used before each time: the same seed asked
+  again would be drafted whole from its earlier answer, ``service.engine.replay``), which repeats little: what
+  drafting costs where it does not help. Greedy, the embedded base model soon repeats its own sentences, which
+  drafting then copies.
+
+The copy-heavy texts are asked again with the same seed (3), as a client retrying a request does; with
+``--fresh-seeds`` each sampled one has a seed never used before (a first ask: the service has no earlier answer
+to replay, and neither server's pool holds this draw's answer).
 
 With ``--draft-model`` the drafts come from that model on both servers instead (the service's
 ``GGUF_DRAFT_MODEL``, llama-server's ``-md`` with ``--spec-type draft-simple``, which it needs for a draft
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import random
@@ -137,10 +144,11 @@ WORKLOADS: dict[str, tuple[str, float]] = {
 """Each workload's prompt and temperature (0: greedy)."""
 
 
-def _run(url: str, prompt: str, tokens: int, extra: dict[str, Any], temperature: float) -> tuple[float, int, int]:
+def _run(url: str, prompt: str, tokens: int, extra: dict[str, Any], temperature: float,
+         seed: int = 3) -> tuple[float, int, int]:
     """One streamed completion: decode tokens/s (first token to last), drafted and kept tokens (0, 0 where the
     server does not say)."""
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": temperature, "seed": 3, "top_p": 1.0,
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": temperature, "seed": seed, "top_p": 1.0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": False, **extra}
     if temperature:
@@ -187,6 +195,9 @@ def main() -> None:
                     help=f"the workloads to run (comma-separated; default all: {', '.join(WORKLOADS)})")
     ap.add_argument("--draft-max", type=int, default=None, help="GGUF_DRAFT_MAX for the service (default its own)")
     ap.add_argument("--draft-model", default=None, help="a draft model's file (bench/make_draft.py writes one)")
+    ap.add_argument("--fresh-seeds", action="store_true",
+                    help="every sampled request with a seed never used before (a first ask: nothing to replay, no "
+                    "earlier answer in a pool) instead of the same seed each round")
     ap.add_argument("--versus", action="append", default=[], metavar="GGUF_NAME=VALUE",
                     help="a second service with these settings beside the first, as a side of its own ('versus'; "
                     "repeat for several): a default's effect, paired and interleaved in one run")
@@ -197,7 +208,7 @@ def main() -> None:
     model = args.model or embedded_model_path()
     load_before = os.getloadavg()
     with contextlib.ExitStack() as stack:
-        sides: dict[str, Callable[[str, float], tuple[float, int, int]]] = {}
+        sides: dict[str, Callable[[str, float, int], tuple[float, int, int]]] = {}
         settings = {"GGUF_DRAFT_MAX": str(args.draft_max)} if args.draft_max else {}
         beside: tuple[str, ...] = ()
         peers: dict[str, tuple[str, ...]] = {f"{PEER} {t}": ("--spec-type", t) for t in args.peers.split(",") if t}
@@ -206,29 +217,36 @@ def main() -> None:
             peers = {f"{PEER} draft-simple": ("-md", args.draft_model, "--spec-type", "draft-simple")}
             settings["GGUF_DRAFT_MODEL"] = Path(args.draft_model).stem
         url = stack.enter_context(run_service(model, beside=beside, **settings))
-        sides["service"] = lambda p, t: _run(url, p, args.tokens, {}, t)
-        sides["service, no drafts"] = lambda p, t: _run(url, p, args.tokens, {"speculative": False}, t)
+        sides["service"] = lambda p, t, s: _run(url, p, args.tokens, {}, t, s)
+        sides["service, no drafts"] = lambda p, t, s: _run(url, p, args.tokens, {"speculative": False}, t, s)
         if args.versus:
             versus = dict(kv.split("=", 1) for kv in args.versus)
             vurl = stack.enter_context(run_service(model, beside=beside, **{**settings, **versus}))
-            sides["versus"] = lambda p, t: _run(vurl, p, args.tokens, {}, t)
+            sides["versus"] = lambda p, t, s: _run(vurl, p, args.tokens, {}, t, s)
             print(f"versus: the service with {versus}", flush=True)
         if not args.no_llama_server:
             binary = find_or_build()
             for name, peer_args in peers.items():
                 lurl = stack.enter_context(serve(binary, model, *peer_args, log_name=f"{name.split()[-1]}.log"))
-                sides[name] = functools.partial(lambda u, p, t: _run(u, p, args.tokens, {}, t), lurl)
+                sides[name] = functools.partial(lambda u, p, t, s: _run(u, p, args.tokens, {}, t, s), lurl)
         names = list(sides)
+        fresh = itertools.count(1000)
+
+        def seed(w: str) -> int:
+            """3 each time (a request asked again), or one never used before: always for ``plain`` (what drafting
+            costs where nothing repeats: the same seed would be replayed, ``service.engine.replay``)."""
+            return next(fresh) if w == "plain" or (args.fresh_seeds and WORKLOADS[w][1]) else 3
+
         for w, (prompt, temp) in workloads.items():  # warm-up: every side's first request of each workload
             for name in names:
-                sides[name](prompt, temp)
+                sides[name](prompt, temp, seed(w))
         speed: dict[tuple[str, str], list[float]] = {}
         drafts: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for rnd in range(args.rounds):
             for w, (prompt, temp) in workloads.items():
                 order = names[rnd % len(names):] + names[:rnd % len(names)]
                 for name in order:
-                    s, d, k = sides[name](prompt, temp)
+                    s, d, k = sides[name](prompt, temp, seed(w))
                     speed.setdefault((w, name), []).append(s)
                     drafts.setdefault((w, name), []).append((d, k))
         load_after = os.getloadavg()

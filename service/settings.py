@@ -200,7 +200,9 @@ class Settings(BaseSettings):
         1.0, ge=0.0, le=10.0, description="A greedy request asked again (the same prompt, the same API key or "
         "cache_salt) answers what it answered before: the earlier answer's token is taken wherever its logit is within "
         "this many of the row's largest (the rounding of rows computed in other batch shapes, cold or cached, moved "
-        "one by up to 0.78 on the CPU), and drafts the answer whole. 0: off, every token the row's argmax.",
+        "one by up to 0.78 on the CPU), and drafts the answer whole. A seeded temperature draw asked again (the same "
+        "seed and temperature) likewise takes its earlier token wherever the same draw picks it with each logit moved "
+        "by half this. 0: off, every token the row's argmax or the draw.",
     )
     draft_max: int = Field(
         63, ge=1, le=256, description="The most tokens one sequence drafts in a step (llama-server's --draft-max). 63: "

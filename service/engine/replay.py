@@ -1,5 +1,5 @@
-"""A greedy request asked again answers what it answered before (issue 55: the same answer twice). Pure: no
-llama.cpp.
+"""A greedy or seeded request asked again answers what it answered before (issue 55: the same answer twice).
+Pure: no llama.cpp.
 
 At temperature 0 the answer is the argmax of each row, and on the CPU the rows' rounding depends on how they were
 computed: a prompt evaluated cold or taken from the cache, a token decoded alone or among a draft's rows, beside
@@ -15,6 +15,14 @@ prompt takes the earlier answer's token wherever its logit is within ``TOLERANCE
 are the same answer to within the rounding), and the earlier answer drafts its next tokens whole
 (``Drafting.reserve``). Where the row's own choice leads by more, it stands and the replay ends there. One
 tenant's answers never steer another's (the scope, as the prompt cache's and the draft pool's).
+
+A seeded temperature draw (OpenAI's ``seed``: "repeated requests with the same seed and parameters should return
+the same result") is kept the same way, under its prompt, temperature and seed (``sampling.draw_key``): asked again
+it draws the same numbers, and ``TemperatureSampler.sample`` takes the earlier token wherever the draw picks it
+with each logit moved by at most half the tolerance, the greedy rule's bound. Without it the same seeded request
+came out otherwise where a drafted step's rows rounded a draw across a boundary, and it could not draft from its
+earlier answer for that reason (``Drafting.assign``). A draw by llama.cpp's chain (top_k, top_p, min_p, penalties,
+a grammar) is not kept.
 """
 
 from __future__ import annotations
@@ -37,9 +45,13 @@ ANSWERS = 256
 """Prompts whose answer is kept per scope, the least recently asked dropped first."""
 
 
-def prompt_key(prompt: Sequence[int]) -> str:
-    """A prompt's key: a hash of its tokens (a long prompt is not held twice)."""
-    return hashlib.blake2b(array("i", prompt).tobytes(), digest_size=16).hexdigest()
+def prompt_key(prompt: Sequence[int], draw: str = "") -> str:
+    """A prompt's key: a hash of its tokens (a long prompt is not held twice), and of ``draw`` for a seeded
+    temperature draw's answer (``sampling.draw_key``; "" for a greedy one, whose keys are as before it)."""
+    h = hashlib.blake2b(array("i", prompt).tobytes(), digest_size=16)
+    if draw:
+        h.update(b"\0" + draw.encode())
+    return h.hexdigest()
 
 
 @dataclass
@@ -58,12 +70,12 @@ class Replays:
     """Requests find on their own threads while the scheduler's thread adds (``LlamaEngine.generate``) and the
     prompt cache's writer reads them (``_payload``); taken before the cache's own lock, never while holding it."""
 
-    def find(self, scope: str, prompt: Sequence[int]) -> list[int] | None:
+    def find(self, scope: str, prompt: Sequence[int], draw: str = "") -> list[int] | None:
         """The answer last given to ``prompt`` in ``scope`` (its tokens, an end-of-generation token last where it
-        ended so), or None."""
+        ended so), greedy or by the seeded draw ``draw`` (``prompt_key``), or None."""
         if self.tolerance <= 0:
             return None
-        key = prompt_key(prompt)
+        key = prompt_key(prompt, draw)
         with self._lock:
             kept = self._scopes.get(scope)
             if kept is None or key not in kept:
@@ -71,10 +83,10 @@ class Replays:
             kept.move_to_end(key)
             return kept[key].tolist()
 
-    def add(self, scope: str, prompt: Sequence[int], answer: Sequence[int]) -> None:
+    def add(self, scope: str, prompt: Sequence[int], answer: Sequence[int], draw: str = "") -> None:
         if self.answers <= 0 or self.tolerance <= 0 or not prompt or not answer:
             return
-        key = prompt_key(prompt)
+        key = prompt_key(prompt, draw)
         tokens = array("i", answer)
         with self._lock:
             kept = self._scopes.setdefault(scope, OrderedDict())

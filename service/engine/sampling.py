@@ -7,6 +7,7 @@ The chain is built as llama-cpp-python 0.3.36's ``Llama._init_sampler`` builds i
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any, Callable
 
 from .base import GenerationParams, TokenScore
@@ -82,7 +83,11 @@ class TemperatureSampler:
         self._x: Any = None
         """A buffer reused from token to token (a new one of 1 MiB each time costs page faults)."""
 
-    def sample(self, row: Any) -> int:
+    def sample(self, row: Any, earlier: int | None = None, tolerance: float = 0.0) -> int:
+        """The token the draw picks from ``row``; ``earlier`` (the token an earlier answer to the same request drew
+        here, ``service.engine.replay``) where the draw picks it once each logit is moved by at most half of
+        ``tolerance`` (as ``replay.prefer``'s argmax: the earlier token and the chosen one ``tolerance`` apart),
+        i.e. where the two differ by the rounding of rows computed in other shapes. One draw either way."""
         import numpy as np
 
         n = len(row)
@@ -110,16 +115,44 @@ class TemperatureSampler:
         b = min(int(np.searchsorted(ends, target, side="left")), len(ends) - 1)
         start = b * _BLOCK
         inside = np.cumsum(x[start:start + _BLOCK], dtype=np.float64) + (float(ends[b - 1]) if b else 0.0)
-        return start + min(int(np.searchsorted(inside, target, side="left")), len(inside) - 1)
+        chosen = start + min(int(np.searchsorted(inside, target, side="left")), len(inside) - 1)
+        if earlier is None or earlier == chosen or not 0 <= earlier < n or tolerance <= 0.0:
+            return chosen
+        # The earlier token's share of the running sum, [below, upto), and how far moving each logit by at most
+        # tolerance / 2 can stretch it towards the draw: the shares on the draw's side of it down by a factor k,
+        # its own and those on the other side up by k (temperature divides the logits first), k^2 = kk.
+        total = float(ends[-1])
+        eb = earlier // _BLOCK
+        below = (float(ends[eb - 1]) if eb else 0.0) + float(x[eb * _BLOCK:earlier].sum(dtype=np.float64))
+        upto = below + float(x[earlier])
+        kk = math.exp(min(tolerance / float(self._temp), 700.0))
+        if target >= upto:  # the draw fell after the earlier token's share: its end moved up to
+            reach = 1.0 / (1.0 + (total - upto) / (upto * kk)) if upto > 0.0 else 0.0
+            return earlier if draw < reach else chosen
+        reach = 1.0 / (1.0 + (total - below) * kk / below)  # before it (below > target >= 0): its start down to
+        return earlier if draw >= reach else chosen
+
+
+def plain_temperature(params: GenerationParams, grammar: Any, seed: int) -> bool:
+    """Whether ``sampler_chain`` would build plain temperature sampling (``TemperatureSampler`` draws it; a top_k
+    of its own, even one of the whole vocabulary, sorts the candidates, and the draw then walks another order)."""
+    return not (params.temperature <= 0.0 or grammar is not None or params.logit_bias or params.frequency_penalty
+                or params.presence_penalty or params.top_p < 1.0 or params.top_k > 0 or params.min_p > 0.0
+                or seed == LLAMA_DEFAULT_SEED)
 
 
 def temperature_sampler(params: GenerationParams, grammar: Any, seed: int) -> TemperatureSampler | None:
-    """A ``TemperatureSampler`` where ``sampler_chain`` would build plain temperature sampling, else None (a top_k
-    of its own, even one of the whole vocabulary, sorts the candidates, and the draw then walks another order)."""
-    if (params.temperature <= 0.0 or grammar is not None or params.logit_bias or params.frequency_penalty
-            or params.presence_penalty or params.top_p < 1.0 or params.top_k > 0 or params.min_p > 0.0 or seed == LLAMA_DEFAULT_SEED):
+    """A ``TemperatureSampler`` where ``sampler_chain`` would build plain temperature sampling, else None."""
+    return TemperatureSampler(params.temperature, seed) if plain_temperature(params, grammar, seed) else None
+
+
+def draw_key(params: GenerationParams, grammar: Any, seed: int) -> str | None:
+    """What a seeded temperature draw's answer is kept under beside its prompt (``replay.Replays``): the request
+    asked again with the same seed and temperature draws the same numbers, and so the same answer to within the
+    rounding; None where nothing fixes the draw (no seed given: a random one) or llama.cpp's chain draws it."""
+    if params.seed is None or not plain_temperature(params, grammar, seed):
         return None
-    return TemperatureSampler(params.temperature, seed)
+    return f"temperature={float(params.temperature)!r} seed={seed}"
 
 
 class SavedLogits:
@@ -169,5 +202,5 @@ def scores_of(logits: Any, k: int) -> Callable[[int], TokenScore]:
     return of
 
 
-__all__ = ["PENALTY_LAST_N_TOKENS", "SavedLogits", "TemperatureSampler", "scores_of", "sampler_chain",
-           "temperature_sampler"]
+__all__ = ["PENALTY_LAST_N_TOKENS", "SavedLogits", "TemperatureSampler", "draw_key", "plain_temperature",
+           "scores_of", "sampler_chain", "temperature_sampler"]

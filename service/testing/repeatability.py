@@ -1,4 +1,4 @@
-"""The same greedy request sent every way a client sends it (issue 55): the chats and the ways, for
+"""The same greedy (or seeded) request sent every way a client sends it (issue 55): the chats and the ways, for
 bench/repeatability_bench.py (how many chats get more than one text, per setting) and
 tests/reliability/test_batch_invariant.py (none, in batch-invariant mode).
 
@@ -34,14 +34,14 @@ MAX_TOKENS = 48
 WAYS = ("cold", "again", "streamed", "beside three others", "from host memory", "from disk")
 
 
-def chat(client: openai.OpenAI, model: str, prompt: str, *, stream: bool = False) -> str:
+def chat(client: openai.OpenAI, model: str, prompt: str, *, stream: bool = False, temperature: float = 0.0) -> str:
     messages: list[Any] = [{"role": "user", "content": prompt}]
     if stream:
         chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
-                                                temperature=0, seed=7, stream=True)
+                                                temperature=temperature, seed=7, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                           seed=7)
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=temperature, seed=7)
     return whole.choices[0].message.content or ""
 
 
@@ -51,29 +51,31 @@ def restores(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^gguf_prompt_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def first_part(client: openai.OpenAI, model: str, texts: dict[str, dict[str, str]], url: str) -> float:
+def first_part(client: openai.OpenAI, model: str, texts: dict[str, dict[str, str]], url: str,
+               temperature: float = 0.0) -> float:
     """Every way but the disk's, on the server at ``url``, in ``WAYS``' order (``texts``: prompt -> way -> text);
-    how many prompts came back from the prompt cache in host memory (``restores`` over the last way)."""
+    how many prompts came back from the prompt cache in host memory (``restores`` over the last way). Greedy, or
+    drawn at ``temperature`` with the seed."""
     for p in PROMPTS:
-        texts[p]["cold"] = chat(client, model, p)
-        texts[p]["again"] = chat(client, model, p)
-        texts[p]["streamed"] = chat(client, model, p, stream=True)
+        texts[p]["cold"] = chat(client, model, p, temperature=temperature)
+        texts[p]["again"] = chat(client, model, p, temperature=temperature)
+        texts[p]["streamed"] = chat(client, model, p, stream=True, temperature=temperature)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for i in range(0, len(PROMPTS), 4):
             group = PROMPTS[i:i + 4]
-            for p, text in zip(group, pool.map(lambda q: chat(client, model, q), group)):
+            for p, text in zip(group, pool.map(lambda q: chat(client, model, q, temperature=temperature), group)):
                 texts[p]["beside three others"] = text
     for other in OTHERS:
         chat(client, model, other)
     before = restores(url)
     for p in PROMPTS:
-        texts[p]["from host memory"] = chat(client, model, p)
+        texts[p]["from host memory"] = chat(client, model, p, temperature=temperature)
     return restores(url) - before
 
 
-def from_disk(client: openai.OpenAI, model: str, texts: dict[str, dict[str, str]]) -> None:
+def from_disk(client: openai.OpenAI, model: str, texts: dict[str, dict[str, str]], temperature: float = 0.0) -> None:
     for p in PROMPTS:
-        texts[p]["from disk"] = chat(client, model, p)
+        texts[p]["from disk"] = chat(client, model, p, temperature=temperature)
 
 
 def differing(texts: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:

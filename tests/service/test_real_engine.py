@@ -171,6 +171,29 @@ def test_a_drafted_step_streams_as_one_event_with_every_token_counted(served):  
     assert latencies() - before == n - 1
 
 
+def test_a_seeded_draw_asked_again_answers_the_same_drafted_whole(served):  # type: ignore[no-untyped-def]
+    """OpenAI's ``seed``: the same sampled request asked again gives the same text, and it is drafted from the first
+    answer (``service.engine.replay``: every token after the first kept in the step's drafts); another seed, or
+    the same seed in another cache scope, draws its own and is not drafted so."""
+    body = {"model": EMBEDDED_NAME, "prompt": "An essay on the history of bread, from the first farmers.\n\n",
+            "max_tokens": 40, "temperature": 1.0, "seed": 21, "ignore_eos": True}
+
+    def ask(**extra: object) -> tuple[str, int, int]:
+        got = served.client.post("/v1/completions", json={**body, **extra}).json()
+        usage = got["usage"]
+        return got["choices"][0]["text"], usage["completion_tokens"], \
+            usage["completion_tokens_details"]["accepted_prediction_tokens"]
+
+    first, n, kept_first = ask()
+    again, n_again, kept = ask()
+    assert again == first and n_again == n == 40
+    # Drafted whole from the first answer: every token but the first (the prompt's step) and the last (the row
+    # after the draft: a draft leaves the answer's last token to its step). The first drafted from its own text.
+    assert kept == n - 2 > kept_first
+    for other in ({"seed": 22}, {"cache_salt": "another tenant"}):
+        assert ask(**other)[2] < n - 2, other
+
+
 def test_metrics_show_allocated_beside_predicted(served):  # type: ignore[no-untyped-def]
     served.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     text = served.client.get("/metrics").text

@@ -54,6 +54,7 @@ class Drafting:
         # checks failed so), and the measured costs move with every step timed on shared cores, so the same draft
         # was cut at other lengths each time (a seeded tool call asked 8 times on a busy machine: 2 answers). The
         # others size their drafts by ``STEP_COST_PRIOR`` and what their own drafts kept: the same shapes each time.
+        # A seeded one asked again drafts its own earlier answer whole (``reserve``: the replay), as a greedy one.
         exact = bool(reqs) and reqs[0].greedy
         pool = self.answers if exact else None
         for r in reqs:
@@ -109,11 +110,11 @@ class Drafting:
             mtp.observe(runs, n_rows)
 
     def answer_ended(self, r: "Sequence", tokens: list[int], *, whole: bool = True) -> None:
-        """An answer that ended: a greedy one by its prompt, for the same prompt again, even cut short (a stop
-        string seen by the client's side ends it so: what it sent is still the answer's start); a whole one
-        (not cancelled) into its scope's pool, for later drafts."""
-        if r.greedy and not r.images:
-            self.replays.add(r.params.cache_scope, r.tokens, r.answer)
+        """An answer that ended: a greedy or seeded one by its prompt (``Sequence.replay_key``), for the same
+        request again, even cut short (a stop string seen by the client's side ends it so: what it sent is still
+        the answer's start); a whole one (not cancelled) into its scope's pool, for later drafts."""
+        if r.replay_key is not None and not r.images:
+            self.replays.add(r.params.cache_scope, r.tokens, r.answer, r.replay_key)
         if whole and isinstance(r.drafter, NgramDrafter):
             self.answers.add(r.params.cache_scope, tokens, len(r.tokens))
 

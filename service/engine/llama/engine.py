@@ -29,6 +29,7 @@ from ..native import cuda_order
 from ..params import repack_of
 from ..prompt_cache import PromptCache, model_fingerprint, plan_budget
 from ..replay import TOLERANCE
+from ..sampling import draw_key
 from ..slots import SLOT_PROMPT_SIMILARITY
 from ..speculation import DRAFT_MAX
 from ..vision import ImageChunk
@@ -106,7 +107,8 @@ class LlamaEngine:
 
         ``replay_tolerance``: a greedy request whose prompt was answered before in its cache scope takes that
         answer's token wherever it is within this many logits of the argmax, and drafts it whole
-        (``service.engine.replay``); 0: off."""
+        (``service.engine.replay``); a seeded temperature draw, where the draw picks it with each logit moved by
+        half as much; 0: off."""
         cuda_order(os.environ)  # in this process, before CUDA starts (service.engine.native)
         self._n_threads = n_threads
         self._pooling_fallback = embedding_pooling
@@ -347,10 +349,11 @@ class LlamaEngine:
             for i in range(max(1, params.n))
         ]
         current.drafting.assign(reqs, params, images=bool(images))
-        if greedy and not images:
-            earlier = current.drafting.replays.find(params.cache_scope, tokens)
+        if not images:  # the answer given before to this prompt, greedy or by this seed's draw
             for r in reqs:
-                r.replay = earlier
+                r.replay_key = "" if greedy else draw_key(params, r.grammar, r.seed)
+                if r.replay_key is not None:
+                    r.replay = current.drafting.replays.find(params.cache_scope, tokens, r.replay_key)
         shifts: list[tuple[int, int]] = []
         total = 0
         for start in sorted(images):

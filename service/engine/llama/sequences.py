@@ -98,7 +98,14 @@ class Sequences:
             if r.replay is not None:
                 tok = self._replayed(r, row, tok)
         elif r.temperature is not None:
-            tok = r.temperature.sample(row)
+            if r.replay is not None and r.n_out < len(r.replay):
+                want = r.replay[r.n_out]
+                tok = r.temperature.sample(row, want, self._drafting.replays.tolerance)
+                if tok != want:
+                    r.replay = None  # the answer left the earlier one: the replay ends here
+            else:
+                r.replay = None
+                tok = r.temperature.sample(row)
         elif saved is not None:
             tok = self._saved.sample(r.sampler, saved)
         else:

@@ -100,9 +100,12 @@ class Sequence:
     policy: DraftPolicy | None = None
     draft: list[int] = field(default_factory=list)
     """Tokens drafted into this step's batch after ``next_token``, each with its logits row."""
+    replay_key: str | None = None
+    """What this choice's answer is kept under beside its prompt (``service.engine.replay``): "" greedy, the seed
+    and temperature of a seeded temperature draw (``sampling.draw_key``); None: not kept."""
     replay: list[int] | None = None
-    """A greedy request's earlier answer to the same prompt (``service.engine.replay``): taken where its token is
-    within the rounding of the row's argmax, drafted whole; None once the answer leaves it."""
+    """The earlier answer to the same prompt and ``replay_key`` (``service.engine.replay``): taken where its token
+    is within the rounding of the row's argmax or the draw, drafted whole; None once the answer leaves it."""
     answer: list[int] = field(default_factory=list)
     """The tokens sent, the end-of-generation token last where it ended the answer (for ``Replays``)."""
     checking: tuple[int, int] = (0, 0)
