@@ -24,9 +24,10 @@ Workloads, the copy-heavy ones greedy and sampled (``NAME-s``, temperature 0.7, 
 - ``csv``: a sales table of a few regions and products to copy;
 - ``events``: a JSON array of log events with three keys of few values to copy;
 - ``prose``: a paragraph of natural prose to copy word for word;
-- ``plain``: free text on a topic, sampled (temperature 1, a seed never used before each time: the same seed asked
-  again would be drafted whole from its earlier answer, ``service.engine.replay``), which repeats little: what
-  drafting costs where it does not help. Greedy, the embedded base model soon repeats its own sentences, which
+- ``plain``: free text on a topic, sampled (temperature 1, a seed never used before each round, the same on every
+  side: the same seed asked again would be drafted whole from its earlier answer, ``service.engine.replay``, so
+  each of the service's sides asks in a cache scope of its own), which repeats little: what drafting costs where
+  it does not help. Greedy, the embedded base model soon repeats its own sentences, which
   drafting then copies.
 
 The copy-heavy texts are asked again with the same seed (3), as a client retrying a request does; with
@@ -217,12 +218,15 @@ def main() -> None:
             peers = {f"{PEER} draft-simple": ("-md", args.draft_model, "--spec-type", "draft-simple")}
             settings["GGUF_DRAFT_MODEL"] = Path(args.draft_model).stem
         url = stack.enter_context(run_service(model, beside=beside, **settings))
-        sides["service"] = lambda p, t, s: _run(url, p, args.tokens, {}, t, s)
-        sides["service, no drafts"] = lambda p, t, s: _run(url, p, args.tokens, {"speculative": False}, t, s)
+        # Each of the service's sides in a cache scope of its own (``cache_salt``): with a fresh seed, one side's
+        # answer is not replayed to the other (``service.engine.replay``).
+        sides["service"] = lambda p, t, s: _run(url, p, args.tokens, {"cache_salt": "with drafts"}, t, s)
+        sides["service, no drafts"] = lambda p, t, s: _run(url, p, args.tokens, {"speculative": False,
+                                                                                 "cache_salt": "without"}, t, s)
         if args.versus:
             versus = dict(kv.split("=", 1) for kv in args.versus)
             vurl = stack.enter_context(run_service(model, beside=beside, **{**settings, **versus}))
-            sides["versus"] = lambda p, t, s: _run(vurl, p, args.tokens, {}, t, s)
+            sides["versus"] = lambda p, t, s: _run(vurl, p, args.tokens, {"cache_salt": "with drafts"}, t, s)
             print(f"versus: the service with {versus}", flush=True)
         if not args.no_llama_server:
             binary = find_or_build()
@@ -233,20 +237,23 @@ def main() -> None:
         fresh = itertools.count(1000)
 
         def seed(w: str) -> int:
-            """3 each time (a request asked again), or one never used before: always for ``plain`` (what drafting
-            costs where nothing repeats: the same seed would be replayed, ``service.engine.replay``)."""
+            """3 each time (a request asked again), or one never used before, the same for every side of a round:
+            always for ``plain`` (what drafting costs where nothing repeats: the same seed would be replayed,
+            ``service.engine.replay``)."""
             return next(fresh) if w == "plain" or (args.fresh_seeds and WORKLOADS[w][1]) else 3
 
         for w, (prompt, temp) in workloads.items():  # warm-up: every side's first request of each workload
+            s = seed(w)
             for name in names:
-                sides[name](prompt, temp, seed(w))
+                sides[name](prompt, temp, s)
         speed: dict[tuple[str, str], list[float]] = {}
         drafts: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for rnd in range(args.rounds):
             for w, (prompt, temp) in workloads.items():
                 order = names[rnd % len(names):] + names[:rnd % len(names)]
+                round_seed = seed(w)
                 for name in order:
-                    s, d, k = sides[name](prompt, temp, seed(w))
+                    s, d, k = sides[name](prompt, temp, round_seed)
                     speed.setdefault((w, name), []).append(s)
                     drafts.setdefault((w, name), []).append((d, k))
         load_after = os.getloadavg()
