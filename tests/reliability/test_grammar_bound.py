@@ -362,9 +362,16 @@ def test_a_zygote_that_dies_costs_one_request() -> None:
     async def run() -> tuple[str, str]:
         task = asyncio.ensure_future(worker.compile("json_schema", json.dumps(hostile(30, 3)), 10.0))
         deadline = time.monotonic() + 10
+        # In the slow lane, at the full memory bound, where it compiles for seconds. Killed while it was still in
+        # the fast lane (32 MiB, refused there in a few ms on some hosts), the zygote would be gone before the
+        # slow lane's job was submitted, and that job would start a fresh zygote and be answered by it (a 400).
+        # The slow job is submitted in the same loop step that counts it.
+        while not worker.stats["slow"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         while not _descendants(first) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # the compilation's process, forked by the zygote: it is under way
         await asyncio.sleep(0.1)
+        assert worker.zygote.pid() == first and not task.done()
         os.kill(first, signal.SIGKILL)
         try:
             await task
