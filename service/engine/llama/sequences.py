@@ -90,26 +90,24 @@ class Sequences:
             assert slot is not None
             slot.logits, slot.logits_at = row.copy(), len(slot.tokens)
         score = scores_of(row, r.params.logprobs) if r.params.logprobs is not None else None
+        want: int | None = None
         if r.greedy:
             # The chain is penalties (all zero: a no-op, llama-sampler.cpp ``llama_sampler_penalties_apply``) then
             # greedy (the first largest logit): argmax over the row, without llama_sampler_sample copying all
             # n_vocab candidates (0.4 ms a token for gemma-3's 262,144, measured; 3% at 75 tokens/s).
             tok = int(np.argmax(row))
-            if r.replay is not None:
-                tok = self._replayed(r, row, tok)
+            want = self._wanted(r)
+            if want is not None:
+                tok = prefer(row, tok, want, self._drafting.replays.tolerance)
         elif r.temperature is not None:
-            if r.replay is not None and r.n_out < len(r.replay):
-                want = r.replay[r.n_out]
-                tok = r.temperature.sample(row, want, self._drafting.replays.tolerance)
-                if tok != want:
-                    r.replay = None  # the answer left the earlier one: the replay ends here
-            else:
-                r.replay = None
-                tok = r.temperature.sample(row)
+            want = self._wanted(r)
+            tok = r.temperature.sample(row, want, self._drafting.replays.tolerance)
         elif saved is not None:
             tok = self._saved.sample(r.sampler, saved)
         else:
             tok = int(llama_cpp.llama_sampler_sample(r.sampler, ctx, idx))
+        if r.replay is not None and tok != want:
+            r.replay = None  # the answer left the earlier one: the replay ends here
         now = time.perf_counter()
         if not r.t_first:
             r.t_first = now
@@ -193,17 +191,14 @@ class Sequences:
         if r in self.active:
             self.active.remove(r)
 
-    def _replayed(self, r: Sequence, row: Any, tok: int) -> int:
-        """The earlier answer's token at this place where it is within the rounding of the argmax ``tok``
-        (``service.engine.replay``); once the answer leaves it, the replay ends."""
-        assert r.replay is not None
-        if r.n_out < len(r.replay):
-            want = r.replay[r.n_out]
-            tok = prefer(row, tok, want, self._drafting.replays.tolerance)
-            if tok == want:
-                return tok
+    def _wanted(self, r: Sequence) -> int | None:
+        """The earlier answer's token at this place while a replay runs (``service.engine.replay``): the greedy
+        argmax and the seeded draw take it where it is within the rounding of rows computed in other shapes.
+        None once the earlier answer is used up or left (the replay has ended)."""
+        if r.replay is not None and r.n_out < len(r.replay):
+            return r.replay[r.n_out]
         r.replay = None
-        return tok
+        return None
 
     def finish(self, r: Sequence, finish: str) -> None:
         """The last chunk: reason, usage, timings."""

@@ -504,7 +504,8 @@ def test_a_request_whose_rounding_matters_sizes_its_drafts_from_its_tokens_only(
 def test_a_greedy_request_asked_again_takes_its_earlier_answer_within_the_rounding(engine: LlamaEngine) -> None:
     """The kept answer's token is taken where it trails the row's argmax by no more than the tolerance, and the
     argmax stands where it leads by more (``service.engine.replay``): a kept answer with the runner-up put at the
-    first answer's closest place comes back with it; put where the argmax leads by 2 logits more, it does not."""
+    first answer's closest place comes back with it; put where the argmax leads by 2 logits more, it does not, and
+    the replay ends there: a runner-up put at a close place after it is not taken either."""
     prompt = "The history of the printing press begins"
     params = replace(GREEDY, max_tokens=24, ignore_eos=True, logprobs=2, cache_prompt=True)
     key = engine.prompt_tokens(prompt)
@@ -515,17 +516,22 @@ def test_a_greedy_request_asked_again_takes_its_earlier_answer_within_the_roundi
     runner_up = [c.scores[0].top[1][0] for c in chunks]
     assert [c.scores[0].top[0][0] for c in chunks] == tokens
     close = min(range(1, len(tokens)), key=gaps.__getitem__)
-    far = next(i for i in range(1, len(tokens)) if gaps[i] > gaps[close] + 2.0)
+    # A far place, and a close one after it: the argmax leads by 2 logits more there than at either close one.
+    far, after = next((i, j) for i in range(1, len(tokens)) for j in range(i + 1, len(tokens))
+                      if gaps[i] > max(gaps[close], gaps[j]) + 2.0)
     replays = raw._now().drafting.replays
     was = replays.tolerance
-    replays.tolerance = gaps[close] + 1.0
+    replays.tolerance = max(gaps[close], gaps[after]) + 1.0
     try:
         for at, taken in ((close, True), (far, False)):
-            replays.add("", key, [*tokens[:at], runner_up[at], *tokens[at + 1:]])
+            kept = [*tokens[:at], runner_up[at], *tokens[at + 1:]]
+            if not taken:
+                kept[after] = runner_up[after]  # taken if the replay went on past the place the answer left it
+            replays.add("", key, kept)
             again = [c.tokens[0] for c in raw.generate(key, params, Cancel()) if c.tokens]
             assert again[:at] == tokens[:at]
             assert again[at] == (runner_up[at] if taken else tokens[at]), (at, gaps[at], replays.tolerance)
-        assert again == tokens  # the argmax stood, and the answer went on as the first
+        assert again == tokens, (far, after)  # the argmax stood, the replay ended, and the answer went on as the first
     finally:
         replays.tolerance = was
         replays.clear()
