@@ -94,7 +94,7 @@ fresh-test-avx512:
 	bash .ci/fresh-kernels avx512
 
 # The long reliability runs (10-minute RSS soak, longer API, schema and probe fuzzing, the architecture matrix with 8
-# slots too); `make test` runs their
+# slots too, batch-invariant repeatability on all 20 prompts); `make test` runs their
 # short versions.
 soak: setup
 	GGUF_SOAK=1 $(BIN)/python -m pytest tests/reliability -m soak -s

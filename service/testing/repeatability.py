@@ -53,28 +53,30 @@ def restores(url: str) -> float:
 
 def first_part(client: openai.OpenAI, model: str, texts: dict[str, dict[str, str]], url: str,
                temperature: float = 0.0) -> float:
-    """Every way but the disk's, on the server at ``url``, in ``WAYS``' order (``texts``: prompt -> way -> text);
+    """Every way but the disk's, on the server at ``url``, in ``WAYS``' order (``texts``: prompt -> way -> text, for
+    its prompts: ``PROMPTS`` or some of them);
     how many prompts came back from the prompt cache in host memory (``restores`` over the last way). Greedy, or
     drawn at ``temperature`` with the seed."""
-    for p in PROMPTS:
+    prompts = list(texts)
+    for p in prompts:
         texts[p]["cold"] = chat(client, model, p, temperature=temperature)
         texts[p]["again"] = chat(client, model, p, temperature=temperature)
         texts[p]["streamed"] = chat(client, model, p, stream=True, temperature=temperature)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for i in range(0, len(PROMPTS), 4):
-            group = PROMPTS[i:i + 4]
+        for i in range(0, len(prompts), 4):
+            group = prompts[i:i + 4]
             for p, text in zip(group, pool.map(lambda q: chat(client, model, q, temperature=temperature), group)):
                 texts[p]["beside three others"] = text
     for other in OTHERS:
         chat(client, model, other)
     before = restores(url)
-    for p in PROMPTS:
+    for p in prompts:
         texts[p]["from host memory"] = chat(client, model, p, temperature=temperature)
     return restores(url) - before
 
 
 def from_disk(client: openai.OpenAI, model: str, texts: dict[str, dict[str, str]], temperature: float = 0.0) -> None:
-    for p in PROMPTS:
+    for p in texts:
         texts[p]["from disk"] = chat(client, model, p, temperature=temperature)
 
 

@@ -22,8 +22,12 @@ from tests.conftest import EMBEDDED_NAME, ServiceProcess, loaded_model
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("mode", ["batch-invariant", "default"])
-def test_greedy_text_is_the_same_however_the_request_is_sent(tmp_path: Path, mode: str) -> None:
+# The default on all 20 prompts (issue 55's acceptance); batch-invariant mode, slower by its construction (every row
+# computed as alone; 217 s on all 20 on a 2-core AVX2 host, the suite's longest test), on the first 8 in `make test`
+# (its rows are also tested in tests/service/engine) and on all 20 in `make soak`.
+@pytest.mark.parametrize("mode, n", [("batch-invariant", 8), ("default", len(PROMPTS)),
+                                     pytest.param("batch-invariant", len(PROMPTS), marks=pytest.mark.soak)])
+def test_greedy_text_is_the_same_however_the_request_is_sent(tmp_path: Path, mode: str, n: int) -> None:
     """Each prompt cold, again (its slot, the same prompt's logits), streamed (the official client, against the
     same request not streamed), beside three others (4 slots decoding together), restored from host memory once
     four other chats took the slots, and after a restart restored from disk (``GGUF_PROMPT_CACHE_DIR``): one text.
@@ -36,7 +40,7 @@ def test_greedy_text_is_the_same_however_the_request_is_sent(tmp_path: Path, mod
            "GGUF_PROMPT_CACHE_DIR": str(tmp_path / "prompt-cache")}
     if mode == "batch-invariant":
         env["GGUF_BATCH_INVARIANT"] = "true"
-    texts: dict[str, dict[str, str]] = {p: {} for p in PROMPTS}
+    texts: dict[str, dict[str, str]] = {p: {} for p in PROMPTS[:n]}
     with ServiceProcess(env, tmp_path / "service.log").running() as svc:
         if mode == "batch-invariant":
             model = loaded_model(svc.client)
@@ -46,11 +50,11 @@ def test_greedy_text_is_the_same_however_the_request_is_sent(tmp_path: Path, mod
             assert set(rows) == {"CPU"}, "no repacked copies: the engine loads without them, and the plan knows"
             assert rows["CPU"]["allocated_mib"] == pytest.approx(rows["CPU"]["predicted_mib"], abs=0.011)
         client = openai.OpenAI(base_url=svc.url + "/v1", api_key="none", timeout=600, max_retries=0)
-        assert first_part(client, EMBEDDED_NAME, texts, svc.url) == len(PROMPTS), \
+        assert first_part(client, EMBEDDED_NAME, texts, svc.url) == n, \
             "every prompt came back from the prompt cache"
     with ServiceProcess(env, tmp_path / "restarted.log").running() as svc:
         client = openai.OpenAI(base_url=svc.url + "/v1", api_key="none", timeout=600, max_retries=0)
         from_disk(client, EMBEDDED_NAME, texts)
-        assert restores(svc.url) == len(PROMPTS), "every prompt came back from its file"
+        assert restores(svc.url) == n, "every prompt came back from its file"
     differ = {p[:40]: ways for p, ways in differing(texts).items()}
-    assert not differ, f"{len(differ)} of {len(PROMPTS)} prompts had more than one text: {differ}"
+    assert not differ, f"{len(differ)} of {n} prompts had more than one text: {differ}"
